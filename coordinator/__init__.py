@@ -1,0 +1,1 @@
+"""The DiLoCo coordinator: global parameters, outer optimizer, rounds."""

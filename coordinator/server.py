@@ -1,0 +1,151 @@
+"""Runs a coordinator: the gRPC server, the health service and the round driver."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import tempfile
+import threading
+import time
+from concurrent import futures
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import torch
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from coordinator.service import CoordinatorService
+from coordinator.state import CoordinatorState
+from diloco.config import RunConfig
+from diloco.data import eval_batches
+from diloco.inner import evaluate
+from diloco.model import Transformer
+from diloco.params import fp32_copy
+from diloco.v1 import diloco_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = "diloco.v1.Coordinator"
+
+
+def initial_parameters(cfg: RunConfig) -> dict[str, torch.Tensor]:
+    """The run's starting point: the model initialised from the run seed, in fp32."""
+    torch.manual_seed(cfg.seed)
+    return fp32_copy(Transformer(cfg.model))
+
+
+def make_evaluator(cfg: RunConfig):
+    """Eval loss of the global parameters on the fixed held-out batches (None if disabled)."""
+    if cfg.eval.batches <= 0:
+        return None
+    batches = eval_batches(cfg.data, cfg.eval.batches, cfg.eval.batch_size)
+    model = Transformer(cfg.model)
+
+    def run(params: dict[str, torch.Tensor]) -> float:
+        model.load_state_dict(params, strict=False)
+        return evaluate(model, batches)
+
+    return run
+
+
+@dataclass
+class Coordinator:
+    """A running coordinator. stop() shuts it down; wait() blocks until the run has finished."""
+
+    state: CoordinatorState
+    server: grpc.Server
+    port: int
+    stop_event: threading.Event
+    driver: threading.Thread
+    health: health.HealthServicer
+
+    def wait(self, timeout: float | None = None) -> bool:
+        self.driver.join(timeout)
+        return not self.driver.is_alive()
+
+    def stop(self, grace_s: float = 1.0) -> None:
+        self.stop_event.set()
+        self.health.enter_graceful_shutdown()
+        self.server.stop(grace_s).wait()
+        self.driver.join(5.0)
+
+    def report(self) -> dict:
+        s = self.state
+        return {
+            "rounds": [
+                {
+                    "round": r.round,
+                    "islands": list(r.islands),
+                    "tokens": r.tokens,
+                    "train_loss": r.train_loss,
+                    "eval_loss": None if math.isnan(r.eval_loss) else r.eval_loss,
+                    "bytes_up": r.bytes_up,
+                    "bytes_down": r.bytes_down,
+                    "seconds": r.seconds,
+                    "checksum": r.checksum,
+                }
+                for r in s.summaries
+            ],
+            "initial_eval_loss": None if math.isnan(s.initial_eval_loss) else s.initial_eval_loss,
+            "checksum": s.checksum,
+            "final_round": s.round,
+            "islands": {i.island_id: i.final_checksum for i in s.departed},
+        }
+
+
+def start_coordinator(
+    cfg: RunConfig, host: str = "127.0.0.1", port: int = 0, spool_dir: str | None = None
+) -> Coordinator:
+    """Starts serving on host:port (port 0 picks a free one) and returns at once."""
+    spool = Path(spool_dir or tempfile.mkdtemp(prefix="diloco-spool-"))
+    spool.mkdir(parents=True, exist_ok=True)
+    state = CoordinatorState(cfg, initial_parameters(cfg), spool, make_evaluator(cfg))
+    log.info(
+        "global parameters: %d tensors, %.2fM elements; initial eval loss %.4f",
+        len(state.params), state.manifest.total_numel() / 1e6, state.initial_eval_loss,
+    )
+    stop = threading.Event()
+    # Every island holds a thread while it waits for a round to close.
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2 * cfg.rounds.max_islands + 16))
+    pb_grpc.add_CoordinatorServicer_to_server(CoordinatorService(state, stop), server)
+    health_servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise OSError(f"could not bind {host}:{port}; is the port in use?")
+    server.start()
+    for name in (SERVICE_NAME, ""):
+        health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+
+    def drive() -> None:
+        while not stop.is_set():
+            summary = state.step_round()
+            if summary is not None and summary.run_finished:
+                health_servicer.set(SERVICE_NAME, health_pb2.HealthCheckResponse.NOT_SERVING)
+                return
+
+    driver = threading.Thread(target=drive, name="round-driver", daemon=True)
+    driver.start()
+    log.info("coordinator serving on %s:%d", host, bound)
+    return Coordinator(state, server, bound, stop, driver, health_servicer)
+
+
+def serve(
+    cfg: RunConfig, host: str, port: int, report_path: str | None, linger_s: float, port_file: str | None = None
+) -> None:
+    """Serves until the run finishes and islands have left (or linger_s passed), then stops."""
+    coordinator = start_coordinator(cfg, host, port)
+    if port_file:
+        Path(port_file).write_text(str(coordinator.port))
+    try:
+        while not coordinator.wait(1.0):
+            pass
+        deadline = time.monotonic() + linger_s
+        with coordinator.state.cond:
+            coordinator.state.cond.wait_for(lambda: not coordinator.state.islands, max(0.0, deadline - time.monotonic()))
+    finally:
+        coordinator.stop()
+        if report_path:
+            Path(report_path).write_text(json.dumps(coordinator.report(), indent=2))

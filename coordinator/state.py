@@ -1,0 +1,408 @@
+"""The coordinator's state machine: membership, rounds, aggregation and the outer step.
+
+Networking lives in service.py; this module only takes validated calls and
+raises Refused with the gRPC status a caller should see.
+
+A round is OPEN while islands push; the driver thread moves it to CLOSING when
+its close condition holds (every live island has contributed, max_islands have,
+or the deadline passed with at least min_islands), waits for folds in flight,
+applies the outer step, and opens the next round. After the last round the run
+is FINISHED.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import math
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+import torch
+
+from coordinator.spool import Spool
+from diloco.codec import get_codec
+from diloco.config import RunConfig
+from diloco.outer import OuterOptimizer, PseudoGradientAccumulator
+from diloco.params import checksum
+from diloco.v1 import diloco_pb2 as pb
+from diloco.wire import ChunkCorrupt, ChunkError, Coverage, Manifest, decode_chunk
+
+log = logging.getLogger(__name__)
+
+
+class Refused(Exception):
+    """A call the coordinator turns down; code is the gRPC status to return."""
+
+    def __init__(self, code: grpc.StatusCode, message: str):
+        super().__init__(message)
+        self.code = code
+
+
+class Phase(enum.Enum):
+    OPEN = "open"
+    CLOSING = "closing"
+    FINISHED = "finished"
+
+
+@dataclass
+class Island:
+    island_id: str
+    hostname: str
+    shard: int
+    last_seen: float
+    final_checksum: str = ""
+
+
+@dataclass
+class Contribution:
+    """One island's pseudo-gradient for one round, possibly pushed over several streams."""
+
+    tokens: int
+    train_loss: float
+    coverage: Coverage
+    spools: list[Spool] = field(default_factory=list)
+    state: str = "pending"  # pending -> folding -> committed
+
+
+class ReadWriteLock:
+    """Many readers (parameter streams) or one writer (the outer step)."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._readers = 0
+        self._writer = False
+
+    def acquire_read(self) -> None:
+        with self._cond:
+            self._cond.wait_for(lambda: not self._writer)
+            self._readers += 1
+
+    def release_read(self) -> None:
+        with self._cond:
+            self._readers -= 1
+            self._cond.notify_all()
+
+    def acquire_write(self) -> None:
+        with self._cond:
+            self._cond.wait_for(lambda: not self._writer)
+            self._writer = True
+            self._cond.wait_for(lambda: self._readers == 0)
+
+    def release_write(self) -> None:
+        with self._cond:
+            self._writer = False
+            self._cond.notify_all()
+
+
+class CoordinatorState:
+    def __init__(
+        self,
+        cfg: RunConfig,
+        params: dict[str, torch.Tensor],
+        spool_dir: Path,
+        evaluate: Callable[[dict[str, torch.Tensor]], float] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        self.cfg = cfg
+        self.codec = get_codec(cfg.wire.codec)
+        self.params = params
+        self.manifest = Manifest.of(params)
+        self.outer = OuterOptimizer(params, cfg.outer)
+        self.accumulator = PseudoGradientAccumulator(self.manifest.shapes)
+        self.spool_dir = spool_dir
+        self.evaluate = evaluate
+        self.clock = clock
+        self.cond = threading.Condition()
+        self.param_lock = ReadWriteLock()
+        self.fold_lock = threading.Lock()
+        self.phase = Phase.OPEN
+        self.round = 0
+        self.round_opened_at = clock()
+        self.islands: dict[str, Island] = {}
+        self.departed: list[Island] = []
+        self.joined = 0
+        self.contributions: dict[str, Contribution] = {}
+        self.bytes_up: dict[int, int] = {}
+        self.bytes_down: dict[int, int] = {}
+        self.summaries: list[pb.RoundSummary] = []
+        self.checksum = checksum(params)
+        self.initial_eval_loss = evaluate(params) if evaluate else math.nan
+        self._last_wait_log = 0.0
+
+    # --- membership -------------------------------------------------------------
+
+    def join(self, hostname: str) -> Island:
+        with self.cond:
+            if self.phase is Phase.FINISHED:
+                raise Refused(grpc.StatusCode.FAILED_PRECONDITION, "the run has finished; nothing to join")
+            self._expire_leases()
+            if len(self.islands) >= self.cfg.rounds.max_islands:
+                raise Refused(
+                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    f"run is full: {len(self.islands)} islands (rounds.max_islands={self.cfg.rounds.max_islands})",
+                )
+            island = Island(f"island-{self.joined}", hostname, self.joined % self.cfg.data.shards, self.clock())
+            self.joined += 1
+            self.islands[island.island_id] = island
+            log.info("%s joined from %s at round %d (shard %d)", island.island_id, hostname, self.round, island.shard)
+            self.cond.notify_all()
+            return island
+
+    def touch(self, island_id: str) -> Island:
+        with self.cond:
+            island = self.islands.get(island_id)
+            if island is None:
+                raise Refused(grpc.StatusCode.NOT_FOUND, f"unknown island {island_id!r} (lease expired?); join again")
+            island.last_seen = self.clock()
+            return island
+
+    def leave(self, island_id: str, island_checksum: str) -> bool:
+        with self.cond:
+            island = self.islands.pop(island_id, None)
+            matches = island_checksum == self.checksum
+            if island is not None:
+                island.final_checksum = island_checksum
+                self.departed.append(island)
+                log.info("%s left; checksum %s", island_id, "matches" if matches else "DIFFERS")
+            self.cond.notify_all()
+            return matches
+
+    def _expire_leases(self) -> None:
+        now = self.clock()
+        for island_id, island in list(self.islands.items()):
+            if now - island.last_seen > self.cfg.rounds.lease_s:
+                log.warning("%s missed its %.1fs lease; removed from the run", island_id, self.cfg.rounds.lease_s)
+                del self.islands[island_id]
+                contribution = self.contributions.get(island_id)
+                if contribution is not None and contribution.state == "pending":
+                    self._drop(island_id)
+
+    # --- pushes -----------------------------------------------------------------
+
+    def begin_push(self, header: pb.PushHeader) -> None:
+        """Checks a push's header before any chunk is read."""
+        self.touch(header.island_id)
+        with self.cond:
+            if self.phase is Phase.FINISHED:
+                raise Refused(grpc.StatusCode.FAILED_PRECONDITION, "the run has finished")
+            if header.round != self.round or self.phase is not Phase.OPEN:
+                raise Refused(
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                    f"round {header.round} is closed (current round {self.round}); fetch the global parameters and train for the current round",
+                )
+            if header.codec != self.codec.name:
+                raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"codec {header.codec!r} does not match the run's {self.codec.name!r}")
+            if header.tokens <= 0:
+                raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"tokens must be positive, got {header.tokens}")
+            existing = self.contributions.get(header.island_id)
+            if existing is not None and existing.state != "pending":
+                raise Refused(grpc.StatusCode.ALREADY_EXISTS, f"{header.island_id} already contributed to round {self.round}")
+            if existing is not None and existing.tokens != header.tokens:
+                raise Refused(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"tokens {header.tokens} differ from {existing.tokens} sent earlier for this round",
+                )
+
+    def receive(self, header: pb.PushHeader, chunks: Iterator[pb.TensorChunk]) -> pb.PushResponse:
+        """Spools one push stream; folds the contribution into the aggregate once it is whole.
+
+        Any error (bad chunk, broken stream) discards this stream's spool, so the
+        aggregate never sees part of a contribution.
+        """
+        self.begin_push(header)
+        spool = Spool(self.spool_dir)
+        ranges: list[tuple[str, int, int]] = []
+        try:
+            for chunk in chunks:
+                try:
+                    decode_chunk(chunk, self.manifest, self.codec)
+                except ChunkCorrupt as e:
+                    raise Refused(grpc.StatusCode.DATA_LOSS, f"{e}; resend the chunk") from e
+                except ChunkError as e:
+                    raise Refused(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from e
+                spool.write(chunk)
+                ranges.append((chunk.name, chunk.offset, chunk.numel))
+                self._count(self.bytes_up, header.round, chunk.ByteSize())
+            spool.close()
+            return self._attach(header, spool, ranges)
+        except BaseException:
+            spool.discard()
+            raise
+
+    def _attach(self, header: pb.PushHeader, spool: Spool, ranges: list[tuple[str, int, int]]) -> pb.PushResponse:
+        with self.cond:
+            if header.round != self.round or self.phase is not Phase.OPEN:
+                raise Refused(grpc.StatusCode.FAILED_PRECONDITION, f"round {header.round} closed while the push was in flight")
+            if header.island_id not in self.islands:
+                raise Refused(grpc.StatusCode.NOT_FOUND, f"{header.island_id} left the run while pushing; join again")
+            contribution = self.contributions.get(header.island_id)
+            if contribution is None:
+                contribution = Contribution(header.tokens, header.train_loss, Coverage(self.manifest))
+                self.contributions[header.island_id] = contribution
+            trial = Coverage(self.manifest)
+            trial.ranges = {n: list(r) for n, r in contribution.coverage.ranges.items()}
+            for name, offset, numel in ranges:
+                trial.add(name, offset, numel)
+            problem = trial.problem()
+            if problem and "more than once" in problem:
+                raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"push overlaps data already received: {problem}")
+            contribution.coverage = trial
+            contribution.spools.append(spool)
+            if problem:  # more streams of this island's contribution are still to come
+                return pb.PushResponse(accepted=True, elements=sum(r[2] for r in ranges))
+            contribution.state = "folding"
+        self._fold(contribution)
+        with self.cond:
+            contribution.state = "committed"
+            log.info("round %d: %s contributed %d tokens", header.round, header.island_id, header.tokens)
+            self.cond.notify_all()
+        return pb.PushResponse(accepted=True, elements=sum(r[2] for r in ranges), contribution_complete=True)
+
+    def _fold(self, contribution: Contribution) -> None:
+        with self.fold_lock:
+            scale = self.accumulator.scale_for(contribution.tokens)
+            for spool in contribution.spools:
+                for chunk in spool.read():
+                    values = decode_chunk(chunk, self.manifest, self.codec)
+                    self.accumulator.add_chunk(chunk.name, chunk.offset, values, scale)
+                spool.discard()
+            self.accumulator.commit(contribution.tokens)
+
+    def _drop(self, island_id: str) -> None:
+        contribution = self.contributions.pop(island_id)
+        for spool in contribution.spools:
+            spool.discard()
+
+    def _count(self, table: dict[int, int], round_: int, n: int) -> None:
+        with self.cond:
+            table[round_] = table.get(round_, 0) + n
+
+    # --- reading the parameters ---------------------------------------------------
+
+    def wait_for_round_after(self, round_: int, timeout_s: float) -> None:
+        with self.cond:
+            if not self.cond.wait_for(lambda: self.round > round_ or self.phase is Phase.FINISHED, timeout_s):
+                raise Refused(grpc.StatusCode.DEADLINE_EXCEEDED, f"round {round_} still open after {timeout_s:.0f}s")
+
+    @contextmanager
+    def reading(self) -> Iterator[tuple[pb.ResultHeader, dict[str, torch.Tensor]]]:
+        """The parameters and the header describing them, consistent while the context is held."""
+        self.param_lock.acquire_read()
+        try:
+            with self.cond:
+                header = pb.ResultHeader(
+                    round=self.round,
+                    codec=self.codec.name,
+                    checksum=self.checksum,
+                    run_finished=self.phase is Phase.FINISHED,
+                    islands=len(self.summaries[-1].islands) if self.summaries else 0,
+                )
+            yield header, self.params
+        finally:
+            self.param_lock.release_read()
+
+    # --- the round driver -----------------------------------------------------------
+
+    def close_reason(self) -> str | None:
+        """Why the current round may close now, or None. Caller holds cond."""
+        self._expire_leases()
+        r = self.cfg.rounds
+        done = [i for i, c in self.contributions.items() if c.state == "committed"]
+        if not done:
+            return None
+        if len(done) >= r.max_islands:
+            return "max_islands reached"
+        if len(done) >= r.min_islands and all(i in done for i in self.islands):
+            return "every live island contributed"
+        overdue = self.clock() - self.round_opened_at > r.deadline_s
+        if overdue and len(done) >= r.min_islands:
+            return "deadline"
+        if overdue and self.clock() - self._last_wait_log > 10:
+            self._last_wait_log = self.clock()
+            log.warning(
+                "round %d is past its %.0fs deadline with %d of min_islands=%d contributions; still waiting",
+                self.round, r.deadline_s, len(done), r.min_islands,
+            )
+        return None
+
+    def step_round(self, poll_s: float = 0.2) -> pb.RoundSummary | None:
+        """Waits (up to poll_s) for the round to close; if it does, applies the outer step."""
+        with self.cond:
+            if self.phase is Phase.FINISHED:
+                return None
+            reason = self.close_reason()
+            if reason is None:
+                self.cond.wait(poll_s)
+                return None
+            self.phase = Phase.CLOSING
+            self.cond.wait_for(lambda: all(c.state != "folding" for c in self.contributions.values()))
+            committed = {i: c for i, c in self.contributions.items() if c.state == "committed"}
+            for island_id in [i for i, c in self.contributions.items() if c.state == "pending"]:
+                log.warning("round %d: %s's contribution was incomplete; dropped", self.round, island_id)
+                self._drop(island_id)
+        tokens = sum(c.tokens for c in committed.values())
+        n = len(committed)
+        summary = pb.RoundSummary(
+            round=self.round,
+            islands=sorted(committed),
+            tokens=tokens,
+            train_loss=sum(c.train_loss * c.tokens for c in committed.values()) / tokens,
+            eval_loss=math.nan,
+            initial_eval_loss=self.initial_eval_loss,
+            # A ring all-reduce of fp32 gradients every inner step over the same islands.
+            ddp_bytes=2.0 * (n - 1) * 4 * self.manifest.total_numel() * self.cfg.inner.steps_per_round,
+        )
+        # Step and round change under the write lock, so no reader ever sees new
+        # parameters under an old round number or the reverse.
+        self.param_lock.acquire_write()
+        try:
+            self.outer.step(self.accumulator.mean())
+            new_checksum = checksum(self.params)
+            with self.cond:
+                summary.checksum = new_checksum
+                summary.bytes_up = self.bytes_up.pop(self.round, 0)
+                summary.bytes_down = self.bytes_down.pop(self.round, 0)
+                summary.seconds = self.clock() - self.round_opened_at
+                self.accumulator.reset()
+                self.contributions.clear()
+                self.checksum = new_checksum
+                self.round += 1
+                self.round_opened_at = self.clock()
+                self.phase = Phase.FINISHED if self.round >= self.cfg.rounds.rounds else Phase.OPEN
+                summary.run_finished = self.phase is Phase.FINISHED
+                self.cond.notify_all()
+        finally:
+            self.param_lock.release_write()
+        log.info("round %d closed (%s) with %d islands", summary.round, reason, n)
+        if self.evaluate and (summary.run_finished or summary.round % self.cfg.eval.every_rounds == 0):
+            self.param_lock.acquire_read()
+            try:
+                summary.eval_loss = self.evaluate(self.params)
+            finally:
+                self.param_lock.release_read()
+        with self.cond:
+            self.summaries.append(summary)
+            self.cond.notify_all()
+        return summary
+
+    def count_down(self, round_: int, n: int) -> None:
+        self._count(self.bytes_down, round_, n)
+
+    def watch(self, from_round: int, stop: threading.Event) -> Iterator[pb.RoundSummary]:
+        index = 0
+        while not stop.is_set():
+            with self.cond:
+                self.cond.wait_for(lambda: len(self.summaries) > index or stop.is_set(), 0.5)
+                pending = self.summaries[index:]
+                index = len(self.summaries)
+            for s in pending:
+                if s.round >= from_round:
+                    yield s
+                if s.run_finished:
+                    return

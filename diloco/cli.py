@@ -1,0 +1,55 @@
+"""Shared command-line plumbing: one-line errors with exit status 2, logging, config flags."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from typing import NoReturn
+
+from diloco.config import ConfigError, RunConfig, load_config
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse that reports a bad flag on one line (not usage plus error) and exits 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def fail(prog: str, message: str) -> NoReturn:
+    sys.stderr.write(f"{prog}: error: {message}\n")
+    raise SystemExit(2)
+
+
+def add_config_flags(parser: argparse.ArgumentParser, required: bool = False) -> None:
+    parser.add_argument(
+        "--config",
+        metavar="PATH",
+        required=required,
+        help="run config (TOML), e.g. configs/tiny.toml; default: the embedded tiny demo config",
+    )
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="SECTION.KEY=VALUE",
+        help="override one config value, e.g. --set inner.lr=1e-3 (repeatable)",
+    )
+
+
+def config_from_args(prog: str, args: argparse.Namespace) -> RunConfig:
+    try:
+        return load_config(args.config, args.overrides)
+    except ConfigError as e:
+        fail(prog, str(e))
+
+
+def setup_logging(level: str, name: str = "") -> None:
+    prefix = f"[{name}] " if name else ""
+    logging.basicConfig(
+        level=getattr(logging, level.upper(), logging.INFO),
+        format=f"%(asctime)s {prefix}%(levelname)s %(name)s: %(message)s",
+        datefmt="%H:%M:%S",
+    )

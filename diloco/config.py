@@ -1,0 +1,237 @@
+"""Run configuration: dataclasses loaded from TOML, with `section.key=value` overrides.
+
+The defaults *are* the embedded demo: a ~1M-parameter model on a synthetic
+language, so `diloco-sim` runs with no file and no download.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import tomli_w
+
+
+class ConfigError(ValueError):
+    """A config file or override that cannot be used; the message says why."""
+
+
+@dataclass
+class ModelConfig:
+    vocab_size: int = 64
+    d_model: int = 128
+    n_layers: int = 4
+    n_heads: int = 4
+    d_ff: int = 512
+    max_seq_len: int = 128
+    rope_theta: float = 10000.0
+    init_std: float = 0.02
+
+
+@dataclass
+class DataConfig:
+    # "synthetic": the embedded Markov language; "text": a byte-level text file.
+    source: str = "synthetic"
+    path: str = ""
+    seq_len: int = 128
+    # Fraction of a text file held out (from its end) for evaluation.
+    eval_fraction: float = 0.1
+    # Disjoint training shards; the coordinator hands them out in join order.
+    shards: int = 4
+    # Synthetic language: order-k Markov chain over `vocab` tokens in which each
+    # context allows `branching` next tokens.
+    synthetic_vocab: int = 64
+    synthetic_order: int = 2
+    synthetic_branching: int = 6
+    synthetic_seed: int = 1234
+
+
+@dataclass
+class InnerConfig:
+    optimizer: str = "adamw"  # "adamw" or "sgd"
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 20
+    # "cosine" (warmup, then cosine to min_lr_ratio) or "constant".
+    schedule: str = "cosine"
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.99])
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0
+    batch_size: int = 8  # sequences per island per inner step
+    steps_per_round: int = 20  # H
+
+
+@dataclass
+class OuterConfig:
+    lr: float = 0.7
+    momentum: float = 0.9
+    nesterov: bool = True
+
+
+@dataclass
+class RoundConfig:
+    rounds: int = 12
+    min_islands: int = 1
+    max_islands: int = 64
+    # A round closes at its deadline if at least min_islands have pushed.
+    deadline_s: float = 600.0
+    heartbeat_s: float = 1.0
+    # An island that has not heartbeated for this long leaves the run.
+    lease_s: float = 10.0
+
+
+@dataclass
+class WireConfig:
+    codec: str = "fp32"
+    # Payload bytes per chunk; far under gRPC's 4 MB default message limit.
+    chunk_bytes: int = 1 << 20
+
+
+@dataclass
+class EvalConfig:
+    # Batches of held-out data the coordinator evaluates the global parameters
+    # on after each round (0 disables evaluation).
+    batches: int = 8
+    batch_size: int = 16
+    every_rounds: int = 1
+
+
+@dataclass
+class RunConfig:
+    name: str = "tiny-synthetic"
+    seed: int = 0
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    inner: InnerConfig = field(default_factory=InnerConfig)
+    outer: OuterConfig = field(default_factory=OuterConfig)
+    rounds: RoundConfig = field(default_factory=RoundConfig)
+    wire: WireConfig = field(default_factory=WireConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def to_toml(self) -> str:
+        return tomli_w.dumps(self.to_dict())
+
+    def digest(self) -> str:
+        """Hash of everything islands and coordinator must agree on."""
+        body = self.to_dict()
+        # Membership and timing knobs are the coordinator's business.
+        body.pop("rounds")
+        body.pop("eval")
+        canonical = json.dumps(body, sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(canonical.encode()).hexdigest()[:16]
+
+    def validate(self) -> None:
+        m, d, i, r = self.model, self.data, self.inner, self.rounds
+        checks = [
+            (m.d_model % m.n_heads == 0, "model.d_model must be divisible by model.n_heads"),
+            ((m.d_model // max(m.n_heads, 1)) % 2 == 0, "model head dim must be even for RoPE"),
+            (d.seq_len <= m.max_seq_len, "data.seq_len must not exceed model.max_seq_len"),
+            (d.source in ("synthetic", "text"), "data.source must be 'synthetic' or 'text'"),
+            (d.source != "text" or bool(d.path), "data.source='text' needs data.path"),
+            (i.optimizer in ("adamw", "sgd"), "inner.optimizer must be 'adamw' or 'sgd'"),
+            (i.schedule in ("cosine", "constant"), "inner.schedule must be 'cosine' or 'constant'"),
+            (i.steps_per_round >= 1, "inner.steps_per_round must be >= 1"),
+            (i.batch_size >= 1, "inner.batch_size must be >= 1"),
+            (r.rounds >= 1, "rounds.rounds must be >= 1"),
+            (1 <= r.min_islands <= r.max_islands, "need 1 <= rounds.min_islands <= rounds.max_islands"),
+            (self.outer.lr > 0, "outer.lr must be > 0"),
+            (0 <= self.outer.momentum < 1, "outer.momentum must be in [0, 1)"),
+            (1024 <= self.wire.chunk_bytes <= 3 << 20, "wire.chunk_bytes must be in [1 KiB, 3 MiB]"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ConfigError(message)
+        if d.source == "synthetic" and m.vocab_size < d.synthetic_vocab:
+            raise ConfigError("model.vocab_size must be >= data.synthetic_vocab")
+        if d.source == "text" and m.vocab_size < 256:
+            raise ConfigError("byte-level text needs model.vocab_size >= 256")
+
+
+def _build(cls: type, raw: dict[str, Any], where: str) -> Any:
+    """Builds dataclass `cls` from a TOML table, rejecting unknown keys."""
+    known = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(raw) - set(known))
+    if unknown:
+        raise ConfigError(f"unknown key(s) {unknown} in [{where or 'top level'}]; known: {sorted(known)}")
+    kwargs = {}
+    for name, value in raw.items():
+        f = known[name]
+        default = getattr(cls(), name)
+        if dataclasses.is_dataclass(default):
+            if not isinstance(value, dict):
+                raise ConfigError(f"[{name}] must be a table")
+            kwargs[name] = _build(type(default), value, name)
+        else:
+            kwargs[name] = _coerce(value, default, f"{where + '.' if where else ''}{name}")
+    return cls(**kwargs)
+
+
+def _coerce(value: Any, default: Any, key: str) -> Any:
+    if isinstance(default, bool):
+        if isinstance(value, bool):
+            return value
+    elif isinstance(default, float):
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+    elif isinstance(default, int):
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif isinstance(default, str):
+        if isinstance(value, str):
+            return value
+    elif isinstance(default, list):
+        if isinstance(value, list):
+            return [_coerce(v, default[0], key) for v in value] if default else value
+    raise ConfigError(f"{key} must be of type {type(default).__name__}, got {value!r}")
+
+
+def config_from_dict(raw: dict[str, Any]) -> RunConfig:
+    cfg = _build(RunConfig, raw, "")
+    cfg.validate()
+    return cfg
+
+
+def load_config(path: str | Path | None, overrides: list[str] | None = None) -> RunConfig:
+    """Loads a TOML config (or the embedded default when path is None) and applies overrides."""
+    raw: dict[str, Any] = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file not found: {p}")
+        try:
+            raw = tomllib.loads(p.read_text())
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"{p} is not valid TOML: {e}") from e
+    for item in overrides or []:
+        _apply_override(raw, item)
+    return config_from_dict(raw)
+
+
+def config_from_toml(text: str) -> RunConfig:
+    return config_from_dict(tomllib.loads(text))
+
+
+def _apply_override(raw: dict[str, Any], item: str) -> None:
+    """Applies `section.key=value`; the value is parsed as a TOML value, else a string."""
+    if "=" not in item:
+        raise ConfigError(f"override {item!r} must look like section.key=value")
+    key, text = item.split("=", 1)
+    parts = key.strip().split(".")
+    try:
+        value = tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = text
+    table = raw
+    for part in parts[:-1]:
+        table = table.setdefault(part, {})
+        if not isinstance(table, dict):
+            raise ConfigError(f"override {item!r}: {part} is not a section")
+    table[parts[-1]] = value

@@ -1,0 +1,195 @@
+"""Training data: an embedded synthetic language and a byte-level text loader.
+
+Both hand each island a disjoint shard and give the coordinator a fixed held-out
+set for evaluating the global parameters.
+
+The synthetic language is an order-k Markov chain over a small vocabulary in
+which every context allows a few next tokens with Dirichlet-drawn weights. Its
+entropy rate is computed exactly, so a run can say how close its loss gets to
+the best any model can do.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+
+from diloco.config import ConfigError, DataConfig
+
+log = logging.getLogger(__name__)
+
+Batch = tuple[torch.Tensor, torch.Tensor]  # (inputs, targets), int64 (batch, seq)
+
+
+class TokenStream(Protocol):
+    def next_batch(self, batch_size: int) -> Batch: ...
+    def state_dict(self) -> dict[str, Any]: ...
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+# --- synthetic language -------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class MarkovLanguage:
+    vocab: int
+    order: int
+    support: np.ndarray  # (contexts, branching) allowed next tokens
+    cumprobs: np.ndarray  # (contexts, branching) cumulative next-token probabilities
+    stationary: np.ndarray  # (contexts,) stationary distribution over contexts
+
+    @staticmethod
+    def build(vocab: int, order: int, branching: int, seed: int) -> "MarkovLanguage":
+        if not (1 <= branching <= vocab) or order < 1:
+            raise ConfigError("synthetic language needs 1 <= branching <= vocab and order >= 1")
+        contexts = vocab**order
+        if contexts > 1 << 20:
+            raise ConfigError(f"synthetic language with vocab**order = {contexts} contexts is too large")
+        rng = np.random.default_rng(seed)
+        # Each context draws its next tokens from a pool fixed by its last token,
+        # so the language has learnable bigram structure that the full context
+        # then sharpens: loss falls in stages rather than off a cliff.
+        pool_size = min(vocab, 2 * branching)
+        pools = np.argsort(rng.random((vocab, vocab)), axis=1)[:, :pool_size]
+        pick = np.argsort(rng.random((contexts, pool_size)), axis=1)[:, :branching]
+        support = np.take_along_axis(pools[np.arange(contexts) % vocab], pick, axis=1)
+        probs = rng.dirichlet(np.ones(branching), size=contexts)
+        cumprobs = np.cumsum(probs, axis=1)
+        cumprobs[:, -1] = 1.0
+        # Stationary distribution over contexts by power iteration on the
+        # lifted chain (ctx -> ctx' = (ctx * vocab + next) mod contexts).
+        nxt = (np.arange(contexts)[:, None] * vocab + support) % contexts
+        pi = np.full(contexts, 1.0 / contexts)
+        for _ in range(5000):
+            new = np.zeros(contexts)
+            np.add.at(new, nxt.ravel(), (pi[:, None] * probs).ravel())
+            new = 0.5 * (new + pi)  # lazy chain: converges even if periodic
+            done = np.abs(new - pi).sum() < 1e-12
+            pi = new
+            if done:
+                break
+        return MarkovLanguage(vocab, order, support, cumprobs, pi / pi.sum())
+
+    def entropy_rate(self) -> float:
+        """Exact entropy rate in nats/token: sum over contexts of pi(c) * H(next | c)."""
+        probs = np.diff(self.cumprobs, axis=1, prepend=0.0)
+        h = -(probs * np.log(np.clip(probs, 1e-300, None))).sum(axis=1)
+        return float((self.stationary * h).sum())
+
+    def sample(self, rng: np.random.Generator, batch: int, length: int) -> np.ndarray:
+        contexts = len(self.stationary)
+        ctx = rng.choice(contexts, size=batch, p=self.stationary)
+        # Spell out the starting context so the first tokens are consistent with it.
+        digits = [(ctx // self.vocab**i) % self.vocab for i in reversed(range(self.order))]
+        out = np.empty((batch, length), dtype=np.int64)
+        for t in range(length):
+            if t < self.order:
+                out[:, t] = digits[t]
+                continue
+            u = rng.random(batch)[:, None]
+            choice = (self.cumprobs[ctx] < u).sum(axis=1)
+            tok = self.support[ctx, np.minimum(choice, self.support.shape[1] - 1)]
+            out[:, t] = tok
+            ctx = (ctx * self.vocab + tok) % contexts
+        return out
+
+
+class SyntheticStream:
+    """Endless samples of the Markov language; each shard has its own RNG stream."""
+
+    def __init__(self, language: MarkovLanguage, seq_len: int, seed: int, shard: int):
+        self.language = language
+        self.seq_len = seq_len
+        self.rng = np.random.default_rng([seed, shard, 0x5EED])
+
+    def next_batch(self, batch_size: int) -> Batch:
+        seqs = torch.from_numpy(self.language.sample(self.rng, batch_size, self.seq_len + 1))
+        return seqs[:, :-1], seqs[:, 1:]
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"rng": self.rng.bit_generator.state}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.rng.bit_generator.state = state["rng"]
+
+
+# --- byte-level text ----------------------------------------------------------
+
+
+def read_bytes(path: str) -> np.ndarray:
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"data file not found: {p} (set data.path to a text file)")
+    data = np.frombuffer(p.read_bytes(), dtype=np.uint8)
+    if len(data) < 4096:
+        raise ConfigError(f"data file {p} is too small ({len(data)} bytes)")
+    return data
+
+
+def split_text(data: np.ndarray, eval_fraction: float) -> tuple[np.ndarray, np.ndarray]:
+    cut = int(len(data) * (1.0 - eval_fraction))
+    return data[:cut], data[cut:]
+
+
+class TextShardStream:
+    """Random windows from one contiguous, disjoint shard of a byte string."""
+
+    def __init__(self, train: np.ndarray, seq_len: int, seed: int, shard: int, num_shards: int):
+        size = len(train) // num_shards
+        if size < 2 * (seq_len + 1):
+            raise ConfigError(f"text too small for {num_shards} shards of seq_len {seq_len}")
+        self.tokens = torch.from_numpy(train[shard * size : (shard + 1) * size].astype(np.int64))
+        self.seq_len = seq_len
+        self.rng = np.random.default_rng([seed, shard, 0x7E47])
+
+    def next_batch(self, batch_size: int) -> Batch:
+        starts = self.rng.integers(0, len(self.tokens) - self.seq_len - 1, size=batch_size)
+        seqs = torch.stack([self.tokens[s : s + self.seq_len + 1] for s in starts.tolist()])
+        return seqs[:, :-1], seqs[:, 1:]
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"rng": self.rng.bit_generator.state}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.rng.bit_generator.state = state["rng"]
+
+
+# --- entry points -------------------------------------------------------------
+
+
+def _language(cfg: DataConfig) -> MarkovLanguage:
+    return MarkovLanguage.build(cfg.synthetic_vocab, cfg.synthetic_order, cfg.synthetic_branching, cfg.synthetic_seed)
+
+
+def train_stream(cfg: DataConfig, seed: int, shard: int, num_shards: int) -> TokenStream:
+    """The stream island `shard` of `num_shards` trains on."""
+    if not 0 <= shard < num_shards:
+        raise ConfigError(f"shard {shard} out of range for {num_shards} shards")
+    if cfg.source == "synthetic":
+        return SyntheticStream(_language(cfg), cfg.seq_len, seed, shard)
+    train, _ = split_text(read_bytes(cfg.path), cfg.eval_fraction)
+    return TextShardStream(train, cfg.seq_len, seed, shard, num_shards)
+
+
+def eval_batches(cfg: DataConfig, n_batches: int, batch_size: int) -> list[Batch]:
+    """A fixed held-out set: the same batches every time it is built."""
+    if cfg.source == "synthetic":
+        stream = SyntheticStream(_language(cfg), cfg.seq_len, seed=0xE7A1, shard=0)
+        return [stream.next_batch(batch_size) for _ in range(n_batches)]
+    _, held_out = split_text(read_bytes(cfg.path), cfg.eval_fraction)
+    tokens = torch.from_numpy(held_out.astype(np.int64))
+    n = n_batches * batch_size
+    span = len(tokens) - cfg.seq_len - 1
+    starts = np.linspace(0, span, num=n, dtype=np.int64)
+    seqs = torch.stack([tokens[s : s + cfg.seq_len + 1] for s in starts.tolist()])
+    return [(b[:, :-1], b[:, 1:]) for b in seqs.split(batch_size)]
+
+
+def entropy_floor(cfg: DataConfig) -> float | None:
+    """The lowest achievable loss in nats/token, where it is known."""
+    return _language(cfg).entropy_rate() if cfg.source == "synthetic" else None

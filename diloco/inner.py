@@ -1,0 +1,70 @@
+"""The inner side of DiLoCo: the island's optimizer, its schedule and one training step."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+import torch.nn as nn
+
+from diloco.config import InnerConfig
+from diloco.data import Batch
+
+
+def build_inner_optimizer(model: nn.Module, cfg: InnerConfig) -> torch.optim.Optimizer:
+    """AdamW with weight decay on matrices only (norm gains are not decayed), or plain SGD."""
+    if cfg.optimizer == "sgd":
+        return torch.optim.SGD(model.parameters(), lr=cfg.lr)
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas))
+
+
+def inner_lr(step: int, total_steps: int, cfg: InnerConfig) -> float:
+    """Learning rate at inner step `step`, counted across the whole run (never per round)."""
+    if cfg.schedule == "constant":
+        return cfg.lr
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    progress = min(1.0, (step - cfg.warmup_steps) / max(1, total_steps - cfg.warmup_steps))
+    floor = cfg.lr * cfg.min_lr_ratio
+    return floor + 0.5 * (cfg.lr - floor) * (1.0 + math.cos(math.pi * progress))
+
+
+def train_step(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    batch: Batch,
+    lr: float,
+    grad_clip: float,
+    reduce_gradients: Callable[[nn.Module], None] | None = None,
+    device: torch.device | str = "cpu",
+) -> float:
+    """One inner step; returns the (local) loss. reduce_gradients averages grads across the island."""
+    inputs, targets = (t.to(device, non_blocking=True) for t in batch)
+    _, loss = model(inputs, targets)
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    if reduce_gradients is not None:
+        reduce_gradients(model)
+    if grad_clip > 0:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    optimizer.step()
+    return loss.item()
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, batches: list[Batch], device: torch.device | str = "cpu") -> float:
+    """Mean cross-entropy (nats/token) over fixed batches."""
+    was_training = model.training
+    model.eval()
+    total = 0.0
+    for inputs, targets in batches:
+        _, loss = model(inputs.to(device), targets.to(device))
+        total += loss.item()
+    model.train(was_training)
+    return total / max(1, len(batches))

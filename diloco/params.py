@@ -1,0 +1,29 @@
+"""Helpers on named parameter sets: fp32 copies and checksums."""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Mapping
+
+import torch
+import torch.nn as nn
+
+
+def fp32_copy(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Detached fp32 CPU copies of a module's parameters, in module order."""
+    return {n: p.detach().to("cpu", torch.float32).clone() for n, p in model.named_parameters()}
+
+
+def checksum(tensors: Mapping[str, torch.Tensor]) -> str:
+    """Content hash of a parameter set (names, shapes and fp32 bytes); order-independent."""
+    h = hashlib.blake2b(digest_size=16)
+    for name in sorted(tensors):
+        t = tensors[name].detach().to("cpu", torch.float32).contiguous()
+        h.update(name.encode())
+        h.update(str(tuple(t.shape)).encode())
+        h.update(t.numpy().tobytes())
+    return h.hexdigest()
+
+
+def module_checksum(model: nn.Module) -> str:
+    return checksum(dict(model.named_parameters()))

@@ -1,0 +1,203 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class ParameterSpec(_message.Message):
+    __slots__ = ("name", "shape")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, name: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class JoinRequest(_message.Message):
+    __slots__ = ("config_digest", "hostname", "protocol_version")
+    CONFIG_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    HOSTNAME_FIELD_NUMBER: _ClassVar[int]
+    PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    config_digest: str
+    hostname: str
+    protocol_version: int
+    def __init__(self, config_digest: _Optional[str] = ..., hostname: _Optional[str] = ..., protocol_version: _Optional[int] = ...) -> None: ...
+
+class JoinResponse(_message.Message):
+    __slots__ = ("island_id", "config_digest", "config_toml", "round", "parameters", "codec", "max_chunk_bytes", "heartbeat_interval_s", "shard_index", "total_rounds")
+    ISLAND_ID_FIELD_NUMBER: _ClassVar[int]
+    CONFIG_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    CONFIG_TOML_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    PARAMETERS_FIELD_NUMBER: _ClassVar[int]
+    CODEC_FIELD_NUMBER: _ClassVar[int]
+    MAX_CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_INTERVAL_S_FIELD_NUMBER: _ClassVar[int]
+    SHARD_INDEX_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_ROUNDS_FIELD_NUMBER: _ClassVar[int]
+    island_id: str
+    config_digest: str
+    config_toml: str
+    round: int
+    parameters: _containers.RepeatedCompositeFieldContainer[ParameterSpec]
+    codec: str
+    max_chunk_bytes: int
+    heartbeat_interval_s: float
+    shard_index: int
+    total_rounds: int
+    def __init__(self, island_id: _Optional[str] = ..., config_digest: _Optional[str] = ..., config_toml: _Optional[str] = ..., round: _Optional[int] = ..., parameters: _Optional[_Iterable[_Union[ParameterSpec, _Mapping]]] = ..., codec: _Optional[str] = ..., max_chunk_bytes: _Optional[int] = ..., heartbeat_interval_s: _Optional[float] = ..., shard_index: _Optional[int] = ..., total_rounds: _Optional[int] = ...) -> None: ...
+
+class HeartbeatRequest(_message.Message):
+    __slots__ = ("island_id", "round")
+    ISLAND_ID_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    island_id: str
+    round: int
+    def __init__(self, island_id: _Optional[str] = ..., round: _Optional[int] = ...) -> None: ...
+
+class HeartbeatResponse(_message.Message):
+    __slots__ = ("round", "run_finished")
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    RUN_FINISHED_FIELD_NUMBER: _ClassVar[int]
+    round: int
+    run_finished: bool
+    def __init__(self, round: _Optional[int] = ..., run_finished: _Optional[bool] = ...) -> None: ...
+
+class FetchRequest(_message.Message):
+    __slots__ = ("island_id",)
+    ISLAND_ID_FIELD_NUMBER: _ClassVar[int]
+    island_id: str
+    def __init__(self, island_id: _Optional[str] = ...) -> None: ...
+
+class TensorChunk(_message.Message):
+    __slots__ = ("name", "offset", "numel", "payload", "crc32")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    NUMEL_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_FIELD_NUMBER: _ClassVar[int]
+    CRC32_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    offset: int
+    numel: int
+    payload: bytes
+    crc32: int
+    def __init__(self, name: _Optional[str] = ..., offset: _Optional[int] = ..., numel: _Optional[int] = ..., payload: _Optional[bytes] = ..., crc32: _Optional[int] = ...) -> None: ...
+
+class PushHeader(_message.Message):
+    __slots__ = ("island_id", "round", "tokens", "train_loss", "codec", "global_checksum", "inner_steps")
+    ISLAND_ID_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TRAIN_LOSS_FIELD_NUMBER: _ClassVar[int]
+    CODEC_FIELD_NUMBER: _ClassVar[int]
+    GLOBAL_CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    INNER_STEPS_FIELD_NUMBER: _ClassVar[int]
+    island_id: str
+    round: int
+    tokens: int
+    train_loss: float
+    codec: str
+    global_checksum: str
+    inner_steps: int
+    def __init__(self, island_id: _Optional[str] = ..., round: _Optional[int] = ..., tokens: _Optional[int] = ..., train_loss: _Optional[float] = ..., codec: _Optional[str] = ..., global_checksum: _Optional[str] = ..., inner_steps: _Optional[int] = ...) -> None: ...
+
+class PushMessage(_message.Message):
+    __slots__ = ("header", "chunk")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    header: PushHeader
+    chunk: TensorChunk
+    def __init__(self, header: _Optional[_Union[PushHeader, _Mapping]] = ..., chunk: _Optional[_Union[TensorChunk, _Mapping]] = ...) -> None: ...
+
+class PushResponse(_message.Message):
+    __slots__ = ("accepted", "elements", "contribution_complete")
+    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    ELEMENTS_FIELD_NUMBER: _ClassVar[int]
+    CONTRIBUTION_COMPLETE_FIELD_NUMBER: _ClassVar[int]
+    accepted: bool
+    elements: int
+    contribution_complete: bool
+    def __init__(self, accepted: _Optional[bool] = ..., elements: _Optional[int] = ..., contribution_complete: _Optional[bool] = ...) -> None: ...
+
+class PullRequest(_message.Message):
+    __slots__ = ("island_id", "round", "timeout_s")
+    ISLAND_ID_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    island_id: str
+    round: int
+    timeout_s: float
+    def __init__(self, island_id: _Optional[str] = ..., round: _Optional[int] = ..., timeout_s: _Optional[float] = ...) -> None: ...
+
+class ResultHeader(_message.Message):
+    __slots__ = ("round", "codec", "checksum", "run_finished", "islands")
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    CODEC_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    RUN_FINISHED_FIELD_NUMBER: _ClassVar[int]
+    ISLANDS_FIELD_NUMBER: _ClassVar[int]
+    round: int
+    codec: str
+    checksum: str
+    run_finished: bool
+    islands: int
+    def __init__(self, round: _Optional[int] = ..., codec: _Optional[str] = ..., checksum: _Optional[str] = ..., run_finished: _Optional[bool] = ..., islands: _Optional[int] = ...) -> None: ...
+
+class ResultMessage(_message.Message):
+    __slots__ = ("header", "chunk")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    header: ResultHeader
+    chunk: TensorChunk
+    def __init__(self, header: _Optional[_Union[ResultHeader, _Mapping]] = ..., chunk: _Optional[_Union[TensorChunk, _Mapping]] = ...) -> None: ...
+
+class LeaveRequest(_message.Message):
+    __slots__ = ("island_id", "checksum", "round")
+    ISLAND_ID_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    island_id: str
+    checksum: str
+    round: int
+    def __init__(self, island_id: _Optional[str] = ..., checksum: _Optional[str] = ..., round: _Optional[int] = ...) -> None: ...
+
+class LeaveResponse(_message.Message):
+    __slots__ = ("checksum_matches",)
+    CHECKSUM_MATCHES_FIELD_NUMBER: _ClassVar[int]
+    checksum_matches: bool
+    def __init__(self, checksum_matches: _Optional[bool] = ...) -> None: ...
+
+class WatchRequest(_message.Message):
+    __slots__ = ("from_round",)
+    FROM_ROUND_FIELD_NUMBER: _ClassVar[int]
+    from_round: int
+    def __init__(self, from_round: _Optional[int] = ...) -> None: ...
+
+class RoundSummary(_message.Message):
+    __slots__ = ("round", "islands", "tokens", "train_loss", "eval_loss", "bytes_up", "bytes_down", "seconds", "checksum", "run_finished", "initial_eval_loss", "ddp_bytes")
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    ISLANDS_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TRAIN_LOSS_FIELD_NUMBER: _ClassVar[int]
+    EVAL_LOSS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_UP_FIELD_NUMBER: _ClassVar[int]
+    BYTES_DOWN_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    RUN_FINISHED_FIELD_NUMBER: _ClassVar[int]
+    INITIAL_EVAL_LOSS_FIELD_NUMBER: _ClassVar[int]
+    DDP_BYTES_FIELD_NUMBER: _ClassVar[int]
+    round: int
+    islands: _containers.RepeatedScalarFieldContainer[str]
+    tokens: int
+    train_loss: float
+    eval_loss: float
+    bytes_up: int
+    bytes_down: int
+    seconds: float
+    checksum: str
+    run_finished: bool
+    initial_eval_loss: float
+    ddp_bytes: float
+    def __init__(self, round: _Optional[int] = ..., islands: _Optional[_Iterable[str]] = ..., tokens: _Optional[int] = ..., train_loss: _Optional[float] = ..., eval_loss: _Optional[float] = ..., bytes_up: _Optional[int] = ..., bytes_down: _Optional[int] = ..., seconds: _Optional[float] = ..., checksum: _Optional[str] = ..., run_finished: _Optional[bool] = ..., initial_eval_loss: _Optional[float] = ..., ddp_bytes: _Optional[float] = ...) -> None: ...

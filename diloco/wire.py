@@ -1,0 +1,136 @@
+"""The one place where tensors become protocol messages and back.
+
+A tensor travels as TensorChunks addressed by (name, flat offset, numel). The
+chunk size comes from the codec so that every message stays far below gRPC's
+4 MB default limit, whatever the model size.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass
+
+import torch
+
+from diloco.codec import Codec
+from diloco.v1 import diloco_pb2 as pb
+
+PROTOCOL_VERSION = 1
+
+
+class ChunkError(ValueError):
+    """A chunk that does not fit the manifest (unknown name, bad range, bad payload)."""
+
+
+class ChunkCorrupt(ChunkError):
+    """A chunk whose payload does not match its checksum."""
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """Names and shapes of the parameters in the run, in canonical order."""
+
+    shapes: dict[str, tuple[int, ...]]
+
+    @staticmethod
+    def of(tensors: Mapping[str, torch.Tensor]) -> "Manifest":
+        return Manifest({name: tuple(t.shape) for name, t in tensors.items()})
+
+    def numel(self, name: str) -> int:
+        n = 1
+        for d in self.shapes[name]:
+            n *= d
+        return n
+
+    def total_numel(self) -> int:
+        return sum(self.numel(n) for n in self.shapes)
+
+    def to_proto(self) -> list[pb.ParameterSpec]:
+        return [pb.ParameterSpec(name=n, shape=list(s)) for n, s in self.shapes.items()]
+
+    @staticmethod
+    def from_proto(specs: Iterable[pb.ParameterSpec]) -> "Manifest":
+        return Manifest({s.name: tuple(s.shape) for s in specs})
+
+
+def encode_chunks(
+    name: str, flat: torch.Tensor, codec: Codec, chunk_bytes: int, base_offset: int = 0
+) -> Iterator[pb.TensorChunk]:
+    """Chunks of a flat tensor; offsets count from base_offset (for shards)."""
+    step = max(1, codec.max_elements(chunk_bytes))
+    for start in range(0, flat.numel(), step):
+        piece = flat[start : start + step]
+        payload = codec.encode(piece)
+        yield pb.TensorChunk(
+            name=name, offset=base_offset + start, numel=piece.numel(), payload=payload, crc32=zlib.crc32(payload)
+        )
+
+
+def tensor_chunks(tensors: Mapping[str, torch.Tensor], codec: Codec, chunk_bytes: int) -> Iterator[pb.TensorChunk]:
+    for name, t in tensors.items():
+        yield from encode_chunks(name, t.detach().reshape(-1), codec, chunk_bytes)
+
+
+def check_chunk(chunk: pb.TensorChunk, manifest: Manifest) -> None:
+    """Raises ChunkError naming what is wrong with the chunk's address."""
+    if chunk.name not in manifest.shapes:
+        raise ChunkError(f"unknown parameter name {chunk.name!r}")
+    numel = manifest.numel(chunk.name)
+    if chunk.numel <= 0 or chunk.offset < 0:
+        raise ChunkError(f"{chunk.name}: bad range offset={chunk.offset} numel={chunk.numel}")
+    if chunk.offset + chunk.numel > numel:
+        raise ChunkError(
+            f"{chunk.name}: elements [{chunk.offset}, {chunk.offset + chunk.numel}) run past the end "
+            f"of the tensor ({numel} elements, shape {list(manifest.shapes[chunk.name])})"
+        )
+
+
+def decode_chunk(chunk: pb.TensorChunk, manifest: Manifest, codec: Codec) -> torch.Tensor:
+    """Checks address and checksum, then decodes to a flat fp32 tensor."""
+    check_chunk(chunk, manifest)
+    if zlib.crc32(chunk.payload) != chunk.crc32:
+        raise ChunkCorrupt(f"{chunk.name}@{chunk.offset}: payload checksum mismatch")
+    try:
+        return codec.decode(chunk.payload, chunk.numel)
+    except ValueError as e:
+        raise ChunkError(f"{chunk.name}@{chunk.offset}: {e}") from e
+
+
+def apply_chunks(
+    chunks: Iterable[pb.TensorChunk], targets: Mapping[str, torch.Tensor], manifest: Manifest, codec: Codec
+) -> int:
+    """Writes decoded chunks into the matching flat ranges of targets; returns elements written."""
+    written = 0
+    for chunk in chunks:
+        values = decode_chunk(chunk, manifest, codec)
+        flat = targets[chunk.name].view(-1)
+        flat[chunk.offset : chunk.offset + chunk.numel].copy_(values)
+        written += chunk.numel
+    return written
+
+
+class Coverage:
+    """Tracks which flat ranges of each parameter have arrived, to prove exactly-once."""
+
+    def __init__(self, manifest: Manifest):
+        self.manifest = manifest
+        self.ranges: dict[str, list[tuple[int, int]]] = {}
+
+    def add(self, name: str, offset: int, numel: int) -> None:
+        self.ranges.setdefault(name, []).append((offset, offset + numel))
+
+    def problem(self) -> str | None:
+        """None when every element of every parameter arrived exactly once, else what is off."""
+        for name in self.manifest.shapes:
+            spans = sorted(self.ranges.get(name, []))
+            end = 0
+            for lo, hi in spans:
+                if lo < end:
+                    return f"{name}: elements [{lo}, {min(hi, end)}) arrived more than once"
+                if lo > end:
+                    return f"{name}: elements [{end}, {lo}) are missing"
+                end = hi
+            if end != self.manifest.numel(name):
+                return f"{name}: elements [{end}, {self.manifest.numel(name)}) are missing"
+        return None

@@ -1,0 +1,1 @@
+"""DiLoCo islands: local training worlds that meet the coordinator every H inner steps."""

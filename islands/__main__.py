@@ -1,0 +1,3 @@
+from islands.cli import main
+
+main()

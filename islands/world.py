@@ -1,0 +1,77 @@
+"""The island's local torch.distributed world.
+
+Every island runs inside a process group, even with one rank, so the same code
+path holds when the island spans many GPUs. Started under torchrun (RANK,
+WORLD_SIZE, MASTER_ADDR in the environment) it joins that world; otherwise it
+makes a one-rank group of its own.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+
+@dataclass
+class IslandWorld:
+    rank: int
+    world_size: int
+    device: torch.device
+
+    @property
+    def is_leader(self) -> bool:
+        """Rank 0 talks to the coordinator for the island."""
+        return self.rank == 0
+
+    @staticmethod
+    def init(device: str = "auto") -> "IslandWorld":
+        if device == "auto":
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        backend = "nccl" if device.startswith("cuda") else "gloo"
+        if not dist.is_initialized():
+            if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+                dist.init_process_group(backend)
+            else:
+                dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+        rank = dist.get_rank()
+        if device == "cuda":
+            local = int(os.environ.get("LOCAL_RANK", 0))
+            torch.cuda.set_device(local)
+            device = f"cuda:{local}"
+        return IslandWorld(rank, dist.get_world_size(), torch.device(device))
+
+    def shutdown(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+    def average_gradients(self, model: nn.Module) -> None:
+        """Data-parallel gradient mean across the island's ranks (no-op with one rank)."""
+        if self.world_size == 1:
+            return
+        for p in model.parameters():
+            if p.grad is not None:
+                dist.all_reduce(p.grad, op=dist.ReduceOp.AVG)
+
+    def broadcast_tensors(self, tensors: Mapping[str, torch.Tensor]) -> None:
+        """Leader's values to every rank (CPU tensors go through the group's device)."""
+        if self.world_size == 1:
+            return
+        for t in tensors.values():
+            if t.device == self.device:
+                dist.broadcast(t, src=0)
+            else:
+                moved = t.to(self.device)
+                dist.broadcast(moved, src=0)
+                t.copy_(moved)
+
+    def broadcast_object(self, obj):
+        if self.world_size == 1:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
