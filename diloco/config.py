@@ -75,7 +75,7 @@ class OuterConfig:
 
 @dataclass
 class RoundConfig:
-    rounds: int = 12
+    rounds: int = 20
     min_islands: int = 1
     max_islands: int = 64
     # A round closes at its deadline if at least min_islands have pushed.

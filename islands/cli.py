@@ -27,6 +27,7 @@ def build_parser() -> ArgumentParser:
     add_config_flags(j)
     j.add_argument("--device", default="auto", help="cpu, cuda or auto (default: cuda when available)")
     j.add_argument("--threads", type=int, default=0, help="torch CPU threads (default: torch's choice)")
+    j.add_argument("--connect-timeout", type=float, default=60.0, help="seconds to wait for the coordinator (default 60)")
     j.add_argument("--max-rounds", type=int, default=None, help="leave after this many rounds (default: until the run ends)")
     j.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return parser
@@ -48,7 +49,7 @@ def main(argv: list[str] | None = None) -> None:
         torch.set_num_threads(args.threads)
     world = IslandWorld.init(args.device)
     try:
-        result = join_and_run(args.coordinator, cfg, world, args.max_rounds)
+        result = join_and_run(args.coordinator, cfg, world, args.max_rounds, args.connect_timeout)
         log.info(
             "%s finished at round %d after %d rounds; parameters checksum %s (%s the coordinator's)",
             result.island_id, result.final_round, result.rounds, result.checksum,

@@ -143,14 +143,16 @@ class Island:
         return IslandResult(self.island_id, rounds_done, self.round, final, matches, losses)
 
 
-def join_and_run(address: str, cfg: RunConfig | None, world: IslandWorld, max_rounds: int | None = None) -> IslandResult:
+def join_and_run(
+    address: str, cfg: RunConfig | None, world: IslandWorld, max_rounds: int | None = None, connect_timeout_s: float = 60.0
+) -> IslandResult:
     """Joins the coordinator at address (config None: adopt the coordinator's) and trains to the end."""
     from diloco.config import config_from_toml
 
     client = None
     joined = None
     if world.is_leader:
-        client = CoordinatorClient(address)
+        client = CoordinatorClient(address, connect_timeout_s)
         joined = client.join(cfg.digest() if cfg is not None else "")
     joined_bytes = world.broadcast_object(joined.SerializeToString() if joined else None)
     joined = pb.JoinResponse.FromString(joined_bytes)

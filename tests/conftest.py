@@ -1,0 +1,61 @@
+"""Shared fixtures: a tiny run config and an in-process coordinator on 127.0.0.1."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+import torch
+
+from coordinator.server import start_coordinator
+from diloco.config import load_config
+from diloco.v1 import diloco_pb2 as pb
+from diloco.v1 import diloco_pb2_grpc as pb_grpc
+from diloco.wire import PROTOCOL_VERSION
+
+
+def tiny_config(*overrides: str):
+    """A model small enough that a round takes milliseconds."""
+    base = [
+        "model.d_model=32", "model.n_layers=1", "model.n_heads=2", "model.d_ff=64", "model.max_seq_len=32",
+        "data.seq_len=32", "inner.batch_size=4", "inner.steps_per_round=2", "eval.batches=0",
+        "rounds.deadline_s=30", "wire.chunk_bytes=4096",
+    ]
+    return load_config(None, base + list(overrides))
+
+
+@pytest.fixture
+def make_coordinator(tmp_path):
+    """Starts coordinators on 127.0.0.1 and stops every one of them after the test."""
+    started = []
+
+    def make(cfg):
+        c = start_coordinator(cfg, "127.0.0.1", 0, spool_dir=str(tmp_path / f"spool{len(started)}"))
+        started.append(c)
+        return c
+
+    yield make
+    for c in started:
+        c.stop(0.5)
+
+
+@pytest.fixture
+def channel_to():
+    channels = []
+
+    def make(coordinator):
+        ch = grpc.insecure_channel(f"127.0.0.1:{coordinator.port}")
+        channels.append(ch)
+        return pb_grpc.CoordinatorStub(ch)
+
+    yield make
+    for ch in channels:
+        ch.close()
+
+
+def join(stub, digest: str = "") -> pb.JoinResponse:
+    return stub.Join(pb.JoinRequest(config_digest=digest, hostname="test", protocol_version=PROTOCOL_VERSION), timeout=10)
+
+
+def random_like(shapes, seed: int, scale: float = 1e-2) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {n: torch.randn(s, generator=g) * scale for n, s in shapes.items()}

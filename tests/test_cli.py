@@ -1,0 +1,78 @@
+"""The console scripts: --help, and one-line errors with exit status 2 for bad input."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+SCRIPTS = {
+    "diloco-coordinator": [sys.executable, "-m", "coordinator"],
+    "diloco-island": [sys.executable, "-m", "islands"],
+    "diloco-sim": [sys.executable, "-m", "diloco.sim"],
+}
+
+
+def _run(argv, timeout=120):
+    return subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.parametrize(
+    "argv, flags",
+    [
+        (["diloco-coordinator", "serve", "--help"], ["--config", "--port", "--set", "--report"]),
+        (["diloco-island", "join", "--help"], ["--coordinator", "--config", "--device"]),
+        (["diloco-sim", "--help"], ["--islands", "--config", "--rounds"]),
+        (["diloco-coordinator", "--help"], ["serve"]),
+    ],
+)
+def test_help_explains_flags(argv, flags):
+    out = _run(SCRIPTS[argv[0]] + argv[1:])
+    assert out.returncode == 0
+    for flag in flags:
+        assert flag in out.stdout
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["diloco-coordinator", "serve", "--no-such-flag"], "unrecognized arguments: --no-such-flag"),
+        (["diloco-coordinator", "serve", "--config", "/nonexistent/run.toml"], "config file not found: /nonexistent/run.toml"),
+        (["diloco-coordinator", "serve", "--set", "inner.lrr=1"], "unknown key(s) ['lrr'] in [inner]"),
+        (["diloco-coordinator", "serve", "--set", "inner.lr=fast"], "inner.lr must be of type float"),
+        (["diloco-island", "join", "--coordinator", "127.0.0.1:1", "--config", "/nonexistent.toml"], "config file not found"),
+        (["diloco-island", "join"], "the following arguments are required: --coordinator"),
+        (["diloco-island", "join", "--coordinator", "nohostport"], "must be HOST:PORT"),
+        (["diloco-sim", "--islands", "zero"], "invalid int value: 'zero'"),
+        (["diloco-sim", "--config", "/nonexistent.toml"], "config file not found"),
+    ],
+)
+def test_bad_input_gives_one_line_error_and_status_2(argv, message):
+    out = _run(SCRIPTS[argv[0]] + argv[1:])
+    assert out.returncode == 2, out.stderr
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1, out.stderr
+    assert message in lines[0] and "Traceback" not in out.stderr
+
+
+def test_invalid_toml_is_a_one_line_error(tmp_path):
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[model\nd_model = 3")
+    out = _run(SCRIPTS["diloco-coordinator"] + ["serve", "--config", str(bad)])
+    assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1
+    assert "is not valid TOML" in out.stderr
+
+
+def test_unreachable_coordinator_is_a_clear_error():
+    # Port 9 on loopback: nothing listens there.
+    out = _run(SCRIPTS["diloco-island"] + ["join", "--coordinator", "127.0.0.1:9", "--connect-timeout", "1"])
+    assert out.returncode == 2
+    assert "cannot reach the coordinator at 127.0.0.1:9" in out.stderr
+
+
+def test_installed_console_scripts_exist():
+    import shutil
+
+    for name in SCRIPTS:
+        assert shutil.which(name), f"{name} is not on PATH; run pip install -e ."

@@ -1,0 +1,50 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from diloco.config import ConfigError, RunConfig, config_from_toml, load_config
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_embedded_default_is_the_tiny_demo():
+    cfg = load_config(None)
+    assert cfg == RunConfig()
+    assert cfg.outer.lr == 0.7 and cfg.outer.momentum == 0.9 and cfg.outer.nesterov
+
+
+def test_overrides_parse_toml_values():
+    cfg = load_config(None, ["inner.lr=1e-3", "outer.nesterov=false", "name=x", "inner.betas=[0.8, 0.9]"])
+    assert cfg.inner.lr == 1e-3 and cfg.outer.nesterov is False and cfg.name == "x" and cfg.inner.betas == [0.8, 0.9]
+
+
+def test_toml_round_trip_and_digest():
+    cfg = load_config(None, ["inner.lr=1e-3"])
+    assert config_from_toml(cfg.to_toml()) == cfg
+    assert cfg.digest() == config_from_toml(cfg.to_toml()).digest()
+    assert cfg.digest() != load_config(None).digest()
+    # Timing knobs are the coordinator's own and do not change the digest.
+    assert load_config(None, ["rounds.deadline_s=5"]).digest() == load_config(None).digest()
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("model.n_heads=3", "divisible"),
+        ("outer.momentum=1.5", "outer.momentum"),
+        ("data.source='s3'", "data.source"),
+        ("rounds.min_islands=0", "min_islands"),
+        ("nosuchsection.x=1", "unknown key"),
+        ("inner", "section.key=value"),
+    ],
+)
+def test_bad_values_are_config_errors(override, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, [override])
+
+
+def test_shipped_configs_load():
+    for path in sorted((ROOT / "configs").glob("*.toml")):
+        load_config(path)

@@ -1,0 +1,97 @@
+"""The outer step through a live coordinator: pinned against torch's SGD and the token-weighted mean."""
+
+from __future__ import annotations
+
+import torch
+
+from conftest import join, random_like, tiny_config
+from diloco.codec import Fp32Codec
+from diloco.outer import PseudoGradientAccumulator
+from diloco.v1 import diloco_pb2 as pb
+from diloco.wire import Manifest
+from islands.client import CoordinatorClient
+
+
+def _clients(coordinator, n):
+    clients = [CoordinatorClient(f"127.0.0.1:{coordinator.port}", connect_timeout_s=10) for _ in range(n)]
+    joined = [c.join() for c in clients]
+    return clients, joined
+
+
+def _fetch(client, island_id, manifest):
+    params = {k: torch.zeros(s) for k, s in manifest.shapes.items()}
+    header = client.fetch(island_id, params, manifest, Fp32Codec())
+    return header, params
+
+
+def _push(client, island_id, round_, tokens, pg, chunk_bytes):
+    header = pb.PushHeader(island_id=island_id, round=round_, tokens=tokens, train_loss=1.0, codec="fp32")
+    return client.push(header, pg, Fp32Codec(), chunk_bytes)
+
+
+def test_outer_step_matches_torch_sgd_nesterov_on_token_weighted_mean(make_coordinator):
+    cfg = tiny_config("outer.lr=0.7", "outer.momentum=0.9", "rounds.rounds=3")
+    coordinator = make_coordinator(cfg)
+    clients, joined = _clients(coordinator, 2)
+    manifest = Manifest.from_proto(joined[0].parameters)
+    try:
+        _, theta = _fetch(clients[0], joined[0].island_id, manifest)
+        reference = {k: v.clone() for k, v in theta.items()}
+        sgd = torch.optim.SGD(list(reference.values()), lr=0.7, momentum=0.9, nesterov=True)
+        tokens = [3000, 1000]
+        for round_ in range(3):
+            pgs = [random_like(manifest.shapes, seed=10 * round_ + i) for i in range(2)]
+            for client, j, t, pg in zip(clients, joined, tokens, pgs):
+                _push(client, j.island_id, round_, t, pg, cfg.wire.chunk_bytes)
+            header = clients[0].pull(joined[0].island_id, round_, theta, manifest, Fp32Codec(), timeout_s=20)
+            assert header.round == round_ + 1
+            for name, p in reference.items():
+                p.grad = (tokens[0] * pgs[0][name] + tokens[1] * pgs[1][name]) / sum(tokens)
+            sgd.step()
+            for name in theta:
+                torch.testing.assert_close(theta[name], reference[name], rtol=1e-6, atol=1e-7)
+    finally:
+        for c in clients:
+            c.close()
+
+
+def test_lr1_momentum0_gives_token_weighted_mean_of_island_parameters(make_coordinator):
+    cfg = tiny_config("outer.lr=1.0", "outer.momentum=0.0", "rounds.rounds=1")
+    coordinator = make_coordinator(cfg)
+    clients, joined = _clients(coordinator, 3)
+    manifest = Manifest.from_proto(joined[0].parameters)
+    try:
+        _, theta_global = _fetch(clients[0], joined[0].island_id, manifest)
+        tokens = [100, 200, 700]
+        # Each island moves to its own parameters; the pseudo-gradient is global - local.
+        locals_ = [{n: theta_global[n] + d for n, d in random_like(manifest.shapes, seed=i, scale=0.1).items()} for i in range(3)]
+        for client, j, t, local in zip(clients, joined, tokens, locals_):
+            pg = {n: theta_global[n] - local[n] for n in local}
+            _push(client, j.island_id, 0, t, pg, cfg.wire.chunk_bytes)
+        result = {k: torch.zeros(s) for k, s in manifest.shapes.items()}
+        clients[0].pull(joined[0].island_id, 0, result, manifest, Fp32Codec(), timeout_s=20)
+        for name in result:
+            expected = sum(t * local[name] for t, local in zip(tokens, locals_)) / sum(tokens)
+            torch.testing.assert_close(result[name], expected, rtol=1e-5, atol=1e-6)
+            # The sign is right: the result moved away from the global start towards the islands.
+            assert not torch.equal(result[name], theta_global[name])
+    finally:
+        for c in clients:
+            c.close()
+
+
+def test_accumulator_single_contribution_is_exact():
+    pg = random_like({"w": (7, 5)}, seed=3)
+    acc = PseudoGradientAccumulator({"w": (7, 5)})
+    acc.add(12345, pg)
+    assert torch.equal(acc.mean()["w"], pg["w"])
+
+
+def test_accumulator_weights_by_tokens_and_resets():
+    a, b = torch.ones(4), torch.full((4,), 4.0)
+    acc = PseudoGradientAccumulator({"w": (4,)})
+    acc.add(300, {"w": a})
+    acc.add(100, {"w": b})
+    torch.testing.assert_close(acc.mean()["w"], torch.full((4,), 1.75))
+    acc.reset()
+    assert acc.contributions == 0 and float(acc.sums["w"].abs().sum()) == 0.0

@@ -1,0 +1,25 @@
+"""A 3-island run over real gRPC, each island and the coordinator in its own process."""
+
+from __future__ import annotations
+
+from conftest import tiny_config
+from diloco.sim import run_sim
+
+
+def test_three_island_sim_ends_with_identical_parameters_and_lower_eval_loss(tmp_path):
+    cfg = tiny_config(
+        "rounds.rounds=4", "rounds.min_islands=3", "data.shards=3", "inner.steps_per_round=5",
+        "inner.lr=1e-2", "inner.warmup_steps=2", "eval.batches=4",
+    )
+    lines = []
+    result = run_sim(cfg, islands=3, workdir=tmp_path, timeout_s=240, echo=lines.append)
+    report = result.report
+    assert [r["round"] for r in report["rounds"]] == [0, 1, 2, 3]
+    assert all(len(r["islands"]) == 3 for r in report["rounds"])
+    # Every island left holding exactly the coordinator's final global parameters.
+    assert len(report["islands"]) == 3
+    assert set(report["islands"].values()) == {report["checksum"]}
+    assert report["rounds"][-1]["checksum"] == report["checksum"]
+    assert report["rounds"][-1]["eval_loss"] < report["initial_eval_loss"] - 0.3
+    assert all(r["bytes_up"] > 0 and r["bytes_down"] > 0 for r in report["rounds"])
+    assert len(lines) == 1 + 4  # header + one line per round
