@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import torch
 
 from coordinator.server import serve
@@ -20,6 +22,8 @@ def build_parser() -> ArgumentParser:
     s.add_argument("--port", type=int, default=50051, help="port to bind (default 50051; 0 picks a free one)")
     s.add_argument("--port-file", metavar="PATH", help="write the bound port here once serving (useful with --port 0)")
     s.add_argument("--report", metavar="PATH", help="write a JSON report of every round here when the run ends")
+    s.add_argument("--resume", action="store_true", help="restore the newest committed checkpoint at checkpoint.url")
+    s.add_argument("--checkpoint", metavar="URL", help="checkpoint location (local path or s3://...); sets checkpoint.url")
     s.add_argument("--linger", type=float, default=30.0, help="seconds to wait for islands to leave after the last round (default 30)")
     s.add_argument("--threads", type=int, default=0, help="torch CPU threads (default: torch's choice)")
     s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
@@ -29,6 +33,8 @@ def build_parser() -> ArgumentParser:
 def main(argv: list[str] | None = None) -> None:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.checkpoint:
+        args.overrides.append(f"checkpoint.url={json.dumps(args.checkpoint)}")
     cfg = config_from_args(parser.prog, args)
     if not 0 <= args.port < 65536:
         fail(parser.prog, f"--port {args.port} is not a valid port")
@@ -36,8 +42,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     try:
-        serve(cfg, args.host, args.port, args.report, args.linger, args.port_file)
-    except OSError as e:
+        serve(cfg, args.host, args.port, args.report, args.linger, args.port_file, args.resume)
+    except (OSError, ValueError) as e:
         fail(parser.prog, str(e))
     except KeyboardInterrupt:
         pass

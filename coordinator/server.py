@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -16,8 +17,10 @@ import grpc
 import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from coordinator import durable
 from coordinator.service import CoordinatorService
 from coordinator.state import CoordinatorState
+from diloco.checkpoint import CheckpointStore
 from diloco.config import RunConfig
 from diloco.data import eval_batches
 from diloco.inner import evaluate
@@ -78,30 +81,48 @@ class Coordinator:
                 {
                     "round": r.round,
                     "islands": list(r.islands),
+                    "dropped": list(r.dropped),
                     "tokens": r.tokens,
                     "train_loss": r.train_loss,
                     "eval_loss": None if math.isnan(r.eval_loss) else r.eval_loss,
                     "bytes_up": r.bytes_up,
                     "bytes_down": r.bytes_down,
+                    "ddp_bytes": r.ddp_bytes,
+                    "traffic": {t.island_id: [t.bytes_up, t.bytes_down] for t in r.traffic},
                     "seconds": r.seconds,
                     "checksum": r.checksum,
+                    "elements_folded": r.elements_folded,
+                    "elements_expected": r.elements_expected,
                 }
                 for r in s.summaries
             ],
             "initial_eval_loss": None if math.isnan(s.initial_eval_loss) else s.initial_eval_loss,
             "checksum": s.checksum,
             "final_round": s.round,
+            "codec": s.codec.name,
+            "downlink_codec": s.publication.codec.name,
             "islands": {i.island_id: i.final_checksum for i in s.departed},
+            "events": dataclasses.asdict(s.events),
         }
 
 
 def start_coordinator(
-    cfg: RunConfig, host: str = "127.0.0.1", port: int = 0, spool_dir: str | None = None
+    cfg: RunConfig, host: str = "127.0.0.1", port: int = 0, spool_dir: str | None = None, resume: bool = False
 ) -> Coordinator:
-    """Starts serving on host:port (port 0 picks a free one) and returns at once."""
+    """Starts serving on host:port (port 0 picks a free one) and returns at once.
+
+    With resume, state comes from the newest committed checkpoint at
+    cfg.checkpoint.url (a fresh run if there is none yet).
+    """
     spool = Path(spool_dir or tempfile.mkdtemp(prefix="diloco-spool-"))
     spool.mkdir(parents=True, exist_ok=True)
     state = CoordinatorState(cfg, initial_parameters(cfg), spool, make_evaluator(cfg))
+    store = CheckpointStore(cfg.checkpoint.url, keep_last=cfg.checkpoint.keep_last) if cfg.checkpoint.url else None
+    if resume:
+        if store is None:
+            raise ValueError("--resume needs a checkpoint location: set checkpoint.url (e.g. --set checkpoint.url=s3://bucket/run)")
+        if not durable.restore(state, store):
+            log.warning("no committed checkpoint under %s; starting the run from scratch", cfg.checkpoint.url)
     log.info(
         "global parameters: %d tensors, %.2fM elements; initial eval loss %.4f",
         len(state.params), state.manifest.total_numel() / 1e6, state.initial_eval_loss,
@@ -122,7 +143,11 @@ def start_coordinator(
     def drive() -> None:
         while not stop.is_set():
             summary = state.step_round()
-            if summary is not None and summary.run_finished:
+            if summary is None:
+                continue
+            if store is not None and (summary.run_finished or state.round % cfg.checkpoint.every_rounds == 0):
+                durable.save(state, store)
+            if summary.run_finished:
                 health_servicer.set(SERVICE_NAME, health_pb2.HealthCheckResponse.NOT_SERVING)
                 return
 
@@ -133,10 +158,16 @@ def start_coordinator(
 
 
 def serve(
-    cfg: RunConfig, host: str, port: int, report_path: str | None, linger_s: float, port_file: str | None = None
+    cfg: RunConfig,
+    host: str,
+    port: int,
+    report_path: str | None,
+    linger_s: float,
+    port_file: str | None = None,
+    resume: bool = False,
 ) -> None:
     """Serves until the run finishes and islands have left (or linger_s passed), then stops."""
-    coordinator = start_coordinator(cfg, host, port)
+    coordinator = start_coordinator(cfg, host, port, resume=resume)
     if port_file:
         Path(port_file).write_text(str(coordinator.port))
     try:

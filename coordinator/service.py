@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 from collections.abc import Iterator
@@ -9,6 +10,7 @@ from collections.abc import Iterator
 import grpc
 
 from coordinator.state import CoordinatorState, Refused
+from diloco.codec import get_codec
 from diloco.v1 import diloco_pb2 as pb
 from diloco.v1 import diloco_pb2_grpc as pb_grpc
 from diloco.wire import PROTOCOL_VERSION, tensor_chunks
@@ -16,20 +18,33 @@ from diloco.wire import PROTOCOL_VERSION, tensor_chunks
 log = logging.getLogger(__name__)
 
 
-def _refusals(method):
-    """Maps Refused to the gRPC status it names, with its message."""
+def _abort(context: grpc.ServicerContext, e: Refused):
+    if e.trailing:
+        context.set_trailing_metadata(e.trailing)
+    context.abort(e.code, str(e))
 
+
+def _refusals(method):
+    """Maps Refused to the gRPC status it names, with its message (streams too)."""
+
+    @functools.wraps(method)
     def wrapper(self, request, context):
         try:
             result = method(self, request, context)
-            if hasattr(result, "__next__"):
-                return self._stream_guard(result, context)
-            return result
         except Refused as e:
-            context.abort(e.code, str(e))
+            _abort(context, e)
+        if hasattr(result, "__next__"):
+            return _guard(result, context)
+        return result
 
-    wrapper.__name__ = method.__name__
     return wrapper
+
+
+def _guard(stream: Iterator, context: grpc.ServicerContext) -> Iterator:
+    try:
+        yield from stream
+    except Refused as e:
+        _abort(context, e)
 
 
 class CoordinatorService(pb_grpc.CoordinatorServicer):
@@ -37,19 +52,19 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         self.state = state
         self.stop = stop
 
-    def _stream_guard(self, stream: Iterator, context: grpc.ServicerContext) -> Iterator:
-        try:
-            yield from stream
-        except Refused as e:
-            context.abort(e.code, str(e))
-
     @_refusals
     def Join(self, request: pb.JoinRequest, context) -> pb.JoinResponse:
-        cfg = self.state.cfg
+        state, cfg = self.state, self.state.cfg
         if request.protocol_version != PROTOCOL_VERSION:
             raise Refused(
                 grpc.StatusCode.FAILED_PRECONDITION,
                 f"protocol version {request.protocol_version} is not {PROTOCOL_VERSION}; run the same diloco release everywhere",
+            )
+        if request.codec and request.codec != state.codec.name:
+            raise Refused(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"codec mismatch: the island is configured for {request.codec!r} but the run uses {state.codec.name!r}; "
+                "use the coordinator's config (or omit --config to adopt it)",
             )
         if request.config_digest and request.config_digest != cfg.digest():
             raise Refused(
@@ -57,14 +72,15 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                 f"config mismatch: the island's config digest is {request.config_digest}, the coordinator's is "
                 f"{cfg.digest()}; start the island with the coordinator's config file, or without --config to adopt it",
             )
-        island = self.state.join(request.hostname or context.peer())
+        island = state.join(request.hostname or context.peer(), request.island_id)
         return pb.JoinResponse(
             island_id=island.island_id,
             config_digest=cfg.digest(),
             config_toml=cfg.to_toml(),
-            round=self.state.round,
-            parameters=self.state.manifest.to_proto(),
-            codec=self.state.codec.name,
+            round=state.round,
+            parameters=state.manifest.to_proto(),
+            codec=state.codec.name,
+            downlink_codec=state.publication.codec.name,
             max_chunk_bytes=cfg.wire.chunk_bytes,
             heartbeat_interval_s=cfg.rounds.heartbeat_s,
             shard_index=island.shard,
@@ -76,44 +92,46 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         self.state.touch(request.island_id)
         return pb.HeartbeatResponse(round=self.state.round, run_finished=self.state.phase.value == "finished")
 
-    def _parameters(self) -> Iterator[pb.ResultMessage]:
-        with self.state.reading() as (header, params):
+    def _result(self, island_id: str, delta_from_round: int | None) -> Iterator[pb.ResultMessage]:
+        """The global parameters: as fp32 values, or as the last round's delta when the island can take it."""
+        fp32 = get_codec("fp32")
+        with self.state.reading(delta_from_round) as (header, delta):
             sent = 0
             message = pb.ResultMessage(header=header)
             sent += message.ByteSize()
             yield message
-            for chunk in tensor_chunks(params, self.state.codec, self.state.cfg.wire.chunk_bytes):
+            chunks = delta if delta is not None else tensor_chunks(self.state.params, fp32, self.state.cfg.wire.chunk_bytes)
+            for chunk in chunks:
                 message = pb.ResultMessage(chunk=chunk)
                 sent += message.ByteSize()
                 yield message
-        self.state.count_down(header.round, sent)
+        self.state.count_down(header.round, island_id, sent)
 
     @_refusals
     def FetchParameters(self, request: pb.FetchRequest, context) -> Iterator[pb.ResultMessage]:
         if request.island_id:
             self.state.touch(request.island_id)
-        return self._parameters()
+        return self._result(request.island_id or "observer", None)
 
     @_refusals
     def PushPseudoGradient(self, request_iterator: Iterator[pb.PushMessage], context) -> pb.PushResponse:
         first = next(request_iterator, None)
         if first is None or not first.HasField("header"):
             raise Refused(grpc.StatusCode.INVALID_ARGUMENT, "a push must start with a PushHeader")
-        header = first.header
 
-        def chunks() -> Iterator:
+        def chunks() -> Iterator[pb.TensorChunk]:
             for message in request_iterator:
                 if not message.HasField("chunk"):
                     raise Refused(grpc.StatusCode.INVALID_ARGUMENT, "only chunks may follow the PushHeader")
                 yield message.chunk
 
-        return self.state.receive(header, chunks())
+        return self.state.receive(first.header, chunks())
 
     @_refusals
     def PullRoundResult(self, request: pb.PullRequest, context) -> Iterator[pb.ResultMessage]:
         self.state.touch(request.island_id)
-        self.state.wait_for_round_after(request.round, request.timeout_s or 600.0)
-        return self._parameters()
+        self.state.wait_for_result(request.island_id, request.round, request.timeout_s or 600.0)
+        return self._result(request.island_id, request.round if request.accept_delta else None)
 
     @_refusals
     def Leave(self, request: pb.LeaveRequest, context) -> pb.LeaveResponse:
@@ -121,4 +139,3 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
 
     def WatchRounds(self, request: pb.WatchRequest, context) -> Iterator[pb.RoundSummary]:
         yield from self.state.watch(request.from_round, self.stop)
-

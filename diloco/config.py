@@ -87,7 +87,21 @@ class RoundConfig:
 
 @dataclass
 class WireConfig:
+    # Uplink (pseudo-gradient) codec: fp32, bf16, int8, e3m0 (4-bit) or topk.
     codec: str = "fp32"
+    # Downlink (outer update) codec; "" means the same as codec. Lossy downlinks
+    # keep error feedback on the coordinator so every copy stays bit-identical.
+    downlink_codec: str = ""
+    # Follow the codec with zstd.
+    zstd: bool = False
+    zstd_level: int = 3
+    # Island-side error feedback on the uplink; always on for topk.
+    error_feedback: bool = False
+    # e <- decay * e + pseudo_gradient before encoding (1.0: classic error feedback).
+    feedback_decay: float = 1.0
+    block_size: int = 256  # elements per scale block (int8, e3m0)
+    topk_density: float = 0.02
+    topk_block: int = 4096
     # Payload bytes per chunk; far under gRPC's 4 MB default message limit.
     chunk_bytes: int = 1 << 20
 
@@ -102,6 +116,15 @@ class EvalConfig:
 
 
 @dataclass
+class CheckpointConfig:
+    # fsspec URL (local path or s3://bucket/prefix) for the coordinator's
+    # checkpoints; empty disables them. Islands take --checkpoint on their CLI.
+    url: str = ""
+    every_rounds: int = 5
+    keep_last: int = 3
+
+
+@dataclass
 class RunConfig:
     name: str = "tiny-synthetic"
     seed: int = 0
@@ -112,6 +135,7 @@ class RunConfig:
     rounds: RoundConfig = field(default_factory=RoundConfig)
     wire: WireConfig = field(default_factory=WireConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -125,6 +149,7 @@ class RunConfig:
         # Membership and timing knobs are the coordinator's business.
         body.pop("rounds")
         body.pop("eval")
+        body.pop("checkpoint")
         canonical = json.dumps(body, sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(canonical.encode()).hexdigest()[:16]
 
@@ -145,6 +170,9 @@ class RunConfig:
             (self.outer.lr > 0, "outer.lr must be > 0"),
             (0 <= self.outer.momentum < 1, "outer.momentum must be in [0, 1)"),
             (1024 <= self.wire.chunk_bytes <= 3 << 20, "wire.chunk_bytes must be in [1 KiB, 3 MiB]"),
+            (0 < self.wire.feedback_decay <= 1, "wire.feedback_decay must be in (0, 1]"),
+            (self.checkpoint.every_rounds >= 1, "checkpoint.every_rounds must be >= 1"),
+            (self.checkpoint.keep_last >= 1, "checkpoint.keep_last must be >= 1"),
         ]
         for ok, message in checks:
             if not ok:

@@ -11,10 +11,12 @@ import json
 import logging
 import math
 import os
+import signal
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -55,6 +57,103 @@ def _wait_for_port(port_file: Path, proc: subprocess.Popen, timeout_s: float) ->
     raise TimeoutError(f"coordinator did not start within {timeout_s:.0f}s")
 
 
+class Simulation:
+    """The processes of a one-node run: start, kill and restart them; watch the rounds."""
+
+    def __init__(self, cfg: RunConfig, islands: int, workdir: Path, threads: int = 1, checkpoints: bool = False):
+        self.cfg, self.islands, self.workdir, self.threads = cfg, islands, workdir, threads
+        workdir.mkdir(parents=True, exist_ok=True)
+        self.config_path = workdir / "run.toml"
+        self.config_path.write_text(cfg.to_toml())
+        self.report_path = workdir / "report.json"
+        self.checkpoints = checkpoints
+        self.env = dict(os.environ, PYTHONUNBUFFERED="1")
+        self.coordinator: subprocess.Popen | None = None
+        self.island_procs: dict[int, subprocess.Popen] = {}
+        self.port = 0
+        self.starts = 0
+
+    def _spawn(self, args: list[str], log_name: str) -> subprocess.Popen:
+        with open(self.workdir / log_name, "a") as log_file:
+            return subprocess.Popen([sys.executable, "-m"] + args, env=self.env, stdout=log_file, stderr=subprocess.STDOUT)
+
+    def start_coordinator(self, resume: bool = False) -> None:
+        port_file = self.workdir / "port"
+        port_file.unlink(missing_ok=True)
+        args = ["coordinator", "serve", "--config", str(self.config_path), "--host", "127.0.0.1",
+                "--port", str(self.port), "--port-file", str(port_file), "--report", str(self.report_path),
+                "--linger", "20", "--threads", str(self.threads), "--log-level", "info"]
+        if self.checkpoints:
+            args += ["--checkpoint", str(self.workdir / "ckpt" / "coordinator")]
+        if resume:
+            args.append("--resume")
+        self.coordinator = self._spawn(args, "coordinator.log")
+        self.port = _wait_for_port(port_file, self.coordinator, 120)
+
+    def start_island(self, i: int, resume: bool = False) -> None:
+        args = ["islands", "join", "--coordinator", f"127.0.0.1:{self.port}", "--config", str(self.config_path),
+                "--threads", str(self.threads), "--device", "cpu", "--log-level", "info"]
+        if self.checkpoints:
+            args += ["--checkpoint", str(self.workdir / "ckpt" / f"island-{i}"), "--checkpoint-every", "1"]
+        if resume:
+            args.append("--resume")
+        self.island_procs[i] = self._spawn(args, f"island-{i}.log")
+
+    def start(self) -> None:
+        self.started = time.monotonic()
+        self.start_coordinator()
+        for i in range(self.islands):
+            self.start_island(i)
+
+    def kill_island(self, i: int) -> None:
+        self.island_procs[i].send_signal(signal.SIGKILL)
+        self.island_procs[i].wait()
+
+    def kill_coordinator(self) -> None:
+        self.coordinator.send_signal(signal.SIGKILL)
+        self.coordinator.wait()
+
+    def watch(self, timeout_s: float) -> Iterator[pb.RoundSummary]:
+        """Round summaries until the run finishes, across coordinator restarts."""
+        deadline = self.started + timeout_s
+        next_round = 0
+        while time.monotonic() < deadline:
+            try:
+                with grpc.insecure_channel(f"127.0.0.1:{self.port}") as channel:
+                    stub = pb_grpc.CoordinatorStub(channel)
+                    stream = stub.WatchRounds(pb.WatchRequest(from_round=0), timeout=deadline - time.monotonic(),
+                                              wait_for_ready=True)
+                    for summary in stream:
+                        if summary.round < next_round:
+                            continue  # already seen before a coordinator restart
+                        next_round = summary.round + 1
+                        yield summary
+                        if summary.run_finished:
+                            return
+            except grpc.RpcError as e:
+                if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                    break
+                time.sleep(0.5)  # the coordinator is down or restarting
+        raise TimeoutError(f"the run did not finish within {timeout_s:.0f}s; see {self.workdir}")
+
+    def finish(self, timeout_s: float) -> SimResult:
+        remaining = max(1.0, timeout_s - (time.monotonic() - self.started))
+        codes = [self.island_procs[i].wait(remaining) for i in sorted(self.island_procs)]
+        self.coordinator.wait(60)
+        if self.coordinator.returncode != 0:
+            raise RuntimeError(f"coordinator exited with status {self.coordinator.returncode}; see {self.workdir / 'coordinator.log'}")
+        bad = [i for i, c in enumerate(codes) if c != 0]
+        if bad:
+            raise RuntimeError(f"islands {bad} failed; see {self.workdir}/island-N.log")
+        return SimResult(json.loads(self.report_path.read_text()), time.monotonic() - self.started, codes)
+
+    def close(self) -> None:
+        for p in list(self.island_procs.values()) + [self.coordinator]:
+            if p is not None and p.poll() is None:
+                p.kill()
+                p.wait()
+
+
 def run_sim(
     cfg: RunConfig,
     islands: int,
@@ -62,64 +161,41 @@ def run_sim(
     timeout_s: float = 1800.0,
     threads: int = 1,
     echo=print,
-    extra_island_args: list[str] | None = None,
+    per_island: bool = False,
 ) -> SimResult:
     """Runs the simulation to the end; raises if it fails or outlives timeout_s."""
-    workdir.mkdir(parents=True, exist_ok=True)
-    config_path = workdir / "run.toml"
-    config_path.write_text(cfg.to_toml())
-    port_file, report_path = workdir / "port", workdir / "report.json"
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    python = [sys.executable, "-m"]
-    started = time.monotonic()
-    coordinator = subprocess.Popen(
-        python + ["coordinator", "serve", "--config", str(config_path), "--host", "127.0.0.1", "--port", "0",
-                  "--port-file", str(port_file), "--report", str(report_path), "--linger", "20",
-                  "--threads", str(threads), "--log-level", "warning"],
-        env=env, stdout=open(workdir / "coordinator.log", "w"), stderr=subprocess.STDOUT,
-    )
-    procs: list[subprocess.Popen] = []
+    sim = Simulation(cfg, islands, workdir, threads)
     try:
-        port = _wait_for_port(port_file, coordinator, 120)
-        address = f"127.0.0.1:{port}"
-        for i in range(islands):
-            procs.append(subprocess.Popen(
-                python + ["islands", "join", "--coordinator", address, "--config", str(config_path),
-                          "--threads", str(threads), "--device", "cpu", "--log-level", "warning"] + (extra_island_args or []),
-                env=env, stdout=open(workdir / f"island-{i}.log", "w"), stderr=subprocess.STDOUT,
-            ))
-        _watch(address, cfg, islands, echo, started, timeout_s)
-        remaining = max(1.0, timeout_s - (time.monotonic() - started))
-        codes = [p.wait(remaining) for p in procs]
-        coordinator.wait(60)
+        sim.start()
+        printer = RoundPrinter(echo, per_island)
+        for summary in sim.watch(timeout_s):
+            printer.print(summary)
+        return sim.finish(timeout_s)
     finally:
-        for p in procs + [coordinator]:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    if coordinator.returncode != 0:
-        raise RuntimeError(f"coordinator exited with status {coordinator.returncode}; see {workdir / 'coordinator.log'}")
-    bad = [i for i, c in enumerate(codes) if c != 0]
-    if bad:
-        raise RuntimeError(f"islands {bad} failed; see {workdir}/island-N.log")
-    report = json.loads(report_path.read_text())
-    return SimResult(report, time.monotonic() - started, codes)
+        sim.close()
 
 
-def _watch(address: str, cfg: RunConfig, islands: int, echo, started: float, timeout_s: float) -> None:
-    """Prints one line per closed round until the run finishes."""
-    echo(f"{'round':>5} {'islands':>7} {'train':>7} {'eval':>7} {'up':>10} {'down':>10} {'secs':>6}")
-    with grpc.insecure_channel(address) as channel:
-        stub = pb_grpc.CoordinatorStub(channel)
-        remaining = timeout_s - (time.monotonic() - started)
-        for s in stub.WatchRounds(pb.WatchRequest(from_round=0), timeout=remaining):
-            eval_text = "-" if math.isnan(s.eval_loss) else f"{s.eval_loss:.4f}"
-            echo(
-                f"{s.round:>5} {len(s.islands):>7} {s.train_loss:>7.4f} {eval_text:>7} "
-                f"{_fmt_bytes(s.bytes_up):>10} {_fmt_bytes(s.bytes_down):>10} {s.seconds:>6.1f}"
-            )
-            if s.run_finished:
-                return
+class RoundPrinter:
+    """One line per closed round: islands, losses, bytes, and the running factor against data-parallel."""
+
+    def __init__(self, echo, per_island: bool = False):
+        self.echo, self.per_island = echo, per_island
+        self.sent = self.ddp = 0.0
+        echo(f"{'round':>5} {'islands':>7} {'train':>7} {'eval':>7} {'up':>10} {'down':>10} {'vs DDP':>8} {'secs':>6}")
+
+    def print(self, s: pb.RoundSummary, note: str = "") -> None:
+        self.sent += s.bytes_up + s.bytes_down
+        self.ddp += s.ddp_bytes
+        eval_text = "-" if math.isnan(s.eval_loss) else f"{s.eval_loss:.4f}"
+        factor = f"{self.ddp / self.sent:.1f}x" if self.sent and self.ddp else "-"
+        extra = (f"  dropped: {', '.join(s.dropped)}" if s.dropped else "") + (f"  {note}" if note else "")
+        self.echo(
+            f"{s.round:>5} {len(s.islands):>7} {s.train_loss:>7.4f} {eval_text:>7} "
+            f"{_fmt_bytes(s.bytes_up):>10} {_fmt_bytes(s.bytes_down):>10} {factor:>8} {s.seconds:>6.1f}{extra}"
+        )
+        if self.per_island:
+            for t in s.traffic:
+                self.echo(f"{'':>5} {t.island_id:>15} {'':>7} {_fmt_bytes(t.bytes_up):>10} {_fmt_bytes(t.bytes_down):>10}")
 
 
 def summarize(result: SimResult, cfg: RunConfig, echo=print) -> None:
@@ -128,14 +204,20 @@ def summarize(result: SimResult, cfg: RunConfig, echo=print) -> None:
     evals = [r["eval_loss"] for r in rounds if r["eval_loss"] is not None]
     up = sum(r["bytes_up"] for r in rounds)
     down = sum(r["bytes_down"] for r in rounds)
+    ddp = sum(r["ddp_bytes"] for r in rounds)
     echo("")
-    echo(f"finished {len(rounds)} rounds in {result.seconds:.1f}s")
+    echo(f"finished {len(rounds)} rounds in {result.seconds:.1f}s (codec up {rep['codec']}, down {rep['downlink_codec']})")
     if evals and rep["initial_eval_loss"] is not None:
         echo(f"eval loss of the global parameters: {rep['initial_eval_loss']:.4f} -> {evals[-1]:.4f}")
     floor = entropy_floor(cfg.data)
     if floor is not None and evals:
         echo(f"entropy floor of the synthetic language: {floor:.4f} nats/token (gap {evals[-1] - floor:.4f})")
-    echo(f"bytes up {_fmt_bytes(up)}, down {_fmt_bytes(down)}")
+    echo(f"bytes up {_fmt_bytes(up)}, down {_fmt_bytes(down)}"
+         + (f"; data-parallel would have sent {_fmt_bytes(ddp)} ({ddp / (up + down):.1f}x more)" if ddp and up + down else ""))
+    ev = rep.get("events", {})
+    failures = {k: v for k, v in ev.items() if v}
+    if failures:
+        echo("failures and recovery: " + ", ".join(f"{k}={v:.1f}" if isinstance(v, float) else f"{k}={v}" for k, v in failures.items()))
     matches = sum(1 for c in rep["islands"].values() if c == rep["checksum"])
     echo(f"islands holding the coordinator's global parameters: {matches}/{len(rep['islands'])} (checksum {rep['checksum'][:12]})")
 
@@ -150,6 +232,7 @@ def build_parser() -> ArgumentParser:
     parser.add_argument("--rounds", type=int, help="override rounds.rounds")
     parser.add_argument("--workdir", help="where logs, the resolved config and the report go (default: a temp dir)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per process (default 1)")
+    parser.add_argument("--per-island", action="store_true", help="also print bytes up/down per island each round")
     parser.add_argument("--timeout", type=float, default=1800.0, help="give up after this many seconds (default 1800)")
     return parser
 
@@ -169,7 +252,9 @@ def main(argv: list[str] | None = None) -> None:
     print(f"diloco-sim: {args.islands} islands, {cfg.rounds.rounds} rounds of H={cfg.inner.steps_per_round}, "
           f"config {cfg.name!r} (logs in {workdir})", flush=True)
     try:
-        result = run_sim(cfg, args.islands, workdir, args.timeout, args.threads, echo=lambda s: print(s, flush=True))
+        result = run_sim(
+            cfg, args.islands, workdir, args.timeout, args.threads, echo=lambda s: print(s, flush=True), per_island=args.per_island
+        )
     except (RuntimeError, TimeoutError, grpc.RpcError) as e:
         fail(parser.prog, f"simulation failed: {e}")
     except KeyboardInterrupt:

@@ -13,7 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
-from diloco.codec import Codec
+from diloco.codec import Codec, ErrorFeedback, get_codec
+from diloco.config import WireConfig
 from diloco.v1 import diloco_pb2 as pb
 
 PROTOCOL_VERSION = 1
@@ -54,22 +55,60 @@ class Manifest:
         return Manifest({s.name: tuple(s.shape) for s in specs})
 
 
+def _codec_options(wire: WireConfig) -> dict:
+    return {
+        "zstd": wire.zstd,
+        "zstd_level": wire.zstd_level,
+        "block_size": wire.block_size,
+        "density": wire.topk_density,
+        "topk_block": wire.topk_block,
+    }
+
+
+def uplink_codec(wire: WireConfig) -> Codec:
+    """The codec islands push pseudo-gradients with."""
+    return get_codec(wire.codec, **_codec_options(wire))
+
+
+def downlink_codec(wire: WireConfig) -> Codec:
+    """The codec the coordinator sends round updates with."""
+    return get_codec(wire.downlink_codec or wire.codec, **_codec_options(wire))
+
+
+def uses_error_feedback(wire: WireConfig) -> bool:
+    return wire.error_feedback or wire.codec == "topk"
+
+
 def encode_chunks(
-    name: str, flat: torch.Tensor, codec: Codec, chunk_bytes: int, base_offset: int = 0
+    name: str,
+    flat: torch.Tensor,
+    codec: Codec,
+    chunk_bytes: int,
+    base_offset: int = 0,
+    feedback: ErrorFeedback | None = None,
 ) -> Iterator[pb.TensorChunk]:
-    """Chunks of a flat tensor; offsets count from base_offset (for shards)."""
+    """Chunks of a flat tensor; offsets count from base_offset (for shards).
+
+    With feedback, each chunk sends the pseudo-gradient plus what earlier rounds
+    failed to send, and keeps what this chunk fails to send for later.
+    """
     step = max(1, codec.max_elements(chunk_bytes))
     for start in range(0, flat.numel(), step):
         piece = flat[start : start + step]
-        payload = codec.encode(piece)
+        if feedback is not None:
+            payload = feedback.compress(name, base_offset + start, piece, codec)
+        else:
+            payload = codec.encode(piece)
         yield pb.TensorChunk(
             name=name, offset=base_offset + start, numel=piece.numel(), payload=payload, crc32=zlib.crc32(payload)
         )
 
 
-def tensor_chunks(tensors: Mapping[str, torch.Tensor], codec: Codec, chunk_bytes: int) -> Iterator[pb.TensorChunk]:
+def tensor_chunks(
+    tensors: Mapping[str, torch.Tensor], codec: Codec, chunk_bytes: int, feedback: ErrorFeedback | None = None
+) -> Iterator[pb.TensorChunk]:
     for name, t in tensors.items():
-        yield from encode_chunks(name, t.detach().reshape(-1), codec, chunk_bytes)
+        yield from encode_chunks(name, t.detach().reshape(-1), codec, chunk_bytes, feedback=feedback)
 
 
 def check_chunk(chunk: pb.TensorChunk, manifest: Manifest) -> None:
@@ -98,14 +137,19 @@ def decode_chunk(chunk: pb.TensorChunk, manifest: Manifest, codec: Codec) -> tor
 
 
 def apply_chunks(
-    chunks: Iterable[pb.TensorChunk], targets: Mapping[str, torch.Tensor], manifest: Manifest, codec: Codec
+    chunks: Iterable[pb.TensorChunk],
+    targets: Mapping[str, torch.Tensor],
+    manifest: Manifest,
+    codec: Codec,
+    add: bool = False,
 ) -> int:
-    """Writes decoded chunks into the matching flat ranges of targets; returns elements written."""
+    """Writes (or, with add, adds) decoded chunks into the flat ranges of targets; returns elements."""
     written = 0
     for chunk in chunks:
         values = decode_chunk(chunk, manifest, codec)
-        flat = targets[chunk.name].view(-1)
-        flat[chunk.offset : chunk.offset + chunk.numel].copy_(values)
+        target = targets[chunk.name].view(-1)[chunk.offset : chunk.offset + chunk.numel]
+        # add_ on fp32 is the coordinator's exact operation, so both copies stay bit-identical.
+        target.add_(values) if add else target.copy_(values)
         written += chunk.numel
     return written
 
@@ -116,6 +160,11 @@ class Coverage:
     def __init__(self, manifest: Manifest):
         self.manifest = manifest
         self.ranges: dict[str, list[tuple[int, int]]] = {}
+
+    def copy(self) -> "Coverage":
+        other = Coverage(self.manifest)
+        other.ranges = {n: list(r) for n, r in self.ranges.items()}
+        return other
 
     def add(self, name: str, offset: int, numel: int) -> None:
         self.ranges.setdefault(name, []).append((offset, offset + numel))

@@ -28,6 +28,9 @@ def build_parser() -> ArgumentParser:
     j.add_argument("--device", default="auto", help="cpu, cuda or auto (default: cuda when available)")
     j.add_argument("--threads", type=int, default=0, help="torch CPU threads (default: torch's choice)")
     j.add_argument("--connect-timeout", type=float, default=60.0, help="seconds to wait for the coordinator (default 60)")
+    j.add_argument("--checkpoint", metavar="URL", default="", help="where to checkpoint this island (local path or s3://...)")
+    j.add_argument("--checkpoint-every", type=int, default=5, metavar="N", help="checkpoint every N rounds (default 5)")
+    j.add_argument("--resume", action="store_true", help="restore the newest checkpoint at --checkpoint and rejoin as the same island")
     j.add_argument("--max-rounds", type=int, default=None, help="leave after this many rounds (default: until the run ends)")
     j.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return parser
@@ -38,6 +41,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if ":" not in args.coordinator:
         fail(parser.prog, f"--coordinator {args.coordinator!r} must be HOST:PORT")
+    if args.resume and not args.checkpoint:
+        fail(parser.prog, "--resume needs --checkpoint URL")
     cfg = None
     if args.config or args.overrides:
         try:
@@ -49,7 +54,10 @@ def main(argv: list[str] | None = None) -> None:
         torch.set_num_threads(args.threads)
     world = IslandWorld.init(args.device)
     try:
-        result = join_and_run(args.coordinator, cfg, world, args.max_rounds, args.connect_timeout)
+        result = join_and_run(
+            args.coordinator, cfg, world, args.max_rounds, args.connect_timeout,
+            args.checkpoint, args.checkpoint_every, args.resume,
+        )
         log.info(
             "%s finished at round %d after %d rounds; parameters checksum %s (%s the coordinator's)",
             result.island_id, result.final_round, result.rounds, result.checksum,
@@ -59,7 +67,7 @@ def main(argv: list[str] | None = None) -> None:
         fail(parser.prog, str(e))
     except grpc.RpcError as e:
         fail(parser.prog, f"coordinator refused: {e.code().name}: {e.details()}")
-    except ConfigError as e:
+    except (ConfigError, ValueError) as e:
         fail(parser.prog, str(e))
     except KeyboardInterrupt:
         pass

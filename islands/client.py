@@ -6,31 +6,55 @@ import logging
 import socket
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 
 import grpc
 import torch
 
-from diloco.codec import Codec
+from diloco.codec import Codec, get_codec
 from diloco.params import checksum
 from diloco.v1 import diloco_pb2 as pb
 from diloco.v1 import diloco_pb2_grpc as pb_grpc
-from diloco.wire import PROTOCOL_VERSION, Manifest, apply_chunks, tensor_chunks
+from diloco.wire import PROTOCOL_VERSION, Manifest, apply_chunks
 
 log = logging.getLogger(__name__)
 
 # Transient failures worth another try; anything else is the caller's problem.
 RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DATA_LOSS}
+ACCEPTED_CHUNKS_KEY = "diloco-accepted-chunks"
 
 
 class CoordinatorUnreachable(ConnectionError):
     pass
 
 
+class ReplayableChunks:
+    """Encoded chunks produced lazily, kept so a push can be resent without re-encoding.
+
+    Re-encoding would be wrong, not just slow: with error feedback, encoding
+    consumes the residual.
+    """
+
+    def __init__(self, source: Iterable[pb.TensorChunk]):
+        self._source = iter(source)
+        self._cache: list[pb.TensorChunk] = []
+
+    def iter_from(self, start: int) -> Iterator[pb.TensorChunk]:
+        i = start
+        while True:
+            if i >= len(self._cache):
+                chunk = next(self._source, None)
+                if chunk is None:
+                    return
+                self._cache.append(chunk)
+            yield self._cache[i]
+            i += 1
+
+
 class CoordinatorClient:
-    def __init__(self, address: str, connect_timeout_s: float = 30.0, retries: int = 5):
+    def __init__(self, address: str, connect_timeout_s: float = 30.0, reconnect_s: float = 120.0):
         self.address = address
-        self.retries = retries
+        self.reconnect_s = reconnect_s
         self.channel = grpc.insecure_channel(address)
         try:
             grpc.channel_ready_future(self.channel).result(timeout=connect_timeout_s)
@@ -43,6 +67,8 @@ class CoordinatorClient:
         self.stub = pb_grpc.CoordinatorStub(self.channel)
         self.bytes_sent = 0
         self.bytes_received = 0
+        # Codecs results may arrive in, by name; the island adds the run's downlink codec.
+        self.codecs: dict[str, Codec] = {"fp32": get_codec("fp32")}
         self._heartbeat_stop = threading.Event()
         self._heartbeat: threading.Thread | None = None
 
@@ -53,75 +79,107 @@ class CoordinatorClient:
         self.channel.close()
 
     def _retry(self, what: str, call):
-        delay = 0.2
-        for attempt in range(self.retries + 1):
+        """Retries transient failures with backoff for up to reconnect_s (a coordinator restart)."""
+        delay, deadline = 0.2, time.monotonic() + self.reconnect_s
+        while True:
             try:
                 return call()
             except grpc.RpcError as e:
-                if e.code() not in RETRYABLE or attempt == self.retries:
+                if e.code() not in RETRYABLE or time.monotonic() + delay > deadline:
                     raise
                 log.warning("%s failed (%s: %s); retrying in %.1fs", what, e.code().name, e.details(), delay)
                 time.sleep(delay)
                 delay = min(delay * 2, 5.0)
 
-    def join(self, config_digest: str = "") -> pb.JoinResponse:
-        request = pb.JoinRequest(config_digest=config_digest, hostname=socket.gethostname(), protocol_version=PROTOCOL_VERSION)
+    def join(self, config_digest: str = "", codec: str = "", island_id: str = "") -> pb.JoinResponse:
+        request = pb.JoinRequest(
+            config_digest=config_digest, hostname=socket.gethostname(), protocol_version=PROTOCOL_VERSION,
+            codec=codec, island_id=island_id,
+        )
         return self._retry("join", lambda: self.stub.Join(request, timeout=60))
 
-    def start_heartbeat(self, island_id: str, interval_s: float, round_of: callable) -> None:
+    def start_heartbeat(self, island_id: Callable[[], str], interval_s: float, round_of: Callable[[], int]) -> None:
         def beat() -> None:
+            failing = False
             while not self._heartbeat_stop.wait(interval_s):
                 try:
-                    self.stub.Heartbeat(pb.HeartbeatRequest(island_id=island_id, round=round_of()), timeout=max(interval_s, 5))
+                    self.stub.Heartbeat(pb.HeartbeatRequest(island_id=island_id(), round=round_of()), timeout=max(interval_s, 5))
+                    failing = False
                 except grpc.RpcError as e:
-                    log.warning("heartbeat failed: %s %s", e.code().name, e.details())
+                    if not failing:
+                        log.warning("heartbeat failed: %s %s", e.code().name, e.details())
+                    failing = True
 
         self._heartbeat = threading.Thread(target=beat, name="heartbeat", daemon=True)
         self._heartbeat.start()
 
-    def _receive(self, stream: Iterator[pb.ResultMessage], targets: Mapping[str, torch.Tensor], manifest: Manifest, codec: Codec) -> pb.ResultHeader:
-        header = None
+    def _receive(
+        self, stream: Iterator[pb.ResultMessage], targets: Mapping[str, torch.Tensor], manifest: Manifest, held: str
+    ) -> pb.ResultHeader:
+        """Applies a result stream to targets (values, or a delta onto parameters with checksum `held`)."""
+        first = next(stream, None)
+        if first is None or not first.HasField("header"):
+            raise grpc_error(grpc.StatusCode.DATA_LOSS, "result stream without a header")
+        header = first.header
+        self.bytes_received += first.ByteSize()
+        delta = header.mode == pb.ResultHeader.DELTA
+        if delta and header.base_checksum != held:
+            raise grpc_error(grpc.StatusCode.FAILED_PRECONDITION, "delta is for other parameters than ours; fetch values")
 
         def chunks():
-            nonlocal header
             for message in stream:
                 self.bytes_received += message.ByteSize()
-                if message.HasField("header"):
-                    header = message.header
-                else:
-                    yield message.chunk
+                yield message.chunk
 
-        written = apply_chunks(chunks(), targets, manifest, codec)
-        if header is None or written != manifest.total_numel():
+        codec = self.codecs.get(header.codec)
+        if codec is None:
+            raise grpc_error(grpc.StatusCode.FAILED_PRECONDITION, f"result codec {header.codec!r} is not this run's")
+        written = apply_chunks(chunks(), targets, manifest, codec, add=delta)
+        if written != manifest.total_numel():
             raise grpc_error(grpc.StatusCode.DATA_LOSS, f"parameter stream ended early ({written} of {manifest.total_numel()} elements)")
         if checksum(targets) != header.checksum:
+            log.warning("global parameters after round %d differ from the coordinator's (checksum); full resync", header.round - 1)
             raise grpc_error(grpc.StatusCode.DATA_LOSS, "received parameters do not match the coordinator's checksum")
         return header
 
-    def fetch(self, island_id: str, targets: Mapping[str, torch.Tensor], manifest: Manifest, codec: Codec) -> pb.ResultHeader:
-        """Overwrites targets with the current global parameters; returns their header."""
+    def fetch(self, island_id: str, targets: Mapping[str, torch.Tensor], manifest: Manifest) -> pb.ResultHeader:
+        """Overwrites targets with the current global parameters (fp32 values); returns their header."""
         return self._retry(
-            "fetch",
-            lambda: self._receive(self.stub.FetchParameters(pb.FetchRequest(island_id=island_id)), targets, manifest, codec),
+            "fetch", lambda: self._receive(self.stub.FetchParameters(pb.FetchRequest(island_id=island_id)), targets, manifest, "")
         )
 
-    def pull(self, island_id: str, round_: int, targets, manifest: Manifest, codec: Codec, timeout_s: float) -> pb.ResultHeader:
-        """Waits for round_ to close, then overwrites targets with the new global parameters."""
-        request = pb.PullRequest(island_id=island_id, round=round_, timeout_s=timeout_s)
+    def pull(
+        self, island_id: str, round_: int, targets: Mapping[str, torch.Tensor], manifest: Manifest, held: str, timeout_s: float
+    ) -> pb.ResultHeader:
+        """Waits for round_ to close, then brings targets (checksum `held`) to the new global parameters."""
+        request = pb.PullRequest(island_id=island_id, round=round_, timeout_s=timeout_s, accept_delta=bool(held))
         return self._retry(
             "pull",
-            lambda: self._receive(self.stub.PullRoundResult(request, timeout=timeout_s + 60), targets, manifest, codec),
+            lambda: self._receive(self.stub.PullRoundResult(request, timeout=timeout_s + 60), targets, manifest, held),
         )
 
-    def push(self, header: pb.PushHeader, pseudo_gradient: Mapping[str, torch.Tensor], codec: Codec, chunk_bytes: int) -> pb.PushResponse:
+    def push(self, header: pb.PushHeader, chunks: ReplayableChunks) -> pb.PushResponse:
+        """Streams a pseudo-gradient; after DATA_LOSS resends only what the coordinator did not keep."""
+        start = 0
+
         def messages() -> Iterator[pb.PushMessage]:
             yield pb.PushMessage(header=header)
-            for chunk in tensor_chunks(pseudo_gradient, codec, chunk_bytes):
+            for chunk in chunks.iter_from(start):
                 message = pb.PushMessage(chunk=chunk)
                 self.bytes_sent += message.ByteSize()
                 yield message
 
-        return self._retry("push", lambda: self.stub.PushPseudoGradient(messages(), timeout=600))
+        def attempt() -> pb.PushResponse:
+            nonlocal start
+            try:
+                return self.stub.PushPseudoGradient(messages(), timeout=600)
+            except grpc.RpcError as e:
+                if e.code() == grpc.StatusCode.DATA_LOSS:
+                    kept = dict(e.trailing_metadata() or ()).get(ACCEPTED_CHUNKS_KEY)
+                    start += int(kept or 0)
+                raise
+
+        return self._retry("push", attempt)
 
     def leave(self, island_id: str, params_checksum: str, round_: int) -> bool:
         try:

@@ -59,3 +59,10 @@ def join(stub, digest: str = "") -> pb.JoinResponse:
 def random_like(shapes, seed: int, scale: float = 1e-2) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     return {n: torch.randn(s, generator=g) * scale for n, s in shapes.items()}
+
+
+def wait_for_round(coordinator, round_: int, timeout_s: float = 10.0) -> None:
+    """Blocks until the coordinator has moved past round_."""
+    state = coordinator.state
+    with state.cond:
+        assert state.cond.wait_for(lambda: state.round > round_, timeout_s), f"round {round_} did not close"

@@ -11,7 +11,7 @@ import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from conftest import join, random_like, tiny_config
+from conftest import join, random_like, tiny_config, wait_for_round
 from diloco.codec import Fp32Codec
 from diloco.v1 import diloco_pb2 as pb
 from diloco.wire import Manifest, tensor_chunks
@@ -53,7 +53,7 @@ def _finish_round_and_check(cfg, coordinator, stub, ids, manifest, theta0):
     for island_id, pg in zip(ids, pgs):
         reply = stub.PushPseudoGradient(_messages(island_id, pg, cfg.wire.chunk_bytes), timeout=10)
         assert reply.contribution_complete
-    coordinator.state.wait_for_round_after(0, 10)
+    wait_for_round(coordinator, 0)
     expected = _expected_after_one_round(theta0, [(pgs[0], 1000), (pgs[1], 1000)], lr=1.0)
     for n, t in coordinator.state.params.items():
         torch.testing.assert_close(t, expected[n], rtol=1e-6, atol=1e-7)
@@ -116,9 +116,10 @@ def test_disconnect_mid_push_leaves_no_partial_contribution(run):
 
     call = stub.PushPseudoGradient.future(half_then_hang())
     deadline = time.monotonic() + 10
-    while coordinator.state.bytes_up.get(0, 0) == 0 and time.monotonic() < deadline:
+    received = lambda: coordinator.state.traffic.get((0, a), [0, 0])[0]  # noqa: E731
+    while received() == 0 and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert coordinator.state.bytes_up.get(0, 0) > 0, "the server never saw the first half"
+    assert received() > 0, "the server never saw the first half"
     call.cancel()  # the island goes away mid-stream
     hang.set()
     deadline = time.monotonic() + 10

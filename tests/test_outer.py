@@ -8,8 +8,8 @@ from conftest import join, random_like, tiny_config
 from diloco.codec import Fp32Codec
 from diloco.outer import PseudoGradientAccumulator
 from diloco.v1 import diloco_pb2 as pb
-from diloco.wire import Manifest
-from islands.client import CoordinatorClient
+from diloco.wire import Manifest, tensor_chunks
+from islands.client import CoordinatorClient, ReplayableChunks
 
 
 def _clients(coordinator, n):
@@ -20,13 +20,13 @@ def _clients(coordinator, n):
 
 def _fetch(client, island_id, manifest):
     params = {k: torch.zeros(s) for k, s in manifest.shapes.items()}
-    header = client.fetch(island_id, params, manifest, Fp32Codec())
+    header = client.fetch(island_id, params, manifest)
     return header, params
 
 
 def _push(client, island_id, round_, tokens, pg, chunk_bytes):
     header = pb.PushHeader(island_id=island_id, round=round_, tokens=tokens, train_loss=1.0, codec="fp32")
-    return client.push(header, pg, Fp32Codec(), chunk_bytes)
+    return client.push(header, ReplayableChunks(tensor_chunks(pg, Fp32Codec(), chunk_bytes)))
 
 
 def test_outer_step_matches_torch_sgd_nesterov_on_token_weighted_mean(make_coordinator):
@@ -43,7 +43,7 @@ def test_outer_step_matches_torch_sgd_nesterov_on_token_weighted_mean(make_coord
             pgs = [random_like(manifest.shapes, seed=10 * round_ + i) for i in range(2)]
             for client, j, t, pg in zip(clients, joined, tokens, pgs):
                 _push(client, j.island_id, round_, t, pg, cfg.wire.chunk_bytes)
-            header = clients[0].pull(joined[0].island_id, round_, theta, manifest, Fp32Codec(), timeout_s=20)
+            header = clients[0].pull(joined[0].island_id, round_, theta, manifest, "", timeout_s=20)
             assert header.round == round_ + 1
             for name, p in reference.items():
                 p.grad = (tokens[0] * pgs[0][name] + tokens[1] * pgs[1][name]) / sum(tokens)
@@ -69,7 +69,7 @@ def test_lr1_momentum0_gives_token_weighted_mean_of_island_parameters(make_coord
             pg = {n: theta_global[n] - local[n] for n in local}
             _push(client, j.island_id, 0, t, pg, cfg.wire.chunk_bytes)
         result = {k: torch.zeros(s) for k, s in manifest.shapes.items()}
-        clients[0].pull(joined[0].island_id, 0, result, manifest, Fp32Codec(), timeout_s=20)
+        clients[0].pull(joined[0].island_id, 0, result, manifest, "", timeout_s=20)
         for name in result:
             expected = sum(t * local[name] for t, local in zip(tokens, locals_)) / sum(tokens)
             torch.testing.assert_close(result[name], expected, rtol=1e-5, atol=1e-6)

@@ -1,4 +1,5 @@
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable, Mapping as _Mapping
@@ -15,17 +16,21 @@ class ParameterSpec(_message.Message):
     def __init__(self, name: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class JoinRequest(_message.Message):
-    __slots__ = ("config_digest", "hostname", "protocol_version")
+    __slots__ = ("config_digest", "hostname", "protocol_version", "codec", "island_id")
     CONFIG_DIGEST_FIELD_NUMBER: _ClassVar[int]
     HOSTNAME_FIELD_NUMBER: _ClassVar[int]
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    CODEC_FIELD_NUMBER: _ClassVar[int]
+    ISLAND_ID_FIELD_NUMBER: _ClassVar[int]
     config_digest: str
     hostname: str
     protocol_version: int
-    def __init__(self, config_digest: _Optional[str] = ..., hostname: _Optional[str] = ..., protocol_version: _Optional[int] = ...) -> None: ...
+    codec: str
+    island_id: str
+    def __init__(self, config_digest: _Optional[str] = ..., hostname: _Optional[str] = ..., protocol_version: _Optional[int] = ..., codec: _Optional[str] = ..., island_id: _Optional[str] = ...) -> None: ...
 
 class JoinResponse(_message.Message):
-    __slots__ = ("island_id", "config_digest", "config_toml", "round", "parameters", "codec", "max_chunk_bytes", "heartbeat_interval_s", "shard_index", "total_rounds")
+    __slots__ = ("island_id", "config_digest", "config_toml", "round", "parameters", "codec", "max_chunk_bytes", "heartbeat_interval_s", "shard_index", "total_rounds", "downlink_codec")
     ISLAND_ID_FIELD_NUMBER: _ClassVar[int]
     CONFIG_DIGEST_FIELD_NUMBER: _ClassVar[int]
     CONFIG_TOML_FIELD_NUMBER: _ClassVar[int]
@@ -36,6 +41,7 @@ class JoinResponse(_message.Message):
     HEARTBEAT_INTERVAL_S_FIELD_NUMBER: _ClassVar[int]
     SHARD_INDEX_FIELD_NUMBER: _ClassVar[int]
     TOTAL_ROUNDS_FIELD_NUMBER: _ClassVar[int]
+    DOWNLINK_CODEC_FIELD_NUMBER: _ClassVar[int]
     island_id: str
     config_digest: str
     config_toml: str
@@ -46,7 +52,8 @@ class JoinResponse(_message.Message):
     heartbeat_interval_s: float
     shard_index: int
     total_rounds: int
-    def __init__(self, island_id: _Optional[str] = ..., config_digest: _Optional[str] = ..., config_toml: _Optional[str] = ..., round: _Optional[int] = ..., parameters: _Optional[_Iterable[_Union[ParameterSpec, _Mapping]]] = ..., codec: _Optional[str] = ..., max_chunk_bytes: _Optional[int] = ..., heartbeat_interval_s: _Optional[float] = ..., shard_index: _Optional[int] = ..., total_rounds: _Optional[int] = ...) -> None: ...
+    downlink_codec: str
+    def __init__(self, island_id: _Optional[str] = ..., config_digest: _Optional[str] = ..., config_toml: _Optional[str] = ..., round: _Optional[int] = ..., parameters: _Optional[_Iterable[_Union[ParameterSpec, _Mapping]]] = ..., codec: _Optional[str] = ..., max_chunk_bytes: _Optional[int] = ..., heartbeat_interval_s: _Optional[float] = ..., shard_index: _Optional[int] = ..., total_rounds: _Optional[int] = ..., downlink_codec: _Optional[str] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
     __slots__ = ("island_id", "round")
@@ -121,28 +128,40 @@ class PushResponse(_message.Message):
     def __init__(self, accepted: _Optional[bool] = ..., elements: _Optional[int] = ..., contribution_complete: _Optional[bool] = ...) -> None: ...
 
 class PullRequest(_message.Message):
-    __slots__ = ("island_id", "round", "timeout_s")
+    __slots__ = ("island_id", "round", "timeout_s", "accept_delta")
     ISLAND_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    ACCEPT_DELTA_FIELD_NUMBER: _ClassVar[int]
     island_id: str
     round: int
     timeout_s: float
-    def __init__(self, island_id: _Optional[str] = ..., round: _Optional[int] = ..., timeout_s: _Optional[float] = ...) -> None: ...
+    accept_delta: bool
+    def __init__(self, island_id: _Optional[str] = ..., round: _Optional[int] = ..., timeout_s: _Optional[float] = ..., accept_delta: _Optional[bool] = ...) -> None: ...
 
 class ResultHeader(_message.Message):
-    __slots__ = ("round", "codec", "checksum", "run_finished", "islands")
+    __slots__ = ("round", "codec", "checksum", "run_finished", "islands", "mode", "base_checksum")
+    class Mode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        VALUES: _ClassVar[ResultHeader.Mode]
+        DELTA: _ClassVar[ResultHeader.Mode]
+    VALUES: ResultHeader.Mode
+    DELTA: ResultHeader.Mode
     ROUND_FIELD_NUMBER: _ClassVar[int]
     CODEC_FIELD_NUMBER: _ClassVar[int]
     CHECKSUM_FIELD_NUMBER: _ClassVar[int]
     RUN_FINISHED_FIELD_NUMBER: _ClassVar[int]
     ISLANDS_FIELD_NUMBER: _ClassVar[int]
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    BASE_CHECKSUM_FIELD_NUMBER: _ClassVar[int]
     round: int
     codec: str
     checksum: str
     run_finished: bool
     islands: int
-    def __init__(self, round: _Optional[int] = ..., codec: _Optional[str] = ..., checksum: _Optional[str] = ..., run_finished: _Optional[bool] = ..., islands: _Optional[int] = ...) -> None: ...
+    mode: ResultHeader.Mode
+    base_checksum: str
+    def __init__(self, round: _Optional[int] = ..., codec: _Optional[str] = ..., checksum: _Optional[str] = ..., run_finished: _Optional[bool] = ..., islands: _Optional[int] = ..., mode: _Optional[_Union[ResultHeader.Mode, str]] = ..., base_checksum: _Optional[str] = ...) -> None: ...
 
 class ResultMessage(_message.Message):
     __slots__ = ("header", "chunk")
@@ -168,6 +187,16 @@ class LeaveResponse(_message.Message):
     checksum_matches: bool
     def __init__(self, checksum_matches: _Optional[bool] = ...) -> None: ...
 
+class IslandTraffic(_message.Message):
+    __slots__ = ("island_id", "bytes_up", "bytes_down")
+    ISLAND_ID_FIELD_NUMBER: _ClassVar[int]
+    BYTES_UP_FIELD_NUMBER: _ClassVar[int]
+    BYTES_DOWN_FIELD_NUMBER: _ClassVar[int]
+    island_id: str
+    bytes_up: int
+    bytes_down: int
+    def __init__(self, island_id: _Optional[str] = ..., bytes_up: _Optional[int] = ..., bytes_down: _Optional[int] = ...) -> None: ...
+
 class WatchRequest(_message.Message):
     __slots__ = ("from_round",)
     FROM_ROUND_FIELD_NUMBER: _ClassVar[int]
@@ -175,7 +204,7 @@ class WatchRequest(_message.Message):
     def __init__(self, from_round: _Optional[int] = ...) -> None: ...
 
 class RoundSummary(_message.Message):
-    __slots__ = ("round", "islands", "tokens", "train_loss", "eval_loss", "bytes_up", "bytes_down", "seconds", "checksum", "run_finished", "initial_eval_loss", "ddp_bytes")
+    __slots__ = ("round", "islands", "tokens", "train_loss", "eval_loss", "bytes_up", "bytes_down", "seconds", "checksum", "run_finished", "initial_eval_loss", "ddp_bytes", "traffic", "dropped", "elements_folded", "elements_expected")
     ROUND_FIELD_NUMBER: _ClassVar[int]
     ISLANDS_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -188,6 +217,10 @@ class RoundSummary(_message.Message):
     RUN_FINISHED_FIELD_NUMBER: _ClassVar[int]
     INITIAL_EVAL_LOSS_FIELD_NUMBER: _ClassVar[int]
     DDP_BYTES_FIELD_NUMBER: _ClassVar[int]
+    TRAFFIC_FIELD_NUMBER: _ClassVar[int]
+    DROPPED_FIELD_NUMBER: _ClassVar[int]
+    ELEMENTS_FOLDED_FIELD_NUMBER: _ClassVar[int]
+    ELEMENTS_EXPECTED_FIELD_NUMBER: _ClassVar[int]
     round: int
     islands: _containers.RepeatedScalarFieldContainer[str]
     tokens: int
@@ -200,4 +233,8 @@ class RoundSummary(_message.Message):
     run_finished: bool
     initial_eval_loss: float
     ddp_bytes: float
-    def __init__(self, round: _Optional[int] = ..., islands: _Optional[_Iterable[str]] = ..., tokens: _Optional[int] = ..., train_loss: _Optional[float] = ..., eval_loss: _Optional[float] = ..., bytes_up: _Optional[int] = ..., bytes_down: _Optional[int] = ..., seconds: _Optional[float] = ..., checksum: _Optional[str] = ..., run_finished: _Optional[bool] = ..., initial_eval_loss: _Optional[float] = ..., ddp_bytes: _Optional[float] = ...) -> None: ...
+    traffic: _containers.RepeatedCompositeFieldContainer[IslandTraffic]
+    dropped: _containers.RepeatedScalarFieldContainer[str]
+    elements_folded: int
+    elements_expected: int
+    def __init__(self, round: _Optional[int] = ..., islands: _Optional[_Iterable[str]] = ..., tokens: _Optional[int] = ..., train_loss: _Optional[float] = ..., eval_loss: _Optional[float] = ..., bytes_up: _Optional[int] = ..., bytes_down: _Optional[int] = ..., seconds: _Optional[float] = ..., checksum: _Optional[str] = ..., run_finished: _Optional[bool] = ..., initial_eval_loss: _Optional[float] = ..., ddp_bytes: _Optional[float] = ..., traffic: _Optional[_Iterable[_Union[IslandTraffic, _Mapping]]] = ..., dropped: _Optional[_Iterable[str]] = ..., elements_folded: _Optional[int] = ..., elements_expected: _Optional[int] = ...) -> None: ...

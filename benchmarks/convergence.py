@@ -1,0 +1,398 @@
+"""Convergence benchmark: DiLoCo against DDP, a single island and FedAvg at equal tokens.
+
+Every method trains the same byte-level `diloco.model.Transformer` on
+tinyshakespeare with the same inner optimizer (`diloco.inner`: AdamW, warmup +
+cosine indexed by the inner step across the whole run, gradient clipping) for
+the same number of inner steps T, and is scored by the eval loss of its final
+(global) parameters on the same fixed held-out batches (`diloco.data.eval_batches`,
+the last 10% of the file). A global batch of B sequences is split B/M across
+M islands; each island reads its own contiguous shard of the training split
+(`diloco.data.train_stream(cfg.data, seed, shard, M)`).
+
+- ddp: one model trained with batch B for T steps. Its batch is the
+  concatenation of the M shard streams' B/M-sequence batches, so it sees exactly
+  the tokens DiLoCo and FedAvg see. The mean loss over that batch has the
+  gradient that data-parallel training with gradient averaging over M workers
+  (B/M each, then clipping and one AdamW step) computes, so this *is* DDP,
+  run in one process.
+- diloco: M islands, each with its own persistent AdamW state (never reset),
+  train H inner steps of batch B/M from theta_global; the pseudo-gradients
+  theta_global - theta_local (fp32, `diloco.outer.pseudo_gradient`) are
+  token-weighted-averaged (`PseudoGradientAccumulator`) and applied to the fp32
+  global parameters by `OuterOptimizer` (SGD, Nesterov, lr 0.7, momentum 0.9);
+  the islands then adopt the new global parameters. T/H rounds.
+- fedavg: the same loop with outer lr 1 and momentum 0, i.e. plain averaging.
+- single: one island alone: batch B/M on shard 0 of M for T steps, so it sees
+  1/M of the tokens.
+
+This is an in-process simulation of the arithmetic the coordinator and islands
+run over gRPC: the same modules, no networking. Independent (method, seed) jobs
+run in a spawn-context process pool, one torch thread each.
+
+Run from the repository root:  python benchmarks/convergence.py
+(about 15 minutes on 2 CPU cores; --quick is a smoke test of under a minute).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import multiprocessing as mp
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from diloco.config import RunConfig, load_config
+from diloco.data import Batch, TokenStream, eval_batches, train_stream
+from diloco.inner import build_inner_optimizer, evaluate, inner_lr, train_step
+from diloco.model import Transformer
+from diloco.outer import OuterOptimizer, PseudoGradientAccumulator, pseudo_gradient
+from diloco.params import fp32_copy
+
+log = logging.getLogger("convergence")
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_DATA = "../shared/data/tinyshakespeare.txt"
+METHODS = ("ddp", "diloco", "fedavg", "single")
+# Outer settings fixed by the benchmark's spec.
+OUTER = {"diloco": (0.7, 0.9), "fedavg": (1.0, 0.0)}
+
+
+@dataclass(frozen=True)
+class Setup:
+    """Everything a (method, seed) job needs; picklable for the process pool."""
+
+    overrides: tuple[str, ...]  # RunConfig overrides shared by every method
+    steps: int  # T: inner steps per model (per island for diloco/fedavg)
+    batch: int  # B: global batch in sequences
+    islands: int  # M
+    eval_batches: int
+    eval_batch_size: int
+    eval_every: int  # steps between eval checkpoints (a multiple of H)
+
+    def config(self, seed: int) -> RunConfig:
+        return load_config(None, [*self.overrides, f"seed={seed}"])
+
+
+@dataclass
+class JobResult:
+    method: str
+    seed: int
+    final_eval: float
+    curve: list[tuple[int, float]]  # (inner step, eval loss)
+    tokens: int
+    seconds: float
+    final_train: float
+
+
+@dataclass
+class Summary:
+    method: str
+    per_seed: list[float]
+    mean: float
+    std: float
+    spread: float  # max - min over seeds
+    vs_ddp_pct: float
+    tokens: int
+    curve_mean: list[tuple[int, float]] = field(default_factory=list)
+
+
+# --- configuration ----------------------------------------------------------------
+
+
+def resolve_data(path: str) -> Path:
+    """A relative --data path is taken relative to the repository root, not the cwd."""
+    p = Path(path).expanduser()
+    return p if p.is_absolute() else (REPO_ROOT / p).resolve()
+
+
+def build_setup(args: argparse.Namespace) -> Setup:
+    data = resolve_data(args.data)
+    if not data.is_file():
+        raise SystemExit(f"convergence: error: data file not found: {data}")
+    if args.quick:
+        model = ["model.d_model=32", "model.n_layers=1", "model.n_heads=2", "model.d_ff=64", "model.max_seq_len=32"]
+        seq_len, steps, batch, eval_n, eval_bs = 32, 100, 8, 4, 16
+    else:
+        model = ["model.d_model=128", "model.n_layers=4", "model.n_heads=4", "model.d_ff=512", "model.max_seq_len=128"]
+        seq_len, steps, batch, eval_n, eval_bs = 128, 400, 32, 16, 32
+    steps = args.steps or steps
+    batch = args.batch or batch
+    h = args.h
+    if steps % h:
+        raise SystemExit(f"convergence: error: --steps {steps} must be a multiple of H={h}")
+    if batch % args.islands:
+        raise SystemExit(f"convergence: error: --batch {batch} must be divisible by M={args.islands}")
+    overrides = [
+        "data.source='text'",
+        f"data.path='{data}'",
+        f"data.seq_len={seq_len}",
+        f"data.shards={args.islands}",
+        "model.vocab_size=256",
+        *model,
+        f"inner.lr={args.lr}",
+        f"inner.warmup_steps={args.warmup}",
+        f"inner.min_lr_ratio={args.min_lr_ratio}",
+        f"inner.batch_size={batch // args.islands}",
+        f"inner.steps_per_round={h}",
+        *args.overrides,
+    ]
+    eval_every = max(h, (steps // 4) // h * h)
+    setup = Setup(tuple(overrides), steps, batch, args.islands, eval_n, eval_bs, eval_every)
+    setup.config(0)  # validate once, here, with a readable error
+    return setup
+
+
+# --- shared pieces -----------------------------------------------------------------
+
+
+def new_model(cfg: RunConfig) -> Transformer:
+    """The run's starting point: the same init for every method at a given seed."""
+    torch.manual_seed(cfg.seed)
+    return Transformer(cfg.model)
+
+
+@torch.no_grad()
+def load_params(model: torch.nn.Module, params: dict[str, torch.Tensor]) -> None:
+    for name, p in model.named_parameters():
+        p.copy_(params[name].to(p.dtype))
+
+
+def concat_batches(batches: list[Batch]) -> Batch:
+    return torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches])
+
+
+def shard_streams(cfg: RunConfig, islands: int) -> list[TokenStream]:
+    return [train_stream(cfg.data, cfg.seed, shard, islands) for shard in range(islands)]
+
+
+# --- methods ---------------------------------------------------------------------
+
+
+def run_single_model(
+    cfg: RunConfig, setup: Setup, next_batch: Callable[[], Batch], evaluate_at: Callable[[int, torch.nn.Module], None]
+) -> float:
+    """T steps of one model (ddp or single island); returns the mean train loss of the last H steps."""
+    model = new_model(cfg)
+    optimizer = build_inner_optimizer(model, cfg.inner)
+    h = cfg.inner.steps_per_round
+    losses: list[float] = []
+    for step in range(setup.steps):
+        lr = inner_lr(step, setup.steps, cfg.inner)
+        losses.append(train_step(model, optimizer, next_batch(), lr, cfg.inner.grad_clip))
+        evaluate_at(step + 1, model)
+    return sum(losses[-h:]) / h
+
+
+def run_ddp(cfg: RunConfig, setup: Setup, evaluate_at: Callable[[int, torch.nn.Module], None]) -> float:
+    streams = shard_streams(cfg, setup.islands)
+    per_island = setup.batch // setup.islands
+    return run_single_model(cfg, setup, lambda: concat_batches([s.next_batch(per_island) for s in streams]), evaluate_at)
+
+
+def run_single(cfg: RunConfig, setup: Setup, evaluate_at: Callable[[int, torch.nn.Module], None]) -> float:
+    stream = train_stream(cfg.data, cfg.seed, 0, setup.islands)
+    per_island = setup.batch // setup.islands
+    return run_single_model(cfg, setup, lambda: stream.next_batch(per_island), evaluate_at)
+
+
+def run_outer(
+    cfg: RunConfig, setup: Setup, evaluate_at: Callable[[int, torch.nn.Module], None]
+) -> float:
+    """DiLoCo / FedAvg (by cfg.outer): M islands, T/H rounds of H inner steps, one outer step per round."""
+    h = cfg.inner.steps_per_round
+    per_island = setup.batch // setup.islands
+    tokens_per_round = h * per_island * cfg.data.seq_len
+    start = new_model(cfg)
+    global_params = fp32_copy(start)
+    outer = OuterOptimizer(global_params, cfg.outer)
+    accumulator = PseudoGradientAccumulator({n: tuple(t.shape) for n, t in global_params.items()})
+    models = [new_model(cfg) for _ in range(setup.islands)]
+    optimizers = [build_inner_optimizer(m, cfg.inner) for m in models]
+    streams = shard_streams(cfg, setup.islands)
+    round_losses: list[float] = []
+    for round_ in range(setup.steps // h):
+        accumulator.reset()
+        round_losses = []
+        for model, optimizer, stream in zip(models, optimizers, streams):
+            load_params(model, global_params)  # theta_local <- theta_global; AdamW state kept
+            for i in range(h):
+                step = round_ * h + i
+                lr = inner_lr(step, setup.steps, cfg.inner)
+                round_losses.append(train_step(model, optimizer, stream.next_batch(per_island), lr, cfg.inner.grad_clip))
+            accumulator.add(tokens_per_round, pseudo_gradient(global_params, dict(model.named_parameters())))
+        outer.step(accumulator.mean())
+        load_params(start, global_params)
+        evaluate_at((round_ + 1) * h, start)
+    return sum(round_losses) / len(round_losses)
+
+
+def tokens_processed(method: str, setup: Setup, seq_len: int) -> int:
+    per_step = setup.batch if method != "single" else setup.batch // setup.islands
+    return setup.steps * per_step * seq_len
+
+
+def run_job(job: tuple[str, int, Setup]) -> JobResult:
+    """One (method, seed) run in a worker process."""
+    method, seed, setup = job
+    cfg = setup.config(seed)
+    if method in OUTER:
+        lr, momentum = OUTER[method]
+        cfg.outer.lr, cfg.outer.momentum, cfg.outer.nesterov = lr, momentum, True
+    held_out = eval_batches(cfg.data, setup.eval_batches, setup.eval_batch_size)
+    curve: list[tuple[int, float]] = []
+    started = time.monotonic()
+
+    def evaluate_at(step: int, model: torch.nn.Module) -> None:
+        if step % setup.eval_every == 0 or step == setup.steps:
+            loss = evaluate(model, held_out)
+            curve.append((step, loss))
+            log.info("%-6s seed %d step %4d/%d eval %.4f (%.0fs)", method, seed, step, setup.steps, loss, time.monotonic() - started)
+
+    runner = {"ddp": run_ddp, "single": run_single, "diloco": run_outer, "fedavg": run_outer}[method]
+    final_train = runner(cfg, setup, evaluate_at)
+    return JobResult(method, seed, curve[-1][1], curve, tokens_processed(method, setup, cfg.data.seq_len),
+                     time.monotonic() - started, final_train)
+
+
+# --- orchestration and reporting ------------------------------------------------------------------
+
+
+def init_worker(level: int) -> None:
+    torch.set_num_threads(1)
+    logging.basicConfig(stream=sys.stderr, level=level, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
+
+
+def job_cost(method: str, setup: Setup) -> float:
+    return 1.0 / setup.islands if method == "single" else 1.0
+
+
+def run_all(setup: Setup, methods: list[str], seeds: list[int], workers: int) -> list[JobResult]:
+    jobs = [(m, s, setup) for s in seeds for m in methods]
+    jobs.sort(key=lambda j: -job_cost(j[0], setup))  # longest first: better packing
+    level = logging.getLogger().level
+    if workers <= 1:
+        init_worker(level)
+        return [run_job(j) for j in jobs]
+    with mp.get_context("spawn").Pool(workers, initializer=init_worker, initargs=(level,)) as pool:
+        return list(pool.imap_unordered(run_job, jobs))
+
+
+def summarize(results: list[JobResult], methods: list[str]) -> dict[str, Summary]:
+    out: dict[str, Summary] = {}
+    for method in methods:
+        runs = sorted((r for r in results if r.method == method), key=lambda r: r.seed)
+        finals = [r.final_eval for r in runs]
+        steps = [s for s, _ in runs[0].curve]
+        curve = [(s, statistics.fmean(r.curve[i][1] for r in runs)) for i, s in enumerate(steps)]
+        out[method] = Summary(
+            method, finals, statistics.fmean(finals), statistics.stdev(finals) if len(finals) > 1 else 0.0,
+            max(finals) - min(finals), float("nan"), runs[0].tokens, curve,
+        )
+    if "ddp" in out:
+        for s in out.values():
+            s.vs_ddp_pct = 100.0 * (s.mean - out["ddp"].mean) / out["ddp"].mean
+    return out
+
+
+def targets(summary: dict[str, Summary]) -> list[str]:
+    """The spec's targets, each with the numbers behind its verdict."""
+    lines: list[str] = []
+    d = summary.get("diloco")
+    if d is None:
+        return lines
+    if "ddp" in summary:
+        ok = d.vs_ddp_pct <= 2.0
+        lines.append(f"- DiLoCo within 2% of DDP: {'MET' if ok else 'NOT MET'} "
+                     f"(DiLoCo {d.mean:.4f} vs DDP {summary['ddp'].mean:.4f}: {d.vs_ddp_pct:+.2f}%)")
+    for other in ("single", "fedavg"):
+        if other not in summary:
+            continue
+        o = summary[other]
+        margin, spread = o.mean - d.mean, max(d.spread, o.spread)
+        ok = margin > spread
+        lines.append(f"- DiLoCo below {other} by more than the seed spread: {'MET' if ok else 'NOT MET'} "
+                     f"(margin {margin:.4f} vs spread {spread:.4f}, the larger max-min over seeds of the two)")
+    return lines
+
+
+def markdown(summary: dict[str, Summary], setup: Setup, cfg: RunConfig, seeds: list[int]) -> str:
+    m = cfg.model
+    header = (
+        f"Byte-level Transformer ({Transformer(m).num_parameters() / 1e6:.2f}M params: d_model {m.d_model}, "
+        f"{m.n_layers} layers, {m.n_heads} heads, d_ff {m.d_ff}), seq_len {cfg.data.seq_len}, "
+        f"T={setup.steps} inner steps, global batch B={setup.batch} split {setup.batch // setup.islands} x M={setup.islands}, "
+        f"H={cfg.inner.steps_per_round}; inner AdamW lr {cfg.inner.lr:g} (warmup {cfg.inner.warmup_steps}, cosine to "
+        f"{cfg.inner.min_lr_ratio:g}x), wd {cfg.inner.weight_decay:g}, clip {cfg.inner.grad_clip:g}; "
+        f"eval on {setup.eval_batches * setup.eval_batch_size} held-out sequences; seeds {', '.join(map(str, seeds))}.\n"
+    )
+    rows = ["| method | eval loss (mean ± std) | per seed | vs DDP | tokens |", "|---|---|---|---|---|"]
+    names = {"ddp": "DDP (batch B)", "diloco": f"DiLoCo M={setup.islands} (outer lr 0.7, Nesterov 0.9)",
+             "fedavg": f"FedAvg M={setup.islands} (outer lr 1, momentum 0)", "single": "single island (batch B/M)"}
+    for s in summary.values():
+        per_seed = ", ".join(f"{v:.4f}" for v in s.per_seed)
+        vs = "—" if s.method == "ddp" else f"{s.vs_ddp_pct:+.2f}%"
+        rows.append(f"| {names[s.method]} | {s.mean:.4f} ± {s.std:.4f} | {per_seed} | {vs} | {s.tokens / 1e6:.2f}M |")
+    steps = [st for st, _ in next(iter(summary.values())).curve_mean]
+    curve = ["", "Mean eval loss during training (inner step):", "",
+             "| method | " + " | ".join(str(st) for st in steps) + " |", "|---|" + "---|" * len(steps)]
+    for s in summary.values():
+        curve.append(f"| {s.method} | " + " | ".join(f"{v:.4f}" for _, v in s.curve_mean) + " |")
+    return "\n".join([header, *rows, *curve, "", "Targets:", *targets(summary)])
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="convergence", description=__doc__.split("\n\n")[0])
+    p.add_argument("--data", default=DEFAULT_DATA, help=f"text file, relative to the repo root (default {DEFAULT_DATA})")
+    p.add_argument("--seeds", default="0,1,2", help="comma-separated seeds (default 0,1,2)")
+    p.add_argument("--steps", type=int, help="T, inner steps per model (default 400; 100 with --quick)")
+    p.add_argument("--batch", type=int, help="global batch B in sequences (default 32; 8 with --quick)")
+    p.add_argument("--islands", type=int, default=4, help="M (default 4)")
+    p.add_argument("--h", type=int, default=50, help="H, inner steps per round (default 50)")
+    p.add_argument("--lr", type=float, default=3e-3, help="inner peak lr, the same for all methods (default 3e-3)")
+    p.add_argument("--warmup", type=int, default=50, help="inner warmup steps (default 50)")
+    p.add_argument("--min-lr-ratio", type=float, default=0.1, help="cosine floor as a fraction of lr (default 0.1)")
+    p.add_argument("--methods", default=",".join(METHODS), help=f"subset of {','.join(METHODS)}")
+    p.add_argument("--workers", type=int, default=2, help="worker processes (default 2)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                   help="extra RunConfig override applied to every method (repeatable)")
+    p.add_argument("--quick", action="store_true", help="tiny smoke configuration (under a minute)")
+    p.add_argument("--json", metavar="PATH", help="write per-seed results and summaries here")
+    p.add_argument("--quiet", action="store_true", help="no progress lines")
+    return p
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(stream=sys.stderr, level=logging.WARNING if args.quiet else logging.INFO,
+                        format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
+    seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
+    methods = [m for m in args.methods.split(",") if m.strip()]
+    unknown = sorted(set(methods) - set(METHODS))
+    if unknown or not seeds:
+        raise SystemExit(f"convergence: error: unknown methods {unknown} or no seeds")
+    methods = [m for m in METHODS if m in methods]
+    setup = build_setup(args)
+    cfg = setup.config(seeds[0])
+    log.info("convergence: %s x seeds %s, T=%d, B=%d, M=%d, H=%d, %d workers",
+             ",".join(methods), seeds, setup.steps, setup.batch, setup.islands, cfg.inner.steps_per_round, args.workers)
+    started = time.monotonic()
+    results = run_all(setup, methods, seeds, args.workers)
+    wall = time.monotonic() - started
+    summary = summarize(results, methods)
+    print(markdown(summary, setup, cfg, seeds))
+    print(f"\nwall time {wall:.0f}s ({args.workers} worker processes, 1 torch thread each)")
+    if args.json:
+        payload = {"setup": asdict(setup), "seeds": seeds, "wall_s": wall,
+                   "runs": [asdict(r) for r in results], "summary": {k: asdict(v) for k, v in summary.items()}}
+        Path(args.json).write_text(json.dumps(payload, indent=2))
+
+
+if __name__ == "__main__":
+    main()

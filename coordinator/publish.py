@@ -1,0 +1,61 @@
+"""What islands hold: the published global parameters and the last round's update.
+
+With a lossless downlink the published parameters are the outer optimizer's own.
+With a lossy one the coordinator sends each round's update compressed and adds
+exactly what it sent to its published copy, so the published copy and every
+island's stay bit-identical; the outer parameters keep full precision and the
+gap between the two (theta_outer - theta_published) is the downlink's error
+feedback, carried into the next round's update.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+
+from diloco.codec import Codec
+from diloco.params import checksum
+from diloco.v1 import diloco_pb2 as pb
+from diloco.wire import Manifest, decode_chunk, encode_chunks
+
+
+class Publication:
+    def __init__(self, outer_params: Mapping[str, torch.Tensor], codec: Codec, chunk_bytes: int):
+        self.outer_params = outer_params
+        self.codec = codec
+        self.chunk_bytes = chunk_bytes
+        self.lossless = codec.name == "fp32"
+        self.manifest = Manifest.of(outer_params)
+        self.params = dict(outer_params) if self.lossless else {n: t.clone() for n, t in outer_params.items()}
+        self.checksum = checksum(self.params)
+        # The last round's update: it takes params with delta_base to params with checksum.
+        self.delta_chunks: list[pb.TensorChunk] = []
+        self.delta_base = ""
+
+    @torch.no_grad()
+    def publish(self) -> None:
+        """Called after each outer step, under the parameters' write lock."""
+        if self.lossless:
+            self.delta_chunks, self.delta_base = [], ""
+        else:
+            chunks = []
+            for name, outer in self.outer_params.items():
+                published = self.params[name].view(-1)
+                gap = outer.view(-1) - published
+                for chunk in encode_chunks(name, gap, self.codec, self.chunk_bytes):
+                    decoded = decode_chunk(chunk, self.manifest, self.codec)
+                    published[chunk.offset : chunk.offset + chunk.numel].add_(decoded)
+                    chunks.append(chunk)
+            self.delta_chunks, self.delta_base = chunks, self.checksum
+        self.checksum = checksum(self.params)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {} if self.lossless else {n: t.clone() for n, t in self.params.items()}
+
+    def load_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
+        if not self.lossless:
+            for name, t in state.items():
+                self.params[name].copy_(t)
+        self.delta_chunks, self.delta_base = [], ""
+        self.checksum = checksum(self.params)

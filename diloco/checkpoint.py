@@ -1,0 +1,135 @@
+"""Checkpoints on any fsspec URL (a local path or s3://bucket/prefix), committed atomically.
+
+Layout under the URL: one folder per step, `step-0000000042/`, holding
+`state.pt` (torch.save of nested dicts of tensors and plain values),
+`meta.json`, and last a `COMMITTED` marker with the size and SHA-256 of
+state.pt. A step without its marker, or whose state.pt does not match it, was
+torn by a crash and is never loaded. Object stores have no atomic rename, so the
+marker written last is what makes a checkpoint exist.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import logging
+import random
+import re
+from typing import Any
+
+import fsspec
+import torch
+
+log = logging.getLogger(__name__)
+
+_STEP = re.compile(r"step-(\d{10})$")
+MARKER = "COMMITTED"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be read or written; the message says where and why."""
+
+
+class CheckpointStore:
+    def __init__(self, url: str, keep_last: int = 3, storage_options: dict | None = None):
+        if not url:
+            raise CheckpointError("a checkpoint location is needed (a local path or s3://bucket/prefix)")
+        self.url = url.rstrip("/")
+        self.keep_last = keep_last
+        self.fs, self.root = fsspec.core.url_to_fs(self.url, **(storage_options or {}))
+        self.root = self.root.rstrip("/")
+
+    def _dir(self, step: int) -> str:
+        return f"{self.root}/step-{step:010d}"
+
+    def _all_steps(self) -> list[int]:
+        try:
+            entries = self.fs.ls(self.root, detail=False, refresh=True)
+        except FileNotFoundError:
+            return []
+        steps = []
+        for entry in entries:
+            m = _STEP.search(entry.rstrip("/"))
+            if m:
+                steps.append(int(m.group(1)))
+        return sorted(steps)
+
+    def steps(self) -> list[int]:
+        """Committed steps, oldest first."""
+        return [s for s in self._all_steps() if self.fs.exists(f"{self._dir(s)}/{MARKER}")]
+
+    def latest(self) -> int | None:
+        steps = self.steps()
+        return steps[-1] if steps else None
+
+    def save(self, step: int, tensors: dict[str, Any], meta: dict[str, Any]) -> str:
+        """Writes state and metadata, then the commit marker; prunes old steps. Returns the step's URL."""
+        where = self._dir(step)
+        buffer = io.BytesIO()
+        torch.save(tensors, buffer)
+        data = buffer.getvalue()
+        try:
+            # Re-saving a step: un-commit it first so a crash mid-write leaves it torn, not mixed.
+            self.fs.rm(f"{where}/{MARKER}") if self.fs.exists(f"{where}/{MARKER}") else None
+            self.fs.makedirs(where, exist_ok=True)
+            with self.fs.open(f"{where}/state.pt", "wb") as f:
+                f.write(data)
+            with self.fs.open(f"{where}/meta.json", "w") as f:
+                f.write(json.dumps(meta, indent=1, default=str))
+            marker = {"step": step, "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+            with self.fs.open(f"{where}/{MARKER}", "w") as f:
+                f.write(json.dumps(marker))
+        except OSError as e:
+            raise CheckpointError(f"could not write checkpoint {step} to {self.url}: {e}") from e
+        self._prune(step)
+        return f"{self.url}/step-{step:010d}"
+
+    def load(self, step: int | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
+        """(tensors, meta) of a committed step (default: the newest); verifies the marker's hash."""
+        if step is None:
+            step = self.latest()
+            if step is None:
+                raise CheckpointError(f"no committed checkpoint under {self.url}")
+        where = self._dir(step)
+        try:
+            with self.fs.open(f"{where}/{MARKER}", "r") as f:
+                marker = json.loads(f.read())
+            with self.fs.open(f"{where}/state.pt", "rb") as f:
+                data = f.read()
+            with self.fs.open(f"{where}/meta.json", "r") as f:
+                meta = json.loads(f.read())
+        except FileNotFoundError as e:
+            raise CheckpointError(f"checkpoint {step} under {self.url} is not committed or incomplete: {e}") from e
+        if len(data) != marker["bytes"] or hashlib.sha256(data).hexdigest() != marker["sha256"]:
+            raise CheckpointError(f"checkpoint {step} under {self.url} does not match its commit marker (corrupt)")
+        tensors = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+        return tensors, meta
+
+    def _prune(self, newest: int) -> None:
+        """Keeps the keep_last newest committed steps; removes older ones and torn leftovers."""
+        committed = self.steps()
+        keep = set(committed[-self.keep_last :])
+        for step in self._all_steps():
+            if step in keep or step > newest:
+                continue
+            try:
+                self.fs.rm(self._dir(step), recursive=True)
+            except FileNotFoundError:
+                pass
+
+
+def rng_state() -> dict[str, Any]:
+    """Python's and torch's RNG states (CPU and, when present, CUDA)."""
+    state: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])

@@ -1,0 +1,111 @@
+"""Checkpoints and restarts: exact resume, torn checkpoints, and a chaos run."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from conftest import random_like, tiny_config, wait_for_round
+from diloco.chaos import ChaosPlan, run_chaos
+from diloco.codec import Fp32Codec
+from diloco.sim import Simulation, run_sim
+from diloco.v1 import diloco_pb2 as pb
+from diloco.wire import tensor_chunks
+
+
+def _sim_config(rounds: int, islands: int, *extra: str):
+    return tiny_config(
+        f"rounds.rounds={rounds}", f"rounds.min_islands={islands}", f"data.shards={islands}",
+        "inner.steps_per_round=4", "inner.lr=1e-2", "inner.warmup_steps=2", "eval.batches=4",
+        "checkpoint.every_rounds=1", "rounds.heartbeat_s=0.5", "rounds.lease_s=8", *extra,
+    )
+
+
+def test_coordinator_resume_restores_parameters_momentum_round_and_members(make_coordinator, channel_to, tmp_path):
+    cfg = tiny_config("rounds.rounds=5", f"checkpoint.url='{tmp_path / 'ckpt'}'", "checkpoint.every_rounds=1")
+    first = make_coordinator(cfg)
+    stub = channel_to(first)
+    island = stub.Join(pb.JoinRequest(protocol_version=1), timeout=5).island_id
+    for round_ in range(2):
+        pg = random_like(first.state.manifest.shapes, seed=round_)
+        messages = [pb.PushMessage(header=pb.PushHeader(island_id=island, round=round_, tokens=10, codec="fp32"))]
+        messages += [pb.PushMessage(chunk=c) for c in tensor_chunks(pg, Fp32Codec(), cfg.wire.chunk_bytes)]
+        stub.PushPseudoGradient(iter(messages), timeout=10)
+        wait_for_round(first, round_)
+    deadline = time.monotonic() + 10
+    while first.state.summaries[-1].round < 1 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(0.5)  # the checkpoint is written right after the round closes
+    params = {n: t.clone() for n, t in first.state.outer.params.items()}
+    momentum = [s["momentum_buffer"].clone() for s in first.state.outer.optimizer.state.values()]
+    first.stop(0.5)
+
+    from coordinator.server import start_coordinator
+
+    second = start_coordinator(cfg, "127.0.0.1", 0, spool_dir=str(tmp_path / "spool2"), resume=True)
+    try:
+        s = second.state
+        assert s.round == 2 and list(s.islands) == [island] and s.events.restarts == 1
+        for name, t in params.items():
+            assert torch.equal(s.outer.params[name], t)
+        assert all(torch.equal(a["momentum_buffer"], b) for a, b in zip(s.outer.optimizer.state.values(), momentum))
+        assert [r.round for r in s.summaries] == [0, 1]
+    finally:
+        second.stop(0.5)
+
+
+def _committed(path, step: int) -> bool:
+    return (path / f"step-{step:010d}" / "COMMITTED").exists()
+
+
+def test_stopped_and_resumed_run_ends_bit_identical(tmp_path):
+    cfg = _sim_config(6, 2, "inner.steps_per_round=25")
+    straight = run_sim(cfg, 2, tmp_path / "straight", timeout_s=300, echo=lambda s: None)
+
+    sim = Simulation(cfg, 2, tmp_path / "stopped", checkpoints=True)
+    ckpt = tmp_path / "stopped" / "ckpt"
+    try:
+        sim.start()
+        # Pull the plug on everything in the middle of round 2, once its checkpoints are in.
+        deadline = time.monotonic() + 120
+        while not all(_committed(ckpt / d, 2) for d in ("coordinator", "island-0", "island-1")):
+            assert time.monotonic() < deadline, "checkpoints of round 2 never appeared"
+            time.sleep(0.02)
+        sim.kill_coordinator()
+        for i in range(2):
+            sim.kill_island(i)
+        sim.start_coordinator(resume=True)
+        for i in range(2):
+            sim.start_island(i, resume=True)
+        for _ in sim.watch(300):
+            pass
+        resumed = sim.finish(300)
+    finally:
+        sim.close()
+    assert resumed.report["events"]["restarts"] == 1
+    assert resumed.report["checksum"] == straight.report["checksum"]
+    assert set(resumed.report["islands"].values()) == {resumed.report["checksum"]}
+
+
+def test_chaos_run_finishes_consistent_and_close_to_undisturbed(tmp_path):
+    rounds, islands = 12, 3
+    cfg = _sim_config(rounds, islands, "inner.steps_per_round=80")
+    calm = run_sim(cfg, islands, tmp_path / "calm", timeout_s=300, echo=lambda s: None)
+    lines: list[str] = []
+    result, chaos = run_chaos(
+        cfg, islands, tmp_path / "chaos", ChaosPlan(island_every=3, coordinator_at=4, seed=1), timeout_s=400, echo=lines.append
+    )
+    report = result.report
+    who = [k[0] for k in chaos.kills]
+    assert "coordinator" in who and sum(w.startswith("island") for w in who) >= 2, who
+    assert [r["round"] for r in report["rounds"]] == list(range(rounds))
+    # Every island ends with exactly the coordinator's global parameters.
+    assert len(report["islands"]) == islands and set(report["islands"].values()) == {report["checksum"]}
+    # No aggregate held part of a contribution: every folded contribution was whole.
+    for r in report["rounds"]:
+        assert r["elements_folded"] == r["elements_expected"] > 0, r
+    assert report["events"]["restarts"] == 1
+    final, calm_final = report["rounds"][-1]["eval_loss"], calm.report["rounds"][-1]["eval_loss"]
+    assert abs(final - calm_final) / calm_final < 0.05, (final, calm_final)
+    assert chaos.recovery_s, "no recovery was measured"
