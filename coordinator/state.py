@@ -241,7 +241,7 @@ class CoordinatorState:
         chunks before it and tells the island how many to skip when it resends.
         """
         self.begin_push(header)
-        spool = Spool(self.spool_dir)
+        spool: Spool | None = Spool(self.spool_dir)
         ranges: list[tuple[str, int, int]] = []
         try:
             for chunk in chunks:
@@ -249,6 +249,7 @@ class CoordinatorState:
                     values = decode_chunk(chunk, self.manifest, self.codec)
                 except ChunkCorrupt as e:
                     self._attach(header, spool, ranges)
+                    spool = None  # the contribution owns the chunks kept so far
                     raise Refused(
                         grpc.StatusCode.DATA_LOSS, f"{e}; resend from chunk {len(ranges)}",
                         trailing=((ACCEPTED_CHUNKS_KEY, str(len(ranges))),),
@@ -262,7 +263,8 @@ class CoordinatorState:
                 self._count(header.round, header.island_id, up=chunk.ByteSize())
             return self._attach(header, spool, ranges)
         except BaseException:
-            spool.discard()
+            if spool is not None:
+                spool.discard()
             raise
 
     def _drop_nonfinite(self, header: pb.PushHeader, chunk: pb.TensorChunk) -> None:

@@ -387,8 +387,12 @@ class ZstdCodec:
         return self._contexts()[0].compress(self.inner.encode(flat))
 
     def decode(self, payload: bytes, numel: int) -> torch.Tensor:
+        limit = self.inner.encoded_size(numel)
         try:
-            raw = self._contexts()[1].decompress(payload, max_output_size=self.inner.encoded_size(numel))
+            # The frame header's size decides the allocation: refuse a lie before decompressing.
+            if zstandard.frame_content_size(payload) > limit:
+                raise ValueError(f"zstd frame claims more than the {limit} bytes {numel} elements encode to")
+            raw = self._contexts()[1].decompress(payload, max_output_size=limit, allow_extra_data=False)
         except zstandard.ZstdError as e:
             raise ValueError(f"zstd: {e}") from e
         return self.inner.decode(raw, numel)

@@ -134,12 +134,24 @@ class CoordinatorClient:
         codec = self.codecs.get(header.codec)
         if codec is None:
             raise grpc_error(grpc.StatusCode.FAILED_PRECONDITION, f"result codec {header.codec!r} is not this run's")
-        written = apply_chunks(chunks(), targets, manifest, codec, add=delta)
+        # Values overwrite, so a broken stream can simply be fetched again. A delta
+        # adds, so it is received whole (it is compressed: small) before it touches
+        # the parameters; a retry then never adds part of it twice.
+        incoming = list(chunks()) if delta else chunks()
+        if delta and sum(c.numel for c in incoming) != manifest.total_numel():
+            raise grpc_error(grpc.StatusCode.DATA_LOSS, "update stream ended early")
+        written = apply_chunks(incoming, targets, manifest, codec, add=delta)
         if written != manifest.total_numel():
             raise grpc_error(grpc.StatusCode.DATA_LOSS, f"parameter stream ended early ({written} of {manifest.total_numel()} elements)")
         if checksum(targets) != header.checksum:
-            log.warning("global parameters after round %d differ from the coordinator's (checksum); full resync", header.round - 1)
-            raise grpc_error(grpc.StatusCode.DATA_LOSS, "received parameters do not match the coordinator's checksum")
+            log.warning(
+                "global parameters after round %d differ from the coordinator's (checksum %s, expected %s); full resync",
+                header.round - 1, checksum(targets)[:12], header.checksum[:12],
+            )
+            # After a delta the parameters we hold are wrong and only fresh values help
+            # (not retryable: the trainer resyncs); values are simply fetched again.
+            code = grpc.StatusCode.FAILED_PRECONDITION if delta else grpc.StatusCode.DATA_LOSS
+            raise grpc_error(code, "received parameters do not match the coordinator's checksum; fetch values")
         return header
 
     def fetch(self, island_id: str, targets: Mapping[str, torch.Tensor], manifest: Manifest) -> pb.ResultHeader:

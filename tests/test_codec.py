@@ -1,0 +1,155 @@
+"""Codecs: error bounds, exact sizes, malformed payloads, non-finite values, error feedback."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from diloco.codec import CODECS, ErrorFeedback, get_codec
+from diloco.config import ConfigError
+
+ALL = [c for base in CODECS for c in (base, f"{base}+zstd")]
+
+
+def _x(n: int, seed: int = 0) -> torch.Tensor:
+    return torch.randn(n, generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("name", ALL)
+@pytest.mark.parametrize("n", [1, 7, 256, 1000, 5003])
+def test_round_trip_shape_dtype_and_size(name, n):
+    codec = get_codec(name, block_size=64, topk_block=128)
+    x = _x(n)
+    payload = codec.encode(x)
+    if "zstd" not in name:
+        assert len(payload) == codec.encoded_size(n)
+    else:
+        assert len(payload) <= codec.encoded_size(n)
+    y = codec.decode(payload, n)
+    assert y.dtype == torch.float32 and y.shape == (n,)
+    assert torch.isfinite(y).all()
+
+
+@pytest.mark.parametrize(
+    "name, bound",
+    # Relative L2 error on Gaussian data; e3m0 rounds to the nearest power of two.
+    [("fp32", 0.0), ("bf16", 4e-3), ("int8", 1.2e-2), ("e3m0", 0.25)],
+)
+def test_error_bounds(name, bound):
+    codec = get_codec(name)
+    x = _x(100_000)
+    y = codec.decode(codec.encode(x), x.numel())
+    assert float((y - x).norm() / x.norm()) <= bound
+    if name == "fp32":
+        assert torch.equal(x, y)
+
+
+def test_int8_is_within_half_a_step_of_each_block_absmax():
+    codec = get_codec("int8", block_size=128)
+    x = _x(1024) * torch.linspace(0.01, 10, 1024)  # blocks of very different scales
+    y = codec.decode(codec.encode(x), x.numel())
+    step = x.view(-1, 128).abs().amax(1, keepdim=True) / 127
+    assert ((y - x).view(-1, 128).abs() <= step / 2 + 1e-6).all()
+
+
+def test_e3m0_values_are_signed_powers_of_two_of_the_block_absmax():
+    codec = get_codec("e3m0", block_size=64)
+    x = _x(640)
+    y = codec.decode(codec.encode(x), x.numel()).view(-1, 64)
+    absmax = x.view(-1, 64).abs().amax(1, keepdim=True)
+    ratio = (y.abs() / absmax)[y != 0]
+    exponents = torch.log2(ratio)
+    assert torch.allclose(exponents, exponents.round(), atol=1e-6)
+    assert exponents.min() >= -6 and exponents.max() <= 0
+    assert (torch.sign(y) * torch.sign(x.view(-1, 64)) >= 0).all()  # never flips a sign
+    # The block maximum is exact.
+    assert torch.allclose(y.abs().amax(1, keepdim=True), absmax)
+
+
+def test_topk_keeps_the_largest_of_each_block_with_their_signs():
+    codec = get_codec("topk", density=0.05, topk_block=200)
+    x = _x(1000)
+    y = codec.decode(codec.encode(x), x.numel())
+    for block_x, block_y in zip(x.view(-1, 200), y.view(-1, 200)):
+        kept = block_y != 0
+        assert int(kept.sum()) == 10
+        assert set(block_y.nonzero().flatten().tolist()) == set(block_x.abs().topk(10).indices.tolist())
+        assert (torch.sign(block_y[kept]) == torch.sign(block_x[kept])).all()
+        assert len(set(block_y[kept].abs().tolist())) <= 2  # two magnitude levels per block
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_non_finite_input_decodes_non_finite(name):
+    codec = get_codec(name, block_size=64, topk_block=128)
+    for bad in (math.nan, math.inf, -math.inf):
+        x = _x(300)
+        x[77] = bad
+        assert not torch.isfinite(codec.decode(codec.encode(x), 300)).all(), (name, bad)
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_malformed_payload_is_value_error(name):
+    codec = get_codec(name, block_size=64, topk_block=128)
+    payload = codec.encode(_x(500))
+    with pytest.raises(ValueError):
+        codec.decode(payload[:-3], 500)
+    with pytest.raises(ValueError):
+        codec.decode(payload + b"\0" * 600, 500)
+
+
+def test_topk_position_out_of_range_is_value_error():
+    codec = get_codec("topk", density=0.1, topk_block=64)
+    payload = bytearray(codec.encode(_x(64)))
+    payload[8:10] = (1000).to_bytes(2, "little")  # first kept position of the block
+    with pytest.raises(ValueError, match="out of range"):
+        codec.decode(bytes(payload), 64)
+
+
+def test_chunk_budget_is_respected():
+    for name in ALL:
+        codec = get_codec(name)
+        n = codec.max_elements(1 << 20)
+        assert codec.encoded_size(n) <= 1 << 20, name
+
+
+def test_unknown_codec_and_bad_options_are_config_errors():
+    with pytest.raises(ConfigError, match="unknown codec 'int4'"):
+        get_codec("int4")
+    with pytest.raises(ConfigError, match="suffix"):
+        get_codec("int8+lz4")
+    with pytest.raises(ConfigError, match="topk_density"):
+        get_codec("topk", density=0.0)
+    with pytest.raises(ConfigError, match="block_size"):
+        get_codec("int8", block_size=3)
+
+
+@pytest.mark.parametrize("name", ["int8", "e3m0", "topk"])
+def test_error_feedback_loses_nothing(name):
+    """Everything sent plus what is still owed equals everything that was to be sent."""
+    codec = get_codec(name, block_size=64, density=0.05, topk_block=256)
+    feedback = ErrorFeedback({"w": (4, 256)})
+    total_in = torch.zeros(1024)
+    total_sent = torch.zeros(1024)
+    for round_ in range(6):
+        x = _x(1024, seed=round_)
+        total_in += x
+        for start in range(0, 1024, 512):  # two chunks, as the wire sends them
+            payload = feedback.compress("w", start, x[start : start + 512], codec)
+            total_sent[start : start + 512] += codec.decode(payload, 512)
+    torch.testing.assert_close(total_sent + feedback.buffers["w"], total_in, rtol=0, atol=1e-4)
+    if name == "topk":
+        # Without feedback top-k would have dropped ~95% of the mass each round;
+        # with it, the owed residual stays bounded instead of growing with rounds.
+        assert feedback.buffers["w"].norm() < total_in.norm()
+
+
+def test_error_feedback_state_round_trips():
+    fb = ErrorFeedback({"a": (3, 4), "b": (5,)}, decay=0.95)
+    fb.compress("a", 0, _x(12), get_codec("topk", density=0.25, topk_block=4))
+    other = ErrorFeedback({"a": (3, 4), "b": (5,)}, decay=0.95)
+    other.load_state_dict(fb.state_dict())
+    assert torch.equal(other.buffers["a"], fb.buffers["a"])
+    with pytest.raises(ValueError, match="does not fit"):
+        ErrorFeedback({"a": (2,)}).load_state_dict(fb.state_dict())

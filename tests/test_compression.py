@@ -1,0 +1,202 @@
+"""Compressed pseudo-gradients and updates through a live coordinator.
+
+The codec is agreed at join; the lossy downlink keeps every copy of the global
+parameters bit-identical; a corrupt chunk is resent; a non-finite
+pseudo-gradient drops its island; a checksum mismatch resyncs the island.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import grpc
+import pytest
+import torch
+
+from conftest import random_like, tiny_config, wait_for_round
+from diloco.codec import get_codec
+from diloco.params import checksum
+from diloco.sim import run_sim
+from diloco.v1 import diloco_pb2 as pb
+from diloco.wire import Manifest, downlink_codec, tensor_chunks, uplink_codec
+from islands.client import CoordinatorClient, ReplayableChunks
+from islands.trainer import Island
+from islands.world import IslandWorld
+
+
+def _client(coordinator, cfg=None) -> tuple[CoordinatorClient, pb.JoinResponse]:
+    client = CoordinatorClient(f"127.0.0.1:{coordinator.port}", connect_timeout_s=10, reconnect_s=10)
+    if cfg is not None:
+        down = downlink_codec(cfg.wire)
+        client.codecs[down.name] = down
+    return client, client.join()
+
+
+def _push(client, island_id, round_, pg, codec, chunk_bytes, tokens=1000):
+    header = pb.PushHeader(island_id=island_id, round=round_, tokens=tokens, train_loss=1.0, codec=codec.name)
+    return client.push(header, ReplayableChunks(tensor_chunks(pg, codec, chunk_bytes)))
+
+
+def test_codec_mismatch_is_refused_at_join(make_coordinator):
+    coordinator = make_coordinator(tiny_config("wire.codec='int8'"))
+    client = CoordinatorClient(f"127.0.0.1:{coordinator.port}", connect_timeout_s=10)
+    try:
+        with pytest.raises(grpc.RpcError) as err:
+            client.join(codec="e3m0")
+        assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "codec mismatch" in err.value.details() and "'int8'" in err.value.details()
+        assert client.join(codec="int8").codec == "int8"  # the same codec is welcome
+    finally:
+        client.close()
+
+
+@pytest.mark.parametrize("down", ["int8", "e3m0+zstd", "topk"])
+def test_lossy_downlink_keeps_island_and_coordinator_bit_identical(make_coordinator, down):
+    cfg = tiny_config("wire.codec='int8'", f"wire.downlink_codec='{down}'", "outer.lr=0.7", "rounds.rounds=5")
+    coordinator = make_coordinator(cfg)
+    client, joined = _client(coordinator, cfg)
+    manifest = Manifest.from_proto(joined.parameters)
+    state = coordinator.state
+    try:
+        theta = {n: torch.zeros(s) for n, s in manifest.shapes.items()}
+        held = client.fetch(joined.island_id, theta, manifest).checksum
+        theta0 = {n: t.clone() for n, t in theta.items()}
+        up = uplink_codec(cfg.wire)
+        for round_ in range(5):
+            _push(client, joined.island_id, round_, random_like(manifest.shapes, seed=round_), up, cfg.wire.chunk_bytes)
+            before = client.bytes_received
+            header = client.pull(joined.island_id, round_, theta, manifest, held, timeout_s=20)
+            held = header.checksum
+            assert header.mode == pb.ResultHeader.DELTA and header.codec == down
+            # The island's copy is the coordinator's published copy, bit for bit.
+            assert checksum(theta) == state.checksum == held
+            assert all(torch.equal(theta[n], state.params[n]) for n in theta)
+            # The downlink really was compressed.
+            assert client.bytes_received - before < 4 * manifest.total_numel() * 0.6
+        # The outer optimizer keeps full precision; the gap is the downlink's error feedback, carried forward.
+        gap = max(float((state.outer.params[n] - state.params[n]).abs().max()) for n in theta)
+        moved = max(float((state.outer.params[n] - theta0[n]).abs().max()) for n in theta)
+        assert 0 < gap < (1.0 if down == "topk" else 0.25) * moved, (gap, moved)
+    finally:
+        client.close()
+
+
+@pytest.mark.parametrize("damage", ["flip-a-bit", "truncate"])
+def test_corrupt_chunk_in_transit_is_refused_and_resent(make_coordinator, damage):
+    cfg = tiny_config("outer.lr=1.0", "outer.momentum=0.0", "rounds.rounds=1")
+    coordinator = make_coordinator(cfg)
+    client, joined = _client(coordinator)
+    attempts = []
+
+    class DamageThirdChunkOnce(grpc.StreamUnaryClientInterceptor):
+        def intercept_stream_unary(self, continuation, details, request_iterator):
+            attempts.append(0)
+
+            def messages():
+                for i, message in enumerate(request_iterator):
+                    if len(attempts) == 1 and i == 3:  # header, then chunks 0, 1, 2
+                        message = pb.PushMessage.FromString(message.SerializeToString())
+                        payload = message.chunk.payload
+                        message.chunk.payload = payload[:-4] if damage == "truncate" else bytes([payload[0] ^ 1]) + payload[1:]
+                    yield message
+
+            return continuation(details, messages())
+
+    from diloco.v1 import diloco_pb2_grpc as pb_grpc
+
+    client.stub = pb_grpc.CoordinatorStub(grpc.intercept_channel(client.channel, DamageThirdChunkOnce()))
+    manifest = Manifest.from_proto(joined.parameters)
+    theta0 = {n: t.clone() for n, t in coordinator.state.params.items()}
+    pg = random_like(manifest.shapes, seed=4)
+    chunks = list(tensor_chunks(pg, get_codec("fp32"), cfg.wire.chunk_bytes))
+    try:
+        reply = _push(client, joined.island_id, 0, pg, get_codec("fp32"), cfg.wire.chunk_bytes)
+        assert reply.contribution_complete
+        # Refused once with DATA_LOSS, then only the chunks after the kept ones were resent.
+        assert len(attempts) == 2
+        assert reply.elements == manifest.total_numel() - sum(c.numel for c in chunks[:2])
+        wait_for_round(coordinator, 0)
+        for n, t in coordinator.state.params.items():
+            torch.testing.assert_close(t, theta0[n] - pg[n], rtol=0, atol=1e-6)
+    finally:
+        client.close()
+
+
+def test_non_finite_pseudo_gradient_drops_its_island_and_never_reaches_the_aggregate(make_coordinator, caplog):
+    cfg = tiny_config("outer.lr=1.0", "outer.momentum=0.0", "rounds.rounds=2", "wire.codec='int8'")
+    coordinator = make_coordinator(cfg)
+    (bad, bad_joined), (good, good_joined) = _client(coordinator), _client(coordinator)
+    manifest = Manifest.from_proto(good_joined.parameters)
+    theta0 = {n: t.clone() for n, t in coordinator.state.params.items()}
+    codec = uplink_codec(cfg.wire)
+    try:
+        poisoned = random_like(manifest.shapes, seed=1)
+        poisoned["blocks.0.mlp.up.weight"][3, 5] = float("nan")
+        with caplog.at_level(logging.ERROR, logger="coordinator.state"):
+            with pytest.raises(grpc.RpcError) as err:
+                _push(bad, bad_joined.island_id, 0, poisoned, codec, cfg.wire.chunk_bytes)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "not finite" in err.value.details()
+        assert any("NaN/Inf" in r.message and bad_joined.island_id in r.message for r in caplog.records)
+        pg = random_like(manifest.shapes, seed=2)
+        _push(good, good_joined.island_id, 0, pg, codec, cfg.wire.chunk_bytes)
+        # The round closes with the good island alone; the dropped one is named in the summary.
+        wait_for_round(coordinator, 0)
+        summary = coordinator.state.summaries[0]
+        assert list(summary.islands) == [good_joined.island_id] and list(summary.dropped) == [bad_joined.island_id]
+        decoded = {n: codec.decode(codec.encode(t.reshape(-1)), t.numel()).view(t.shape) for n, t in pg.items()}
+        for n, t in coordinator.state.params.items():
+            torch.testing.assert_close(t, theta0[n] - decoded[n], rtol=0, atol=1e-6)
+    finally:
+        bad.close()
+        good.close()
+
+
+def test_checksum_mismatch_resyncs_the_island_with_a_warning(make_coordinator, caplog):
+    cfg = tiny_config("rounds.rounds=4", "wire.codec='int8'", "wire.downlink_codec='int8'")
+    coordinator = make_coordinator(cfg)
+    world = IslandWorld.init("cpu")
+    client, joined = _client(coordinator, cfg)
+    try:
+        island = Island(cfg, world, client, joined)
+        exchange = island._exchange
+
+        def corrupt_in_round_1(tokens, loss):
+            if island.round == 1:  # as if memory or a decoder had gone wrong
+                island.global_params["norm.weight"][0] += 0.5
+            return exchange(tokens, loss)
+
+        island._exchange = corrupt_in_round_1
+        with caplog.at_level(logging.WARNING):
+            result = island.run()
+    finally:
+        client.close()
+        world.shutdown()
+    assert island.resyncs == 1
+    assert any("differ from the coordinator's" in r.message for r in caplog.records)
+    assert result.rounds == 4 and result.checksum_matches
+    assert checksum(island.global_params) == coordinator.state.checksum
+
+
+def test_sim_with_4bit_uplink_and_compressed_downlink(tmp_path):
+    cfg = tiny_config(
+        "rounds.rounds=4", "rounds.min_islands=2", "data.shards=2", "inner.steps_per_round=5", "inner.lr=1e-2",
+        "inner.warmup_steps=2", "eval.batches=4", "wire.codec='e3m0'", "wire.zstd=true", "wire.downlink_codec='int8'",
+    )
+    lines: list[str] = []
+    report = run_sim(cfg, islands=2, workdir=tmp_path, timeout_s=240, echo=lines.append, per_island=True).report
+    assert report["codec"] == "e3m0+zstd" and report["downlink_codec"] == "int8+zstd"
+    assert set(report["islands"].values()) == {report["checksum"]} and len(report["islands"]) == 2
+    numel = sum(torch.Size(s).numel() for s in _shapes(cfg).values())
+    for r in report["rounds"]:
+        # Each island pushes 4 bits per element (plus scales), compressed further by zstd.
+        assert r["bytes_up"] < 2 * 4 * numel / 7.5
+        assert set(r["traffic"]) == set(report["islands"])
+    assert report["rounds"][-1]["eval_loss"] < report["initial_eval_loss"] - 0.25
+    # One line per round plus one per island per round, after the header.
+    assert len(lines) == 1 + 4 * 3 and lines[1].split()[8].endswith("x")
+
+
+def _shapes(cfg):
+    from coordinator.server import initial_parameters
+
+    return {n: t.shape for n, t in initial_parameters(cfg).items()}
