@@ -48,12 +48,16 @@ from pathlib import Path
 
 import torch
 
-from diloco.config import RunConfig, load_config
+from coordinator.publish import Publication  # the coordinator's own downlink arithmetic
+from diloco.codec import ErrorFeedback, get_codec
+from diloco.config import ConfigError, RunConfig, load_config
 from diloco.data import Batch, TokenStream, eval_batches, train_stream
 from diloco.inner import build_inner_optimizer, evaluate, inner_lr, train_step
 from diloco.model import Transformer
 from diloco.outer import OuterOptimizer, PseudoGradientAccumulator, pseudo_gradient
 from diloco.params import fp32_copy
+from diloco.v1 import diloco_pb2 as pb
+from diloco.wire import Manifest, decode_chunk, downlink_codec, tensor_chunks, uplink_codec, uses_error_feedback
 
 log = logging.getLogger("convergence")
 
@@ -89,6 +93,8 @@ class JobResult:
     tokens: int
     seconds: float
     final_train: float
+    bytes_up: int = 0  # per island per round (diloco, fedavg)
+    bytes_down: int = 0
 
 
 @dataclass
@@ -101,6 +107,8 @@ class Summary:
     vs_ddp_pct: float
     tokens: int
     curve_mean: list[tuple[int, float]] = field(default_factory=list)
+    bytes_up: int = 0
+    bytes_down: int = 0
 
 
 # --- configuration ----------------------------------------------------------------
@@ -202,35 +210,81 @@ def run_single(cfg: RunConfig, setup: Setup, evaluate_at: Callable[[int, torch.n
     return run_single_model(cfg, setup, lambda: stream.next_batch(per_island), evaluate_at)
 
 
+class Wire:
+    """The coordinator's and islands' arithmetic for one round trip through the codecs.
+
+    Uplink: each island's pseudo-gradient goes through `tensor_chunks` (with the
+    island's error feedback where the config asks for it), and the decoded chunks
+    are folded into the accumulator exactly as the coordinator folds them.
+    Downlink: `coordinator.publish.Publication` compresses the update and keeps
+    its error feedback; islands hold its published parameters. With fp32 both
+    ways this is bit for bit the uncompressed arithmetic.
+    """
+
+    def __init__(self, cfg: RunConfig, outer_params: dict[str, torch.Tensor], islands: int):
+        self.cfg = cfg
+        self.codec = uplink_codec(cfg.wire)
+        self.manifest = Manifest.of(outer_params)
+        shapes = self.manifest.shapes
+        self.feedback = [ErrorFeedback(shapes, cfg.wire.feedback_decay) if uses_error_feedback(cfg.wire) else None
+                         for _ in range(islands)]
+        self.publication = Publication(outer_params, downlink_codec(cfg.wire), cfg.wire.chunk_bytes)
+        self.bytes_up = self.bytes_down = 0
+
+    def push(self, island: int, pg: dict[str, torch.Tensor], accumulator: PseudoGradientAccumulator, tokens: int) -> None:
+        scale = accumulator.scale_for(tokens)
+        for chunk in tensor_chunks(pg, self.codec, self.cfg.wire.chunk_bytes, feedback=self.feedback[island]):
+            self.bytes_up += pb.PushMessage(chunk=chunk).ByteSize()
+            accumulator.add_chunk(chunk.name, chunk.offset, decode_chunk(chunk, self.manifest, self.codec), scale)
+        accumulator.commit(tokens)
+
+    def publish(self, islands: int) -> dict[str, torch.Tensor]:
+        """After the outer step: what every island now holds as theta_global."""
+        self.publication.publish()
+        per_island = sum(pb.ResultMessage(chunk=c).ByteSize() for c in self.publication.delta_chunks) or sum(
+            pb.ResultMessage(chunk=c).ByteSize() for c in tensor_chunks(self.publication.params, self.publication.codec, self.cfg.wire.chunk_bytes)
+        )
+        self.bytes_down += islands * per_island
+        return self.publication.params
+
+
 def run_outer(
     cfg: RunConfig, setup: Setup, evaluate_at: Callable[[int, torch.nn.Module], None]
-) -> float:
-    """DiLoCo / FedAvg (by cfg.outer): M islands, T/H rounds of H inner steps, one outer step per round."""
+) -> tuple[float, int, int]:
+    """DiLoCo / FedAvg (by cfg.outer): M islands, T/H rounds of H inner steps, one outer step per round.
+
+    Returns the last round's mean train loss and the bytes sent up and down per island per round.
+    """
     h = cfg.inner.steps_per_round
     per_island = setup.batch // setup.islands
     tokens_per_round = h * per_island * cfg.data.seq_len
     start = new_model(cfg)
-    global_params = fp32_copy(start)
-    outer = OuterOptimizer(global_params, cfg.outer)
-    accumulator = PseudoGradientAccumulator({n: tuple(t.shape) for n, t in global_params.items()})
+    outer_params = fp32_copy(start)
+    outer = OuterOptimizer(outer_params, cfg.outer)
+    wire = Wire(cfg, outer_params, setup.islands)
+    global_params = wire.publication.params  # what the islands hold
+    accumulator = PseudoGradientAccumulator({n: tuple(t.shape) for n, t in outer_params.items()})
     models = [new_model(cfg) for _ in range(setup.islands)]
     optimizers = [build_inner_optimizer(m, cfg.inner) for m in models]
     streams = shard_streams(cfg, setup.islands)
     round_losses: list[float] = []
-    for round_ in range(setup.steps // h):
+    rounds = setup.steps // h
+    for round_ in range(rounds):
         accumulator.reset()
         round_losses = []
-        for model, optimizer, stream in zip(models, optimizers, streams):
+        for island, (model, optimizer, stream) in enumerate(zip(models, optimizers, streams)):
             load_params(model, global_params)  # theta_local <- theta_global; AdamW state kept
             for i in range(h):
                 step = round_ * h + i
                 lr = inner_lr(step, setup.steps, cfg.inner)
                 round_losses.append(train_step(model, optimizer, stream.next_batch(per_island), lr, cfg.inner.grad_clip))
-            accumulator.add(tokens_per_round, pseudo_gradient(global_params, dict(model.named_parameters())))
+            wire.push(island, pseudo_gradient(global_params, dict(model.named_parameters())), accumulator, tokens_per_round)
         outer.step(accumulator.mean())
-        load_params(start, global_params)
+        global_params = wire.publish(setup.islands)
+        load_params(start, global_params)  # evaluate what the islands hold
         evaluate_at((round_ + 1) * h, start)
-    return sum(round_losses) / len(round_losses)
+    per = rounds * setup.islands
+    return sum(round_losses) / len(round_losses), wire.bytes_up // per, wire.bytes_down // per
 
 
 def tokens_processed(method: str, setup: Setup, seq_len: int) -> int:
@@ -242,9 +296,13 @@ def run_job(job: tuple[str, int, Setup]) -> JobResult:
     """One (method, seed) run in a worker process."""
     method, seed, setup = job
     cfg = setup.config(seed)
-    if method in OUTER:
-        lr, momentum = OUTER[method]
+    base, _, codecs = method.partition(":")
+    if base in OUTER:
+        lr, momentum = OUTER[base]
         cfg.outer.lr, cfg.outer.momentum, cfg.outer.nesterov = lr, momentum, True
+    if codecs:  # "diloco:UP[/DOWN]"
+        up, _, down = codecs.partition("/")
+        cfg.wire.codec, cfg.wire.downlink_codec = up, down or up
     held_out = eval_batches(cfg.data, setup.eval_batches, setup.eval_batch_size)
     curve: list[tuple[int, float]] = []
     started = time.monotonic()
@@ -255,10 +313,11 @@ def run_job(job: tuple[str, int, Setup]) -> JobResult:
             curve.append((step, loss))
             log.info("%-6s seed %d step %4d/%d eval %.4f (%.0fs)", method, seed, step, setup.steps, loss, time.monotonic() - started)
 
-    runner = {"ddp": run_ddp, "single": run_single, "diloco": run_outer, "fedavg": run_outer}[method]
-    final_train = runner(cfg, setup, evaluate_at)
-    return JobResult(method, seed, curve[-1][1], curve, tokens_processed(method, setup, cfg.data.seq_len),
-                     time.monotonic() - started, final_train)
+    runner = {"ddp": run_ddp, "single": run_single, "diloco": run_outer, "fedavg": run_outer}[base]
+    result = runner(cfg, setup, evaluate_at)
+    final_train, up, down = result if isinstance(result, tuple) else (result, 0, 0)
+    return JobResult(method, seed, curve[-1][1], curve, tokens_processed(base, setup, cfg.data.seq_len),
+                     time.monotonic() - started, final_train, up, down)
 
 
 # --- orchestration and reporting ------------------------------------------------------------------
@@ -293,7 +352,7 @@ def summarize(results: list[JobResult], methods: list[str]) -> dict[str, Summary
         curve = [(s, statistics.fmean(r.curve[i][1] for r in runs)) for i, s in enumerate(steps)]
         out[method] = Summary(
             method, finals, statistics.fmean(finals), statistics.stdev(finals) if len(finals) > 1 else 0.0,
-            max(finals) - min(finals), float("nan"), runs[0].tokens, curve,
+            max(finals) - min(finals), float("nan"), runs[0].tokens, curve, runs[0].bytes_up, runs[0].bytes_down,
         )
     if "ddp" in out:
         for s in out.values():
@@ -336,15 +395,37 @@ def markdown(summary: dict[str, Summary], setup: Setup, cfg: RunConfig, seeds: l
     names = {"ddp": "DDP (batch B)", "diloco": f"DiLoCo M={setup.islands} (outer lr 0.7, Nesterov 0.9)",
              "fedavg": f"FedAvg M={setup.islands} (outer lr 1, momentum 0)", "single": "single island (batch B/M)"}
     for s in summary.values():
+        if ":" in s.method:
+            continue  # codec variants get their own table
         per_seed = ", ".join(f"{v:.4f}" for v in s.per_seed)
         vs = "—" if s.method == "ddp" else f"{s.vs_ddp_pct:+.2f}%"
         rows.append(f"| {names[s.method]} | {s.mean:.4f} ± {s.std:.4f} | {per_seed} | {vs} | {s.tokens / 1e6:.2f}M |")
+    rows += codec_table(summary)
     steps = [st for st, _ in next(iter(summary.values())).curve_mean]
     curve = ["", "Mean eval loss during training (inner step):", "",
              "| method | " + " | ".join(str(st) for st in steps) + " |", "|---|" + "---|" * len(steps)]
     for s in summary.values():
         curve.append(f"| {s.method} | " + " | ".join(f"{v:.4f}" for _, v in s.curve_mean) + " |")
     return "\n".join([header, *rows, *curve, "", "Targets:", *targets(summary)])
+
+
+def codec_table(summary: dict[str, Summary]) -> list[str]:
+    """DiLoCo with each codec against DiLoCo in fp32: loss cost and bytes per island per round."""
+    base = summary.get("diloco")
+    variants = [s for s in summary.values() if s.method.startswith("diloco:")]
+    if base is None or not variants:
+        return []
+    rows = ["", "DiLoCo with compressed pseudo-gradients (up) and updates (down), against DiLoCo in fp32 both ways:", "",
+            "| codec up / down | eval loss (mean ± std) | per seed | loss cost vs fp32 | bytes up per island-round | smaller | bytes down per island-round | smaller |",
+            "|---|---|---|---|---|---|---|---|"]
+    for s in [base, *variants]:
+        up, _, down = (s.method.partition(":")[2] or "fp32").partition("/")
+        cost = 100.0 * (s.mean - base.mean) / base.mean
+        rows.append(
+            f"| {up} / {down or up} | {s.mean:.4f} ± {s.std:.4f} | {', '.join(f'{v:.4f}' for v in s.per_seed)} | "
+            f"{cost:+.2f}% | {s.bytes_up:,} | {base.bytes_up / s.bytes_up:.1f}x | {s.bytes_down:,} | {base.bytes_down / s.bytes_down:.1f}x |"
+        )
+    return rows
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -359,6 +440,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=int, default=50, help="inner warmup steps (default 50)")
     p.add_argument("--min-lr-ratio", type=float, default=0.1, help="cosine floor as a fraction of lr (default 0.1)")
     p.add_argument("--methods", default=",".join(METHODS), help=f"subset of {','.join(METHODS)}")
+    p.add_argument("--codecs", default="", metavar="UP[/DOWN],...",
+                   help="also run DiLoCo with these codecs up (and down; default the same), e.g. e3m0+zstd,topk/int8")
     p.add_argument("--workers", type=int, default=2, help="worker processes (default 2)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="extra RunConfig override applied to every method (repeatable)")
@@ -378,6 +461,13 @@ def main(argv: list[str] | None = None) -> None:
     if unknown or not seeds:
         raise SystemExit(f"convergence: error: unknown methods {unknown} or no seeds")
     methods = [m for m in METHODS if m in methods]
+    for spec in filter(None, args.codecs.split(",")):
+        for name in spec.split("/"):
+            try:
+                get_codec(name)
+            except ConfigError as e:
+                raise SystemExit(f"convergence: error: --codecs {spec}: {e}") from None
+        methods.append(f"diloco:{spec}")
     setup = build_setup(args)
     cfg = setup.config(seeds[0])
     log.info("convergence: %s x seeds %s, T=%d, B=%d, M=%d, H=%d, %d workers",

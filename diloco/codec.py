@@ -22,7 +22,6 @@ measures both).
 
 from __future__ import annotations
 
-import math
 import threading
 from collections.abc import Mapping
 from typing import Protocol
@@ -69,28 +68,45 @@ def _blocks(numel: int, block: int) -> int:
 
 
 # --- numba kernels ---------------------------------------------------------------------
-# Non-finite inputs must survive encoding so the receiver can refuse them: each
-# block accumulates v * 0 (NaN for NaN or Inf) into its scale.
+# Written so LLVM vectorizes them: the block absmax is an integer max over the
+# float bits with the sign cleared (for non-negative floats, bit order is value
+# order), which also exposes NaN/Inf (bits >= 0x7F800000) with no extra pass.
+# A block holding NaN/Inf gets a NaN scale, so the receiver sees it and refuses.
+
+_ABS = np.int32(0x7FFFFFFF)
+_NONFINITE = 0x7F800000
+# e3m0: t = r * 4/3 has the exponent of the power of two nearest to r (r in
+# [0.75 * 2**k, 1.5 * 2**k) <=> t in [2**k, 2**(k+1))). r < 2**-7 rounds to zero.
+_E3M0_ZERO_BELOW = int(np.float32(4.0 / 3.0 * 2.0**-7).view(np.int32))
+
+
+@numba.njit(cache=True, nogil=True)
+def _block_absmax_bits(xi, lo, hi):  # pragma: no cover - compiled
+    m = np.int32(0)
+    for i in range(lo, hi):
+        m = max(m, xi[i] & _ABS)
+    return m
 
 
 @numba.njit(cache=True, nogil=True)
 def _int8_encode(x, block, scales, q):  # pragma: no cover - compiled
     n = x.shape[0]
+    xi = x.view(np.int32)
+    bits = np.empty(1, dtype=np.int32)
+    absmax = bits.view(np.float32)
     for b in range(scales.shape[0]):
         lo = b * block
         hi = min(lo + block, n)
-        m = np.float32(0.0)
-        poison = np.float32(0.0)
-        for i in range(lo, hi):
-            a = abs(x[i])
-            poison += x[i] * np.float32(0.0)
-            if a > m:
-                m = a
-        scale = m / np.float32(127.0)
-        scales[b] = scale + poison
+        bits[0] = _block_absmax_bits(xi, lo, hi)
+        if bits[0] >= _NONFINITE:
+            scales[b] = np.float32(np.nan)
+            q[lo:hi] = 0
+            continue
+        m = absmax[0]
+        scales[b] = m / np.float32(127.0)
         inv = np.float32(127.0) / m if m > 0 else np.float32(0.0)
         for i in range(lo, hi):
-            q[i] = np.int8(np.rint(x[i] * inv)) if poison == 0 else np.int8(0)
+            q[i] = np.int8(np.rint(x[i] * inv))
 
 
 @numba.njit(cache=True, nogil=True)
@@ -103,42 +119,39 @@ def _int8_decode(q, scales, block, out):  # pragma: no cover - compiled
 
 
 @numba.njit(cache=True, nogil=True)
-def _e3m0_code(r):  # pragma: no cover - compiled
-    """Magnitude code 0..7 for r = |v| / absmax in [0, 1]: 0 is zero, c >= 1 is 2**(c - 7)."""
-    if r < np.float32(2.0**-7):
-        return 0
-    mant, exp = math.frexp(r)  # r = mant * 2**exp, mant in [0.5, 1)
-    k = exp if mant >= 0.75 else exp - 1  # nearest power of two, 2**k
-    c = k + 7
-    if c < 1:
-        return 1
-    return min(c, 7)
-
-
-@numba.njit(cache=True, nogil=True)
 def _e3m0_encode(x, block, scales, packed):  # pragma: no cover - compiled
+    """Codes: bit 3 sign, bits 0-2 magnitude c (0: zero, else 2**(c - 7) of the block absmax)."""
     n = x.shape[0]
+    xi = x.view(np.int32)
+    bits = np.empty(1, dtype=np.int32)
+    absmax = bits.view(np.float32)
+    t = np.empty(block, dtype=np.float32)
+    ti = t.view(np.int32)
+    codes = np.empty(block, dtype=np.uint8)
     for b in range(scales.shape[0]):
         lo = b * block
         hi = min(lo + block, n)
-        m = np.float32(0.0)
-        poison = np.float32(0.0)
-        for i in range(lo, hi):
-            a = abs(x[i])
-            poison += x[i] * np.float32(0.0)
-            if a > m:
-                m = a
-        scales[b] = m + poison
-        inv = np.float32(1.0) / m if m > 0 and poison == 0 else np.float32(0.0)
-        for i in range(lo, hi):
-            v = x[i]
-            code = _e3m0_code(abs(v) * inv)
-            if v < 0 and code > 0:
-                code |= 8
-            if i & 1:
-                packed[i >> 1] |= np.uint8(code << 4)
-            else:
-                packed[i >> 1] = np.uint8(code)
+        bits[0] = _block_absmax_bits(xi, lo, hi)
+        m = absmax[0]
+        if bits[0] >= _NONFINITE or m == 0:
+            scales[b] = np.float32(np.nan) if bits[0] >= _NONFINITE else np.float32(0.0)
+            codes[: hi - lo] = 0
+        else:
+            scales[b] = m
+            inv = np.float32(4.0 / 3.0) / m
+            for j in range(hi - lo):
+                t[j] = abs(x[lo + j]) * inv
+            for j in range(hi - lo):
+                e = (ti[j] >> 23) - 127 + 7
+                c = min(max(e, 1), 7)
+                c = c if ti[j] >= _E3M0_ZERO_BELOW else 0
+                sign = (xi[lo + j] >> 31) & 1
+                codes[j] = np.uint8(c | ((sign << 3) if c > 0 else 0))
+        half = (hi - lo) // 2
+        for j in range(half):
+            packed[(lo >> 1) + j] = codes[2 * j] | (codes[2 * j + 1] << 4)
+        if (hi - lo) & 1:
+            packed[(lo >> 1) + half] = codes[hi - lo - 1]
 
 
 @numba.njit(cache=True, nogil=True)
@@ -150,9 +163,10 @@ def _e3m0_decode(packed, scales, block, out):  # pragma: no cover - compiled
     n = out.shape[0]
     for b in range(scales.shape[0]):
         s = scales[b]
-        for i in range(b * block, min(b * block + block, n)):
-            code = (packed[i >> 1] >> (4 * (i & 1))) & 15
-            out[i] = table[code] * s
+        lo = b * block
+        hi = min(lo + block, n)
+        for i in range(lo, hi):
+            out[i] = table[(packed[i >> 1] >> (4 * (i & 1))) & 15] * s
 
 
 # --- codecs ----------------------------------------------------------------------------

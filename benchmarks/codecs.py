@@ -1,0 +1,213 @@
+"""Codec benchmark: throughput on one core, and bytes on the wire for a real pseudo-gradient.
+
+1. Throughput. Each codec encodes and decodes a Gaussian fp32 tensor of 1M, 16M
+   and 128M elements the way the wire does it (chunks of at most
+   wire.chunk_bytes of payload), on one thread, against a straightforward torch
+   implementation of the same format (the reference functions below, which
+   produce the same bytes). Figures are MB/s of fp32 input (10^6 bytes),
+   best of --repeat runs; "enc+dec" is the rate of encoding then decoding.
+2. Wire bytes. A real pseudo-gradient (theta_global - theta_local after H=50
+   AdamW steps of the byte-level model on tinyshakespeare, after two earlier
+   rounds) is pushed through `diloco.wire.tensor_chunks` with each codec, and
+   the protobuf messages are measured, as the coordinator counts them.
+
+Run from the repository root:  python benchmarks/codecs.py
+(about 3 minutes on one core; --sizes 1 for a quick look).
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from diloco.codec import get_codec
+from diloco.config import load_config
+from diloco.data import train_stream
+from diloco.inner import build_inner_optimizer, inner_lr, train_step
+from diloco.model import Transformer
+from diloco.outer import pseudo_gradient
+from diloco.params import fp32_copy
+from diloco.v1 import diloco_pb2 as pb
+from diloco.wire import tensor_chunks
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+CHUNK_BYTES = 1 << 20
+BLOCK = 256
+
+
+# --- straightforward torch references (same formats as diloco.codec) ---------------------
+
+
+def ref_int8_encode(x: torch.Tensor) -> bytes:
+    n = x.numel()
+    pad = (-n) % BLOCK
+    v = torch.nn.functional.pad(x, (0, pad)).view(-1, BLOCK)
+    absmax = v.abs().amax(1, keepdim=True)
+    inv = torch.where(absmax > 0, 127.0 / absmax, torch.zeros_like(absmax))
+    q = torch.round(v * inv).to(torch.int8).view(-1)[:n]
+    return (absmax / 127.0).view(-1).numpy().tobytes() + q.numpy().tobytes()
+
+
+def ref_int8_decode(payload: bytes, n: int) -> torch.Tensor:
+    blocks = -(-n // BLOCK)
+    scales = torch.from_numpy(np.frombuffer(payload, np.float32, count=blocks).copy())
+    q = torch.from_numpy(np.frombuffer(payload, np.int8, offset=4 * blocks).copy())
+    pad = (-n) % BLOCK
+    return (torch.nn.functional.pad(q.to(torch.float32), (0, pad)).view(-1, BLOCK) * scales[:, None]).view(-1)[:n]
+
+
+def ref_e3m0_encode(x: torch.Tensor) -> bytes:
+    n = x.numel()
+    v = torch.nn.functional.pad(x, (0, (-n) % BLOCK)).view(-1, BLOCK)
+    absmax = v.abs().amax(1, keepdim=True)
+    r = v.abs() / torch.where(absmax > 0, absmax, torch.ones_like(absmax))
+    mantissa, exponent = torch.frexp(r)
+    k = torch.where(mantissa >= 0.75, exponent, exponent - 1)
+    c = (k + 7).clamp(1, 7)
+    c = torch.where(r < 2.0**-7, torch.zeros_like(c), c)
+    codes = (c | ((v < 0) & (c > 0)).to(c.dtype) << 3).to(torch.uint8).view(-1)[:n]
+    if n % 2:
+        codes = torch.nn.functional.pad(codes, (0, 1))
+    packed = codes[0::2] | (codes[1::2] << 4)
+    return absmax.view(-1).numpy().tobytes() + packed.numpy().tobytes()
+
+
+_E3M0_TABLE = torch.tensor([0.0] + [2.0 ** (c - 7) for c in range(1, 8)] + [-0.0] + [-(2.0 ** (c - 7)) for c in range(1, 8)])
+
+
+def ref_e3m0_decode(payload: bytes, n: int) -> torch.Tensor:
+    blocks = -(-n // BLOCK)
+    scales = torch.from_numpy(np.frombuffer(payload, np.float32, count=blocks).copy())
+    packed = torch.from_numpy(np.frombuffer(payload, np.uint8, offset=4 * blocks).copy())
+    codes = torch.stack([packed & 15, packed >> 4], dim=1).view(-1)[:n].long()
+    values = torch.nn.functional.pad(_E3M0_TABLE[codes], (0, (-n) % BLOCK)).view(-1, BLOCK)
+    return (values * scales[:, None]).view(-1)[:n]
+
+
+REFERENCES: dict[str, tuple[Callable, Callable]] = {
+    "int8": (ref_int8_encode, ref_int8_decode),
+    "e3m0": (ref_e3m0_encode, ref_e3m0_decode),
+}
+
+
+# --- throughput --------------------------------------------------------------------------
+
+
+def chunked(encode: Callable, decode: Callable, x: torch.Tensor, step: int) -> tuple[float, float]:
+    """Seconds to encode x chunk by chunk, and to decode the chunks back into one tensor."""
+    started = time.perf_counter()
+    payloads = [encode(x[s : s + step]) for s in range(0, x.numel(), step)]
+    encoded = time.perf_counter()
+    out = torch.empty_like(x)
+    for i, payload in enumerate(payloads):
+        s = i * step
+        out[s : s + step] = decode(payload, min(step, x.numel() - s))
+    decoded = time.perf_counter()
+    return encoded - started, decoded - encoded
+
+
+def throughput(names: list[str], sizes: list[int], repeat: int) -> list[str]:
+    rows = [
+        "| codec | elements | ours enc MB/s | ours dec MB/s | ours enc+dec MB/s | torch ref enc+dec MB/s | speed-up | bytes/element |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for n in sizes:
+        x = torch.randn(n, generator=torch.Generator().manual_seed(n))
+        mb = 4 * n / 1e6
+        for name in names:
+            codec = get_codec(name)
+            step = codec.max_elements(CHUNK_BYTES)
+            chunked(codec.encode, codec.decode, x[: min(n, 4 * step)], step)  # warm up (numba JIT, allocator)
+            enc, dec = map(min, zip(*(chunked(codec.encode, codec.decode, x, step) for _ in range(repeat))))
+            ref_text, speedup = "—", "—"
+            if name in REFERENCES:
+                ref_enc, ref_dec = REFERENCES[name]
+                # Same bytes, same values: the reference really is the same codec.
+                probe = x[:step]
+                assert ref_enc(probe) == codec.encode(probe), f"{name}: reference encodes differently"
+                assert torch.equal(ref_dec(codec.encode(probe), probe.numel()), codec.decode(codec.encode(probe), probe.numel()))
+                r_enc, r_dec = map(min, zip(*(chunked(ref_enc, ref_dec, x, step) for _ in range(repeat))))
+                ref_text = f"{mb / (r_enc + r_dec):,.0f}"
+                speedup = f"{(r_enc + r_dec) / (enc + dec):.1f}x"
+            size = codec.encoded_size(step) / step
+            rows.append(
+                f"| {name} | {n / 2**20:.0f}M | {mb / enc:,.0f} | {mb / dec:,.0f} | {mb / (enc + dec):,.0f} | {ref_text} | {speedup} | {size:.3f} |"
+            )
+        print(rows[-1], flush=True)
+    return rows
+
+
+# --- bytes on the wire for a real pseudo-gradient ------------------------------------------
+
+
+def real_pseudo_gradient(data: Path, rounds: int = 3, h: int = 50) -> dict[str, torch.Tensor]:
+    cfg = load_config(None, [
+        "data.source='text'", f"data.path='{data}'", "model.vocab_size=256", "data.seq_len=128",
+        "inner.batch_size=8", f"inner.steps_per_round={h}", "inner.warmup_steps=50", "inner.lr=3e-3",
+    ])
+    torch.manual_seed(0)
+    model = Transformer(cfg.model)
+    optimizer = build_inner_optimizer(model, cfg.inner)
+    stream = train_stream(cfg.data, 0, 0, 4)
+    for step in range((rounds - 1) * h):
+        train_step(model, optimizer, stream.next_batch(8), inner_lr(step, 400, cfg.inner), 1.0)
+    start = fp32_copy(model)
+    for step in range((rounds - 1) * h, rounds * h):
+        train_step(model, optimizer, stream.next_batch(8), inner_lr(step, 400, cfg.inner), 1.0)
+    return pseudo_gradient(start, dict(model.named_parameters()))
+
+
+def wire_bytes(pg: dict[str, torch.Tensor], names: list[str]) -> list[str]:
+    numel = sum(t.numel() for t in pg.values())
+    header = pb.PushMessage(header=pb.PushHeader(island_id="island-0", round=2, tokens=51200, codec="fp32")).ByteSize()
+    rows = [
+        f"Pseudo-gradient of {numel / 1e6:.2f}M parameters (fp32 tensor data: {4 * numel / 1e6:.2f} MB).",
+        "",
+        "| codec | bytes on the wire | smaller than fp32 | relative L2 error of the decoded pseudo-gradient |",
+        "|---|---|---|---|",
+    ]
+    baseline = None
+    for name in names:
+        codec = get_codec(name)
+        total = header
+        err_num = err_den = 0.0
+        for chunk in tensor_chunks(pg, codec, CHUNK_BYTES):
+            total += pb.PushMessage(chunk=chunk).ByteSize()
+            original = pg[chunk.name].reshape(-1)[chunk.offset : chunk.offset + chunk.numel]
+            err_num += float((codec.decode(chunk.payload, chunk.numel) - original).square().sum())
+            err_den += float(original.square().sum())
+        baseline = baseline or total
+        rows.append(f"| {name} | {total:,} | {baseline / total:.1f}x | {np.sqrt(err_num / err_den):.4f} |")
+    return rows
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(prog="codecs", description=__doc__.split("\n\n")[0])
+    p.add_argument("--sizes", default="1,16,128", help="tensor sizes in Mi elements (default 1,16,128)")
+    p.add_argument("--codecs", default="int8,e3m0,topk,bf16,fp32", help="codecs for the throughput table")
+    p.add_argument("--repeat", type=int, default=3, help="runs per measurement; the best is kept (default 3)")
+    p.add_argument("--data", default="../shared/data/tinyshakespeare.txt", help="text for the real pseudo-gradient")
+    p.add_argument("--skip-throughput", action="store_true")
+    p.add_argument("--skip-wire", action="store_true")
+    args = p.parse_args()
+    torch.set_num_threads(1)
+    if not args.skip_throughput:
+        print("Throughput, one core (MB/s of fp32 input, best of %d):\n" % args.repeat, flush=True)
+        rows = throughput(args.codecs.split(","), [int(s) << 20 for s in args.sizes.split(",")], args.repeat)
+        print("\n".join(rows), flush=True)
+    if not args.skip_wire:
+        data = Path(args.data)
+        data = data if data.is_absolute() else (REPO_ROOT / data).resolve()
+        pg = real_pseudo_gradient(data)
+        names = ["fp32", "fp32+zstd", "bf16", "bf16+zstd", "int8", "int8+zstd", "e3m0", "e3m0+zstd", "topk", "topk+zstd"]
+        print("\nBytes on the wire for one island's push:\n")
+        print("\n".join(wire_bytes(pg, names)), flush=True)
+
+
+if __name__ == "__main__":
+    main()
