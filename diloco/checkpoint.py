@@ -27,7 +27,7 @@ _STEP = re.compile(r"step-(\d{10})$")
 MARKER = "COMMITTED"
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(OSError):
     """A checkpoint that cannot be read or written; the message says where and why."""
 
 
@@ -86,11 +86,32 @@ class CheckpointStore:
         return f"{self.url}/step-{step:010d}"
 
     def load(self, step: int | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
-        """(tensors, meta) of a committed step (default: the newest); verifies the marker's hash."""
+        """(tensors, meta) of a committed step; by default the newest one that verifies.
+
+        A committed step whose data does not match its marker (storage that lost
+        or damaged a file) is skipped with a warning in favour of the one before.
+        """
+        if step is not None:
+            return self._load(step)
+        steps = self.steps()
+        for candidate in reversed(steps):
+            try:
+                return self._load(candidate)
+            except CheckpointError as e:
+                log.warning("skipping checkpoint: %s", e)
+        raise CheckpointError(
+            f"no usable checkpoint under {self.url}" + (f" ({len(steps)} committed, none verified)" if steps else "")
+        )
+
+    def load_meta(self, step: int | None = None) -> dict[str, Any] | None:
+        """Only the metadata of a committed step (default: the newest); None when there is none."""
+        step = self.latest() if step is None else step
         if step is None:
-            step = self.latest()
-            if step is None:
-                raise CheckpointError(f"no committed checkpoint under {self.url}")
+            return None
+        with self.fs.open(f"{self._dir(step)}/meta.json", "r") as f:
+            return json.loads(f.read())
+
+    def _load(self, step: int) -> tuple[dict[str, Any], dict[str, Any]]:
         where = self._dir(step)
         try:
             with self.fs.open(f"{where}/{MARKER}", "r") as f:

@@ -7,6 +7,7 @@ import logging
 import grpc
 import torch
 
+from diloco.checkpoint import CheckpointError
 from diloco.cli import ArgumentParser, add_config_flags, fail, setup_logging
 from diloco.config import ConfigError, load_config
 from islands.client import CoordinatorUnreachable
@@ -67,7 +68,7 @@ def main(argv: list[str] | None = None) -> None:
         fail(parser.prog, str(e))
     except grpc.RpcError as e:
         fail(parser.prog, f"coordinator refused: {e.code().name}: {e.details()}")
-    except (ConfigError, ValueError) as e:
+    except (ConfigError, ValueError, CheckpointError) as e:
         fail(parser.prog, str(e))
     except KeyboardInterrupt:
         pass

@@ -38,9 +38,7 @@ def save(island, store: CheckpointStore) -> str:
 
 def peek(store: CheckpointStore) -> dict | None:
     """The newest checkpoint's metadata (to rejoin under the same island id), or None."""
-    if store.latest() is None:
-        return None
-    return store.load()[1]
+    return store.load_meta()
 
 
 def restore(island, store: CheckpointStore, prefer_round: int | None = None) -> int:
