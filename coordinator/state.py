@@ -405,7 +405,7 @@ class CoordinatorState:
         if overdue and self.clock() - self._last_wait_log > 10:
             self._last_wait_log = self.clock()
             log.warning(
-                "round %d is past its %.0fs deadline with %d of min_islands=%d contributions; still waiting",
+                "round %d is past its %gs deadline with %d of min_islands=%d contributions; still waiting",
                 self.round, r.deadline_s, len(done), r.min_islands,
             )
         return None

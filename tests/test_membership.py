@@ -1,0 +1,108 @@
+"""Membership: leases, round deadlines, min_islands, and islands joining a run that is under way."""
+
+from __future__ import annotations
+
+import logging
+import signal
+import time
+
+import grpc
+import pytest
+
+from conftest import join, random_like, tiny_config, wait_for_round
+from diloco.codec import Fp32Codec
+from diloco.sim import Simulation
+from diloco.v1 import diloco_pb2 as pb
+from diloco.wire import Manifest, tensor_chunks
+
+
+def _push(stub, island_id, manifest, round_=0, seed=0):
+    messages = [pb.PushMessage(header=pb.PushHeader(island_id=island_id, round=round_, tokens=100, codec="fp32"))]
+    messages += [pb.PushMessage(chunk=c) for c in tensor_chunks(random_like(manifest.shapes, seed), Fp32Codec(), 4096)]
+    return stub.PushPseudoGradient(iter(messages), timeout=10)
+
+
+def test_island_that_misses_its_lease_leaves_the_round(make_coordinator, channel_to):
+    cfg = tiny_config("rounds.lease_s=1.0", "rounds.deadline_s=60", "rounds.rounds=2")
+    coordinator = make_coordinator(cfg)
+    stub = channel_to(coordinator)
+    a, b = join(stub), join(stub)
+    manifest = Manifest.from_proto(a.parameters)
+    _push(stub, a.island_id, manifest)
+    # b never heartbeats: the round waits for it only until its lease runs out.
+    wait_for_round(coordinator, 0, timeout_s=10)
+    summary = coordinator.state.summaries[0]
+    assert 1.0 <= summary.seconds < 4.0
+    assert list(summary.islands) == [a.island_id]
+    assert coordinator.state.events.leases_expired >= 1
+    with pytest.raises(grpc.RpcError) as err:
+        stub.Heartbeat(pb.HeartbeatRequest(island_id=b.island_id), timeout=5)
+    assert err.value.code() == grpc.StatusCode.NOT_FOUND and "join again" in err.value.details()
+    assert join(stub).round == 1  # coming back is a fresh join into the current round
+
+
+def test_round_closes_at_its_deadline_with_min_islands(make_coordinator, channel_to):
+    cfg = tiny_config("rounds.min_islands=2", "rounds.deadline_s=1.5", "rounds.lease_s=60", "rounds.rounds=2")
+    coordinator = make_coordinator(cfg)
+    stub = channel_to(coordinator)
+    a, b, c = join(stub), join(stub), join(stub)
+    manifest = Manifest.from_proto(a.parameters)
+    _push(stub, a.island_id, manifest, seed=1)
+    _push(stub, b.island_id, manifest, seed=2)
+    wait_for_round(coordinator, 0, timeout_s=10)
+    assert 1.5 <= coordinator.state.summaries[0].seconds < 4.0  # waited for c until the deadline, not longer
+    assert sorted(coordinator.state.summaries[0].islands) == sorted([a.island_id, b.island_id])
+    # c's late push for the closed round is refused; it must resync and train for round 1.
+    with pytest.raises(grpc.RpcError) as err:
+        _push(stub, c.island_id, manifest, round_=0)
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+
+
+def test_round_below_min_islands_keeps_waiting_and_says_why(make_coordinator, channel_to, caplog):
+    cfg = tiny_config("rounds.min_islands=2", "rounds.deadline_s=0.5", "rounds.lease_s=60", "rounds.rounds=2")
+    coordinator = make_coordinator(cfg)
+    stub = channel_to(coordinator)
+    a, b = join(stub), join(stub)
+    manifest = Manifest.from_proto(a.parameters)
+    with caplog.at_level(logging.WARNING, logger="coordinator.state"):
+        _push(stub, a.island_id, manifest)
+        time.sleep(1.5)
+    assert coordinator.state.round == 0, "closed below min_islands"
+    assert any("past its 0.5s deadline with 1 of min_islands=2" in r.message for r in caplog.records), caplog.text
+    _push(stub, b.island_id, manifest, seed=3)
+    wait_for_round(coordinator, 0, timeout_s=10)
+    assert len(coordinator.state.summaries[0].islands) == 2
+
+
+def test_island_joining_a_run_under_way_enters_the_current_round(tmp_path):
+    cfg = tiny_config(
+        "rounds.rounds=5", "rounds.min_islands=1", "data.shards=2", "inner.steps_per_round=5",
+        "rounds.heartbeat_s=0.5", "rounds.lease_s=60",
+    )
+    sim = Simulation(cfg, 2, tmp_path)
+    coordinator_log = tmp_path / "coordinator.log"
+    try:
+        sim.started = time.monotonic()
+        sim.start_coordinator()
+        sim.start_island(0)
+        rounds = []
+        for summary in sim.watch(240):
+            rounds.append(list(summary.islands))
+            if summary.round == 1:
+                # A second data centre comes online mid-run. Hold the first one still
+                # until it has joined, so the run cannot finish before it arrives.
+                sim.island_procs[0].send_signal(signal.SIGSTOP)
+                sim.start_island(1)
+                deadline = time.monotonic() + 120
+                while "island-1 joined" not in coordinator_log.read_text():
+                    assert time.monotonic() < deadline and sim.island_procs[1].poll() is None, "island-1 never joined"
+                    time.sleep(0.1)
+                sim.island_procs[0].send_signal(signal.SIGCONT)
+        result = sim.finish(240)
+    finally:
+        sim.island_procs[0].send_signal(signal.SIGCONT)
+        sim.close()
+    assert rounds[0] == ["island-0"] and rounds[1] == ["island-0"]
+    assert rounds[-1] == ["island-0", "island-1"], rounds
+    # The newcomer fetched the current global parameters and ends holding the final ones.
+    assert result.report["islands"] == {"island-0": result.report["checksum"], "island-1": result.report["checksum"]}
