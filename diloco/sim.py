@@ -7,6 +7,7 @@ so it exercises exactly what a multi-site deployment runs.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -27,6 +28,7 @@ from diloco.config import RunConfig
 from diloco.data import entropy_floor
 from diloco.v1 import diloco_pb2 as pb
 from diloco.v1 import diloco_pb2_grpc as pb_grpc
+from diloco.wan import LinkSpec, WanLink, WanSpecError, parse_wan
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +38,8 @@ class SimResult:
     report: dict
     seconds: float
     island_exit_codes: list[int]
+    # Bytes each island's emulated WAN link carried (up to, down from the coordinator); empty without --wan.
+    wan_bytes: list[tuple[int, int]] = dataclasses.field(default_factory=list)
 
 
 def _fmt_bytes(n: float) -> str:
@@ -60,8 +64,12 @@ def _wait_for_port(port_file: Path, proc: subprocess.Popen, timeout_s: float) ->
 class Simulation:
     """The processes of a one-node run: start, kill and restart them; watch the rounds."""
 
-    def __init__(self, cfg: RunConfig, islands: int, workdir: Path, threads: int = 1, checkpoints: bool = False):
+    def __init__(self, cfg: RunConfig, islands: int, workdir: Path, threads: int = 1, checkpoints: bool = False,
+                 wan: list[LinkSpec] | None = None):
         self.cfg, self.islands, self.workdir, self.threads = cfg, islands, workdir, threads
+        # One emulated link per island (its own proxy port); the coordinator keeps its port across restarts.
+        self.wan = wan
+        self.links: dict[int, WanLink] = {}
         workdir.mkdir(parents=True, exist_ok=True)
         self.config_path = workdir / "run.toml"
         self.config_path.write_text(cfg.to_toml())
@@ -90,8 +98,19 @@ class Simulation:
         self.coordinator = self._spawn(args, "coordinator.log")
         self.port = _wait_for_port(port_file, self.coordinator, 120)
 
+    def island_address(self, i: int) -> str:
+        """Where island i connects: the coordinator, or its own WAN link in front of it."""
+        if not self.wan:
+            return f"127.0.0.1:{self.port}"
+        if i not in self.links:
+            self.links[i] = WanLink(("127.0.0.1", self.port), self.wan[i % len(self.wan)]).start()
+        return self.links[i].address
+
+    def wan_bytes(self) -> list[tuple[int, int]]:
+        return [(self.links[i].bytes_up, self.links[i].bytes_down) for i in sorted(self.links)]
+
     def start_island(self, i: int, resume: bool = False) -> None:
-        args = ["islands", "join", "--coordinator", f"127.0.0.1:{self.port}", "--config", str(self.config_path),
+        args = ["islands", "join", "--coordinator", self.island_address(i), "--config", str(self.config_path),
                 "--threads", str(self.threads), "--device", "cpu", "--log-level", "info"]
         if self.checkpoints:
             args += ["--checkpoint", str(self.workdir / "ckpt" / f"island-{i}"), "--checkpoint-every", "1"]
@@ -145,13 +164,15 @@ class Simulation:
         bad = [i for i, c in enumerate(codes) if c != 0]
         if bad:
             raise RuntimeError(f"islands {bad} failed; see {self.workdir}/island-N.log")
-        return SimResult(json.loads(self.report_path.read_text()), time.monotonic() - self.started, codes)
+        return SimResult(json.loads(self.report_path.read_text()), time.monotonic() - self.started, codes, self.wan_bytes())
 
     def close(self) -> None:
         for p in list(self.island_procs.values()) + [self.coordinator]:
             if p is not None and p.poll() is None:
                 p.kill()
                 p.wait()
+        for link in self.links.values():
+            link.stop()
 
 
 def run_sim(
@@ -162,9 +183,13 @@ def run_sim(
     threads: int = 1,
     echo=print,
     per_island: bool = False,
+    wan: list[LinkSpec] | None = None,
 ) -> SimResult:
-    """Runs the simulation to the end; raises if it fails or outlives timeout_s."""
-    sim = Simulation(cfg, islands, workdir, threads)
+    """Runs the simulation to the end; raises if it fails or outlives timeout_s.
+
+    wan: one emulated link per island (see diloco.wan), or None for plain loopback.
+    """
+    sim = Simulation(cfg, islands, workdir, threads, wan=wan)
     try:
         sim.start()
         printer = RoundPrinter(echo, per_island)
@@ -218,6 +243,9 @@ def summarize(result: SimResult, cfg: RunConfig, echo=print) -> None:
     failures = {k: v for k, v in ev.items() if v}
     if failures:
         echo("failures and recovery: " + ", ".join(f"{k}={v:.1f}" if isinstance(v, float) else f"{k}={v}" for k, v in failures.items()))
+    if result.wan_bytes:
+        echo(f"emulated WAN links carried up {_fmt_bytes(sum(u for u, _ in result.wan_bytes))}, "
+             f"down {_fmt_bytes(sum(d for _, d in result.wan_bytes))} (gRPC framing included)")
     matches = sum(1 for c in rep["islands"].values() if c == rep["checksum"])
     echo(f"islands holding the coordinator's global parameters: {matches}/{len(rep['islands'])} (checksum {rep['checksum'][:12]})")
 
@@ -233,8 +261,22 @@ def build_parser() -> ArgumentParser:
     parser.add_argument("--workdir", help="where logs, the resolved config and the report go (default: a temp dir)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per process (default 1)")
     parser.add_argument("--per-island", action="store_true", help="also print bytes up/down per island each round")
+    parser.add_argument(
+        "--wan", metavar="RATE:DELAY",
+        help="give each island its own emulated link to the coordinator, e.g. 100mbit:80ms "
+             "(rate in kbit/mbit/gbit per second, one-way delay in us/ms/s); "
+             "a comma-separated list gives one link per island",
+    )
     parser.add_argument("--timeout", type=float, default=1800.0, help="give up after this many seconds (default 1800)")
     return parser
+
+
+def _wan_text(wan: list[LinkSpec] | None) -> str:
+    if not wan:
+        return ""
+    if len({(s.bits_per_s, s.delay_s) for s in wan}) == 1:
+        return f", each island on its own emulated WAN link {wan[0]}"
+    return f", emulated WAN links per island {', '.join(str(s) for s in wan)}"
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -247,13 +289,20 @@ def main(argv: list[str] | None = None) -> None:
     # Every island starts in round 0 and owns its own shard of the data.
     args.overrides = [f"rounds.min_islands={args.islands}", f"data.shards={args.islands}"] + args.overrides
     cfg = config_from_args(parser.prog, args)
+    wan = None
+    if args.wan is not None:
+        try:
+            wan = parse_wan(args.wan, args.islands)
+        except WanSpecError as e:
+            fail(parser.prog, f"--wan: {e}")
     logging.basicConfig(level=logging.WARNING)
     workdir = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="diloco-sim-"))
     print(f"diloco-sim: {args.islands} islands, {cfg.rounds.rounds} rounds of H={cfg.inner.steps_per_round}, "
-          f"config {cfg.name!r} (logs in {workdir})", flush=True)
+          f"config {cfg.name!r}{_wan_text(wan)} (logs in {workdir})", flush=True)
     try:
         result = run_sim(
-            cfg, args.islands, workdir, args.timeout, args.threads, echo=lambda s: print(s, flush=True), per_island=args.per_island
+            cfg, args.islands, workdir, args.timeout, args.threads, echo=lambda s: print(s, flush=True),
+            per_island=args.per_island, wan=wan,
         )
     except (RuntimeError, TimeoutError, grpc.RpcError) as e:
         fail(parser.prog, f"simulation failed: {e}")
