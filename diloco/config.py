@@ -43,6 +43,9 @@ class DataConfig:
     eval_fraction: float = 0.1
     # Disjoint training shards; the coordinator hands them out in join order.
     shards: int = 4
+    # Text: shard s takes every shards-th stripe of this many bytes (i.i.d.
+    # shards); 0 makes each shard one contiguous block of the file.
+    stripe_bytes: int = 4096
     # Synthetic language: order-k Markov chain over `vocab` tokens in which each
     # context allows `branching` next tokens.
     synthetic_vocab: int = 64

@@ -137,19 +137,36 @@ def split_text(data: np.ndarray, eval_fraction: float) -> tuple[np.ndarray, np.n
 
 
 class TextShardStream:
-    """Random windows from one contiguous, disjoint shard of a byte string."""
+    """Random windows from one disjoint shard of a byte string.
 
-    def __init__(self, train: np.ndarray, seq_len: int, seed: int, shard: int, num_shards: int):
-        size = len(train) // num_shards
-        if size < 2 * (seq_len + 1):
-            raise ConfigError(f"text too small for {num_shards} shards of seq_len {seq_len}")
-        self.tokens = torch.from_numpy(train[shard * size : (shard + 1) * size].astype(np.int64))
+    With stripe_bytes > 0 the text is cut into stripes and shard s takes every
+    num_shards-th stripe, starting at s: shards are disjoint and each is a
+    sample of the whole text (i.i.d. shards, as a globally shuffled corpus
+    split across islands would be). Windows never cross a stripe boundary.
+    With stripe_bytes = 0 each shard is one contiguous block (non-i.i.d.: a
+    harder setting where islands see different parts of the text).
+    """
+
+    def __init__(self, train: np.ndarray, seq_len: int, seed: int, shard: int, num_shards: int, stripe_bytes: int = 0):
+        window = seq_len + 1
+        stripe = len(train) // num_shards if stripe_bytes <= 0 else max(stripe_bytes, 2 * window)
+        n_stripes = len(train) // stripe
+        mine = np.arange(shard, n_stripes - n_stripes % num_shards, num_shards)
+        if stripe < 2 * window or len(mine) == 0:
+            raise ConfigError(
+                f"text too small for {num_shards} shards of seq_len {seq_len} "
+                f"({len(train)} training bytes, stripes of {stripe}); use fewer shards or a shorter seq_len"
+            )
+        stripes = train[: n_stripes * stripe].reshape(n_stripes, stripe)[mine]
+        self.tokens = torch.from_numpy(stripes.astype(np.int64))  # (stripes, stripe)
         self.seq_len = seq_len
         self.rng = np.random.default_rng([seed, shard, 0x7E47])
 
     def next_batch(self, batch_size: int) -> Batch:
-        starts = self.rng.integers(0, len(self.tokens) - self.seq_len - 1, size=batch_size)
-        seqs = torch.stack([self.tokens[s : s + self.seq_len + 1] for s in starts.tolist()])
+        rows = self.rng.integers(0, self.tokens.shape[0], size=batch_size)
+        starts = self.rng.integers(0, self.tokens.shape[1] - self.seq_len, size=batch_size)
+        columns = torch.from_numpy(starts[:, None] + np.arange(self.seq_len + 1))
+        seqs = self.tokens[torch.from_numpy(rows)[:, None], columns]
         return seqs[:, :-1], seqs[:, 1:]
 
     def state_dict(self) -> dict[str, Any]:
@@ -173,7 +190,7 @@ def train_stream(cfg: DataConfig, seed: int, shard: int, num_shards: int) -> Tok
     if cfg.source == "synthetic":
         return SyntheticStream(_language(cfg), cfg.seq_len, seed, shard)
     train, _ = split_text(read_bytes(cfg.path), cfg.eval_fraction)
-    return TextShardStream(train, cfg.seq_len, seed, shard, num_shards)
+    return TextShardStream(train, cfg.seq_len, seed, shard, num_shards, cfg.stripe_bytes)
 
 
 def eval_batches(cfg: DataConfig, n_batches: int, batch_size: int) -> list[Batch]:

@@ -43,12 +43,25 @@ def test_targets_are_inputs_shifted_by_one():
 
 
 @pytest.mark.skipif(not SHAKESPEARE.exists(), reason="needs ../shared/data")
-def test_text_shards_are_disjoint_and_eval_is_held_out():
-    cfg = DataConfig(source="text", path=str(SHAKESPEARE), seq_len=64)
+@pytest.mark.parametrize("stripe", [0, 4096])
+def test_text_shards_are_disjoint_and_eval_is_held_out(stripe):
+    cfg = DataConfig(source="text", path=str(SHAKESPEARE), seq_len=64, stripe_bytes=stripe)
     streams = [train_stream(cfg, 0, s, 4) for s in range(4)]
-    ranges = [(s.tokens[:64].numpy().tobytes(), len(s.tokens)) for s in streams]
-    assert len({r[0] for r in ranges}) == 4
     raw = SHAKESPEARE.read_bytes()
+    train = raw[: int(len(raw) * 0.9)]
+    # Every shard's stripes are distinct pieces of the training text, and no piece is in two shards.
+    pieces = [bytes(row.tolist()) for s in streams for row in s.tokens]
+    assert len(set(pieces)) == len(pieces)
+    offsets = [train.find(p) for p in pieces]
+    assert all(o >= 0 and o % len(pieces[0]) == 0 for o in offsets)
+    if stripe:
+        assert len(pieces[0]) == stripe and sorted(offsets)[:8] == [i * stripe for i in range(8)]  # interleaved
+    else:
+        assert len(pieces) == 4  # one contiguous block each
+    # Windows come from inside the shard's own stripes.
+    inputs, targets = streams[1].next_batch(16)
+    own = b"".join(bytes(row.tolist()) for row in streams[1].tokens)
+    assert all(bytes(seq.tolist()) in own for seq in inputs)
     held_out = raw[int(len(raw) * 0.9):]
     batch = eval_batches(cfg, 2, 4)[0][0]
     assert bytes(batch[0].tolist()) in held_out
