@@ -66,11 +66,26 @@ class RegeneratingChunks:
         return self._factory(start)
 
 
+def channel_options(receive_window_bytes: int = 0) -> list[tuple[str, int]]:
+    """gRPC options for an island's connection.
+
+    receive_window_bytes > 0 fixes each stream's HTTP/2 receive window instead
+    of letting gRPC grow it by probing the bandwidth-delay product. The window
+    bounds what the transport buffers while the island applies a result chunk
+    by chunk; a slow (CPU-starved) receiver otherwise lets it grow to the
+    size of the whole stream. Throughput per stream is about window / RTT, so
+    size it near bandwidth x RTT.
+    """
+    if receive_window_bytes <= 0:
+        return []
+    return [("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", receive_window_bytes)]
+
+
 class CoordinatorClient:
-    def __init__(self, address: str, connect_timeout_s: float = 30.0, reconnect_s: float = 120.0):
+    def __init__(self, address: str, connect_timeout_s: float = 30.0, reconnect_s: float = 120.0, receive_window_bytes: int = 0):
         self.address = address
         self.reconnect_s = reconnect_s
-        self.channel = grpc.insecure_channel(address)
+        self.channel = grpc.insecure_channel(address, options=channel_options(receive_window_bytes))
         try:
             grpc.channel_ready_future(self.channel).result(timeout=connect_timeout_s)
         except grpc.FutureTimeoutError:
