@@ -1,9 +1,10 @@
 """What a rank of a sharded island records for tests and debugging (only with --report-dir).
 
 Per rank and attempt (torchrun restarts count up), under the report dir:
-`g{group}-r{rank}-a{attempt}.events` (JSON lines as they happen: up, healed,
-exchange), `.json` (the summary at exit: position, memory, a trace of digests
-after every quorum) and `.pt` (the final model and theta_global shards).
+`g{group}-r{rank}-a{attempt}.events` (JSON lines as they happen: up, step
+with digests of the model, theta_global and optimizer shards after every
+quorum, healed, takeover, exchange), `.json` (the summary at exit: position,
+memory) and `.pt` (the final model and theta_global shards).
 
 DILOCO_FAULT makes a rank SIGKILL itself at a named point, once, in its
 first attempt: `die-before-push:group=G,rank=K,round=R[,delay=S]`. Tests use it to kill
@@ -53,7 +54,6 @@ class Evidence:
         self.enabled = bool(report_dir)
         self.dir = Path(report_dir) if report_dir else None
         self.tag = f"g{group}-r{rank}-a{attempt()}"
-        self.trace: list[dict] = []
         if self.dir is not None:
             self.dir.mkdir(parents=True, exist_ok=True)
 
@@ -63,11 +63,8 @@ class Evidence:
         with open(self.dir / f"{self.tag}.events", "a") as f:
             f.write(json.dumps({"event": name, "pid": os.getpid(), "t": time.time(), **fields}) + "\n")
 
-    def record(self, **entry) -> None:
-        self.trace.append(entry)
-
     def write(self, summary: dict, tensors: dict) -> None:
         if self.dir is None:
             return
-        (self.dir / f"{self.tag}.json").write_text(json.dumps({**summary, "trace": self.trace}, indent=1))
+        (self.dir / f"{self.tag}.json").write_text(json.dumps(summary, indent=1))
         torch.save(tensors, self.dir / f"{self.tag}.pt")

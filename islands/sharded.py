@@ -239,6 +239,7 @@ class ShardedIsland:
             if e.code() == grpc.StatusCode.ALREADY_EXISTS or "overlaps data already received" in details:
                 log.info("group %d rank %d: shard already delivered by another group; taking over the rest", self.spec.group, self.world.rank)
                 self.takeovers += 1
+                self.evidence.event("takeover", round=s.round)
                 return PUSHED
             if e.code() == grpc.StatusCode.INVALID_ARGUMENT and "not finite" in details:
                 return DIVERGED
@@ -253,16 +254,19 @@ class ShardedIsland:
         """Every rank pulls its ranges of the round's result; any rank's trouble makes the whole group fetch."""
         s = self.state
         header, trouble = None, 0  # 0: fine, 1: fetch the values, 2: rejoin first
-        try:
-            header = self.client.pull(
-                s.island_id, s.round, self.global_shard, self.manifest, s.checksum,
-                timeout_s=self.cfg.rounds.deadline_s + 60, ranges=self.layout.ranges,
-            )
-        except grpc.RpcError as e:
-            if e.code() not in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.DATA_LOSS, grpc.StatusCode.NOT_FOUND):
-                raise
-            log.warning("%s rank %d: pull of round %d failed (%s: %s)", s.island_id, self.world.rank, s.round, e.code().name, e.details())
-            trouble = 2 if e.code() == grpc.StatusCode.NOT_FOUND else 1
+        while header is None and not trouble:
+            try:
+                header = self.client.pull(
+                    s.island_id, s.round, self.global_shard, self.manifest, s.checksum,
+                    timeout_s=self.cfg.rounds.deadline_s + 60, ranges=self.layout.ranges,
+                )
+            except grpc.RpcError as e:
+                if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED and "still open" in (e.details() or ""):
+                    continue  # the round waits for slower islands: so do we
+                if e.code() not in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.DATA_LOSS, grpc.StatusCode.NOT_FOUND):
+                    raise
+                log.warning("%s rank %d: pull of round %d failed (%s: %s)", s.island_id, self.world.rank, s.round, e.code().name, e.details())
+                trouble = 2 if e.code() == grpc.StatusCode.NOT_FOUND else 1
         got = header.round if header is not None else -1
         trouble, lo, hi = self._group_reduce([trouble, -got, got], dist.ReduceOp.MAX)
         if trouble or -lo != hi:
@@ -445,8 +449,9 @@ class ShardedIsland:
             return
         s = self.state
         opt = [v.to_local() if hasattr(v, "to_local") else v for st in self.optimizer.state.values() for k, v in sorted(st.items()) if k != "step"]
-        self.evidence.record(
-            step=self.replicas.step(), round=s.round, pos=s.pos, healed=healed,
+        # An event, not just the summary: a SIGKILLed rank leaves its events behind.
+        self.evidence.event(
+            "step", step=self.replicas.step(), round=s.round, pos=s.pos, healed=healed,
             model=digest(self.local.values()), globals=digest(self.global_shard.values()), optimizer=digest(opt),
         )
 

@@ -123,12 +123,13 @@ def events(report_dir: Path, tag: str) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
-def wait_until(run: Run, what: str, condition, poll_s: float = 0.1):
+def wait_until(run: Run, what: str, condition, poll_s: float = 0.1, timeout_s: float = 90.0):
+    give_up = time.monotonic() + timeout_s
     while True:
         value = condition()
         if value:
             return value
-        if run.left() < 1:
+        if run.left() < 1 or time.monotonic() > give_up:
             raise TimeoutError(f"gave up waiting for {what}")
         time.sleep(poll_s)
 
@@ -184,7 +185,7 @@ def faults(workdir: Path) -> None:
             if round_ in (2, 4):
                 group = 1 if round_ == 2 else 0
                 wait_until(run, f"group {group} to come back", lambda: all(
-                    any(e["event"] == "up" for e in events(reports, f"g{group}-r{r}-a1")) for r in (0, 1)))
+                    any(e["event"] == "up" for a in (1, 2) for e in events(reports, f"g{group}-r{r}-a{a}")) for r in (0, 1)))
             puppet.push(round_)
         run.finish()
     finally:
