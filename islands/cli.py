@@ -48,7 +48,8 @@ def build_parser() -> ArgumentParser:
     r.add_argument("--lighthouse", default="", metavar="URL", help="an existing torchft lighthouse, http://HOST:PORT (default: start one)")
     r.add_argument("--island-key", default="", metavar="KEY", help="the key the groups join under (default: made up by the launcher)")
     r.add_argument("--ft-host", default="", metavar="HOST", help="address peers reach this machine at (default: hostname)")
-    r.add_argument("--ft-timeout", type=float, default=60.0, metavar="S", help="collective, commit and heal timeout (default 60)")
+    r.add_argument("--ft-timeout", type=float, default=300.0, metavar="S",
+                   help="collective, commit and heal timeout; above one rank's push time (default 300)")
     r.add_argument("--ft-heartbeat-timeout", type=float, default=5.0, metavar="S",
                    help="a group silent this long leaves the quorum (lighthouse started here; default 5)")
     r.add_argument("--ft-startup-wait", type=float, default=60.0, metavar="S",

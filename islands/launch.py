@@ -34,7 +34,8 @@ from diloco.v1 import diloco_pb2 as pb
 from diloco.wire import uplink_codec
 from islands.client import CoordinatorClient
 from islands.replicas import FT_HOST_ENV, LIGHTHOUSE_ENV, FtConfig, start_lighthouse
-from islands.sharded import ReplicaSpec, ShardedIsland
+from islands.shard_state import ReplicaSpec
+from islands.sharded import ShardedIsland
 from islands.world import IslandWorld
 
 log = logging.getLogger(__name__)

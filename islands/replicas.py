@@ -38,7 +38,9 @@ class FtConfig:
 
     lighthouse: str = ""  # http://HOST:PORT of the island's lighthouse
     host: str = ""  # the address peers reach this group's manager and checkpoint server at
-    timeout_s: float = 60.0  # collectives, should_commit, checkpoint transfer
+    # Collectives, should_commit, checkpoint transfer. The groups that do not push wait in a
+    # collective while one rank pushes its shard: keep this above one shard's push time.
+    timeout_s: float = 300.0
     quorum_timeout_s: float = 1800.0  # a quorum may wait for peers that are pulling a round's result
     connect_timeout_s: float = 30.0
     startup_wait_s: float = 60.0  # at start, how long to wait for every group before training without some

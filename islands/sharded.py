@@ -33,7 +33,6 @@ import time
 import zlib
 from collections.abc import Iterator
 from contextlib import nullcontext
-from dataclasses import dataclass, field
 
 import grpc
 import torch
@@ -51,67 +50,14 @@ from islands.fsdp import (
     ShardLayout, build_sharded_model, local_grads, local_views, optimizer_state_from_local, optimizer_state_to_local,
 )
 from islands.memwatch import PeakRss
-from islands.replicas import FtConfig, Replicas, Solo
+from islands.replicas import Replicas, Solo
+from islands.shard_state import Position, ReplicaSpec, ShardFeedback
 from islands.world import IslandWorld
 
 log = logging.getLogger(__name__)
 
 # Push outcomes, shared across the groups (the worst one wins inside a group).
 NOBODY, PUSHED, LOST, DIVERGED, UNKNOWN = 0, 1, 2, 3, 4
-
-
-@dataclass
-class ReplicaSpec:
-    """Where this rank sits in its island and how the groups find each other."""
-
-    group: int = 0
-    groups: int = 1
-    key: str = ""  # the island key all groups join under
-    ft: FtConfig = field(default_factory=FtConfig)
-    report_dir: str = ""  # per-rank JSON reports and final shards (tests, debugging)
-    measure_memory: bool = False
-    receive_window_bytes: int = 0  # see islands.client.channel_options
-
-
-@dataclass
-class Position:
-    """Where the island stands; part of what a healing group receives."""
-
-    island_id: str
-    round: int
-    stop_round: int  # leave once this round is reached (--max-rounds)
-    pos: int = 0  # inner steps committed in this round; H means the exchange is due
-    tokens: int = 0
-    loss_sum: float = 0.0  # of the per-step loss averaged across the groups
-    checksum: str = ""  # the coordinator's checksum of the global parameters we hold
-    ranges_checksum: str = ""  # and of our ranges of them
-    finished: bool = False
-    rounds_done: int = 0
-
-
-class ShardFeedback:
-    """Error feedback for a lossy uplink, per shard. Encoding never consumes state:
-    it writes the new residual to `pending`, which becomes the state only once the
-    exchange committed. So a resent or taken-over push encodes the same bytes."""
-
-    def __init__(self, layout: ShardLayout, decay: float):
-        self.decay = decay
-        self.committed = layout.zeros()
-        self.pending = layout.zeros()
-
-    def encode(self, name: str, lo: int, hi: int, piece: torch.Tensor, codec) -> bytes:
-        residual = self.committed[name][lo:hi] * self.decay + piece
-        payload = codec.encode(residual)
-        self.pending[name][lo:hi].copy_(residual - codec.decode(payload, hi - lo))
-        return payload
-
-    def commit(self) -> None:
-        for name, t in self.committed.items():
-            t.copy_(self.pending[name])
-
-    def reset(self) -> None:
-        for t in self.committed.values():
-            t.zero_()
 
 
 class ShardedIsland:

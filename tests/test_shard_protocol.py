@@ -132,3 +132,27 @@ def test_island_key_joins_one_island_until_it_leaves(make_coordinator, clients):
     assert a.join().island_id not in (first,)
     a.leave(first, "", 0)
     assert a.join(island_key="dc-1").island_id != first, "a key must not bring back an island that left"
+
+
+def test_shard_error_feedback_encodes_purely_and_commits_like_error_feedback():
+    from diloco.codec import ErrorFeedback, get_codec
+    from islands.fsdp import ShardLayout
+    from islands.shard_state import ShardFeedback
+
+    codec, step = get_codec("int8", block_size=64), 200
+    layout = ShardLayout([FlatRange("a", 100, 700), FlatRange("b", 0, 0), FlatRange("c", 5, 333)])
+    shard = ShardFeedback(layout, decay=0.9)
+    reference = ErrorFeedback({r.name: (r.numel,) for r in layout.ranges}, decay=0.9)
+    g = torch.Generator().manual_seed(0)
+    for _ in range(3):
+        pg = {r.name: torch.randn(r.numel, generator=g) for r in layout.ranges}
+        for r in layout.ranges:
+            for lo in range(0, r.numel, step):
+                hi = min(lo + step, r.numel)
+                first = shard.encode(r.name, lo, hi, pg[r.name][lo:hi], codec)
+                # Encoding again (a resent or taken-over push) gives the same bytes: nothing was consumed.
+                assert shard.encode(r.name, lo, hi, pg[r.name][lo:hi], codec) == first
+                assert reference.compress(r.name, lo, pg[r.name][lo:hi], codec) == first
+        shard.commit()
+        for name, t in reference.buffers.items():
+            assert torch.equal(shard.committed[name], t), name
