@@ -1,9 +1,9 @@
 """The island's local torch.distributed world.
 
-Every island runs inside a process group, even with one rank, so the same code
-path holds when the island spans many GPUs. Started under torchrun (RANK,
-WORLD_SIZE, MASTER_ADDR in the environment) it joins that world; otherwise it
-makes a one-rank group of its own.
+Every island runs inside a process group, even with one rank. Started under
+torchrun (RANK, WORLD_SIZE, MASTER_ADDR in the environment) it joins that world,
+which is one replica group of a sharded island (islands/sharded.py); otherwise
+it makes a one-rank group of its own (islands/trainer.py).
 """
 
 from __future__ import annotations
