@@ -35,7 +35,9 @@ def snapshot(state: CoordinatorState) -> tuple[dict, dict]:
             "round": state.round,
             "finished": state.phase is Phase.FINISHED,
             "joined": state.joined,
-            "islands": [{"island_id": i.island_id, "hostname": i.hostname, "shard": i.shard} for i in state.islands.values()],
+            "islands": [
+                {"island_id": i.island_id, "hostname": i.hostname, "shard": i.shard, "key": i.key} for i in state.islands.values()
+            ],
             "departed": [dataclasses.asdict(i) for i in state.departed],
             "summaries": [json_format.MessageToDict(s) for s in state.summaries],
             "initial_eval_loss": state.initial_eval_loss,
@@ -82,7 +84,9 @@ def restore(state: CoordinatorState, store: CheckpointStore) -> bool:
         state.round_opened_at = now
         state.joined = meta["joined"]
         # Islands get a fresh lease: they are reconnecting right now.
-        state.islands = {i["island_id"]: Island(i["island_id"], i["hostname"], i["shard"], now) for i in meta["islands"]}
+        state.islands = {
+            i["island_id"]: Island(i["island_id"], i["hostname"], i["shard"], now, key=i.get("key", "")) for i in meta["islands"]
+        }
         state.departed = [Island(**i) for i in meta["departed"]]
         state.summaries = [json_format.ParseDict(s, pb.RoundSummary()) for s in meta["summaries"]]
         state.initial_eval_loss = meta["initial_eval_loss"]

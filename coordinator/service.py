@@ -13,7 +13,10 @@ from coordinator.state import CoordinatorState, Refused
 from diloco.codec import get_codec
 from diloco.v1 import diloco_pb2 as pb
 from diloco.v1 import diloco_pb2_grpc as pb_grpc
-from diloco.wire import PROTOCOL_VERSION, tensor_chunks
+from diloco.params import ranges_checksum
+from diloco.wire import (
+    PROTOCOL_VERSION, ChunkError, FlatRange, overlapping_chunks, range_values_chunks, ranges_from_proto, tensor_chunks,
+)
 
 log = logging.getLogger(__name__)
 
@@ -72,7 +75,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                 f"config mismatch: the island's config digest is {request.config_digest}, the coordinator's is "
                 f"{cfg.digest()}; start the island with the coordinator's config file, or without --config to adopt it",
             )
-        island = state.join(request.hostname or context.peer(), request.island_id)
+        island = state.join(request.hostname or context.peer(), request.island_id, request.island_key)
         return pb.JoinResponse(
             island_id=island.island_id,
             config_digest=cfg.digest(),
@@ -92,15 +95,40 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         self.state.touch(request.island_id)
         return pb.HeartbeatResponse(round=self.state.round, run_finished=self.state.phase.value == "finished")
 
-    def _result(self, island_id: str, delta_from_round: int | None) -> Iterator[pb.ResultMessage]:
-        """The global parameters: as fp32 values, or as the last round's delta when the island can take it."""
+    def _ranges(self, requested) -> list[FlatRange] | None:
+        """The flat ranges a request names (None: the whole model)."""
+        if not requested:
+            return None
+        try:
+            return ranges_from_proto(requested, self.state.manifest)
+        except ChunkError as e:
+            raise Refused(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from e
+
+    def _result(
+        self, island_id: str, delta_from_round: int | None, ranges: list[FlatRange] | None = None
+    ) -> Iterator[pb.ResultMessage]:
+        """The global parameters: as fp32 values, or as the last round's delta when the island can take it.
+
+        With ranges (one rank of a sharded island), only the chunks for those
+        ranges, and the header carries their checksum so the rank can verify
+        what it holds.
+        """
         fp32 = get_codec("fp32")
+        chunk_bytes = self.state.cfg.wire.chunk_bytes
         with self.state.reading(delta_from_round) as (header, delta):
+            params = self.state.params
+            if ranges is not None:
+                header.ranges_checksum = ranges_checksum(
+                    (r.name, r.offset, params[r.name].view(-1)[r.offset : r.end]) for r in ranges
+                )
             sent = 0
             message = pb.ResultMessage(header=header)
             sent += message.ByteSize()
             yield message
-            chunks = delta if delta is not None else tensor_chunks(self.state.params, fp32, self.state.cfg.wire.chunk_bytes)
+            if delta is not None:
+                chunks = delta if ranges is None else overlapping_chunks(delta, ranges)
+            else:
+                chunks = tensor_chunks(params, fp32, chunk_bytes) if ranges is None else range_values_chunks(params, ranges, fp32, chunk_bytes)
             for chunk in chunks:
                 message = pb.ResultMessage(chunk=chunk)
                 sent += message.ByteSize()
@@ -111,7 +139,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
     def FetchParameters(self, request: pb.FetchRequest, context) -> Iterator[pb.ResultMessage]:
         if request.island_id:
             self.state.touch(request.island_id)
-        return self._result(request.island_id or "observer", None)
+        return self._result(request.island_id or "observer", None, self._ranges(request.ranges))
 
     @_refusals
     def PushPseudoGradient(self, request_iterator: Iterator[pb.PushMessage], context) -> pb.PushResponse:
@@ -131,7 +159,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
     def PullRoundResult(self, request: pb.PullRequest, context) -> Iterator[pb.ResultMessage]:
         self.state.touch(request.island_id)
         self.state.wait_for_result(request.island_id, request.round, request.timeout_s or 600.0)
-        return self._result(request.island_id, request.round if request.accept_delta else None)
+        return self._result(request.island_id, request.round if request.accept_delta else None, self._ranges(request.ranges))
 
     @_refusals
     def Leave(self, request: pb.LeaveRequest, context) -> pb.LeaveResponse:

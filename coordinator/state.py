@@ -60,6 +60,8 @@ class Island:
     shard: int
     last_seen: float
     final_checksum: str = ""
+    # The replica groups of one island join under one key (empty: a one-group island).
+    key: str = ""
 
 
 @dataclass
@@ -137,12 +139,18 @@ class CoordinatorState:
 
     # --- membership -------------------------------------------------------------
 
-    def join(self, hostname: str, island_id: str = "") -> Island:
-        """Admits an island into the current round; a known island_id rejoins as itself."""
+    def join(self, hostname: str, island_id: str = "", key: str = "") -> Island:
+        """Admits an island into the current round; a known island_id rejoins as itself.
+
+        With a key, a live island that joined under the same key is returned
+        (another replica group of it, or one that restarted).
+        """
         with self.cond:
             if self.phase is Phase.FINISHED:
                 raise Refused(grpc.StatusCode.FAILED_PRECONDITION, "the run has finished; nothing to join")
             self._expire_leases()
+            if key and not (island_id and island_id in self.islands):
+                island_id = next((i.island_id for i in self.islands.values() if i.key == key), island_id)
             if island_id and island_id in self.islands:
                 island = self.islands[island_id]
                 island.last_seen = self.clock()
@@ -153,7 +161,7 @@ class CoordinatorState:
                     grpc.StatusCode.RESOURCE_EXHAUSTED,
                     f"run is full: {len(self.islands)} islands (rounds.max_islands={self.cfg.rounds.max_islands})",
                 )
-            island = Island(f"island-{self.joined}", hostname, self.joined % self.cfg.data.shards, self.clock())
+            island = Island(f"island-{self.joined}", hostname, self.joined % self.cfg.data.shards, self.clock(), key=key)
             self.joined += 1
             self.islands[island.island_id] = island
             log.info("%s joined from %s at round %d (shard %d)", island.island_id, hostname, self.round, island.shard)

@@ -193,6 +193,24 @@ def train_stream(cfg: DataConfig, seed: int, shard: int, num_shards: int) -> Tok
     return TextShardStream(train, cfg.seq_len, seed, shard, num_shards, cfg.stripe_bytes)
 
 
+class StepIndexedStream:
+    """The batch of inner step s is a pure function of (seed, shard, s).
+
+    For ranks of replica groups: the data position is just the inner step, so
+    a group healed from a peer at step s reads exactly what it would have, a
+    step redone after a failed commit reads the same batch again, and the
+    batches a dead group would have read are skipped, never read twice.
+    """
+
+    def __init__(self, cfg: DataConfig, seed: int, shard: int, num_shards: int):
+        self.stream = train_stream(cfg, seed, shard, num_shards)
+        self.seed, self.shard = seed, shard
+
+    def batch_at(self, step: int, batch_size: int) -> Batch:
+        self.stream.rng = np.random.default_rng([self.seed, self.shard, step, 0x57E9])
+        return self.stream.next_batch(batch_size)
+
+
 def eval_batches(cfg: DataConfig, n_batches: int, batch_size: int) -> list[Batch]:
     """A fixed held-out set: the same batches every time it is built."""
     if cfg.source == "synthetic":

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 
 import torch
 import torch.nn as nn
@@ -27,3 +27,18 @@ def checksum(tensors: Mapping[str, torch.Tensor]) -> str:
 
 def module_checksum(model: nn.Module) -> str:
     return checksum(dict(model.named_parameters()))
+
+
+def ranges_checksum(pieces: Iterable[tuple[str, int, torch.Tensor]]) -> str:
+    """Content hash of flat ranges (name, offset, values) of a parameter set; order-independent.
+
+    The coordinator computes it over the ranges a rank asked for, the rank over
+    the shard it holds: both see only those elements, so a rank can verify its
+    shard without the rest of the model. Hashes the fp32 buffer in place (no copy).
+    """
+    h = hashlib.blake2b(digest_size=16)
+    for name, offset, values in sorted(pieces, key=lambda p: (p[0], p[1])):
+        t = values.detach().to("cpu", torch.float32).contiguous().view(-1)
+        h.update(f"{name}@{offset}+{t.numel()};".encode())
+        h.update(t.numpy())
+    return h.hexdigest()

@@ -142,16 +142,84 @@ def apply_chunks(
     manifest: Manifest,
     codec: Codec,
     add: bool = False,
+    bases: Mapping[str, int] | None = None,
 ) -> int:
-    """Writes (or, with add, adds) decoded chunks into the flat ranges of targets; returns elements."""
+    """Writes (or, with add, adds) decoded chunks into the flat ranges of targets; returns elements.
+
+    With bases, targets[name] holds only the flat elements [bases[name],
+    bases[name] + numel) of the parameter (a shard): each chunk is decoded
+    whole and only its overlap with the shard is applied.
+    """
     written = 0
     for chunk in chunks:
         values = decode_chunk(chunk, manifest, codec)
-        target = targets[chunk.name].view(-1)[chunk.offset : chunk.offset + chunk.numel]
+        flat = targets[chunk.name].view(-1)
+        lo, hi = chunk.offset, chunk.offset + chunk.numel
+        if bases is not None:
+            base = bases[chunk.name]
+            lo, hi = max(lo, base), min(hi, base + flat.numel())
+            if lo >= hi:
+                continue
+            values = values[lo - chunk.offset : hi - chunk.offset]
+            lo, hi = lo - base, hi - base
+        target = flat[lo:hi]
         # add_ on fp32 is the coordinator's exact operation, so both copies stay bit-identical.
         target.add_(values) if add else target.copy_(values)
-        written += chunk.numel
+        written += hi - lo
     return written
+
+
+@dataclass(frozen=True)
+class FlatRange:
+    """Elements [offset, offset + numel) of parameter `name`, flattened: one rank's shard of it."""
+
+    name: str
+    offset: int
+    numel: int
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.numel
+
+
+def ranges_to_proto(ranges: Iterable[FlatRange]) -> list[pb.TensorRange]:
+    return [pb.TensorRange(name=r.name, offset=r.offset, numel=r.numel) for r in ranges]
+
+
+def ranges_from_proto(ranges: Iterable[pb.TensorRange], manifest: Manifest) -> list[FlatRange]:
+    """Checked ranges of a request; raises ChunkError naming the bad one."""
+    out = []
+    for r in ranges:
+        if r.name not in manifest.shapes:
+            raise ChunkError(f"unknown parameter name {r.name!r} in requested ranges")
+        if r.offset < 0 or r.numel < 0 or r.offset + r.numel > manifest.numel(r.name):
+            raise ChunkError(
+                f"{r.name}: requested elements [{r.offset}, {r.offset + r.numel}) are outside the tensor "
+                f"({manifest.numel(r.name)} elements)"
+            )
+        out.append(FlatRange(r.name, r.offset, r.numel))
+    return out
+
+
+def range_values_chunks(
+    params: Mapping[str, torch.Tensor], ranges: Iterable[FlatRange], codec: Codec, chunk_bytes: int
+) -> Iterator[pb.TensorChunk]:
+    """The values of just these ranges, as chunks addressed into the full parameters."""
+    for r in ranges:
+        if r.numel:
+            flat = params[r.name].detach().reshape(-1)[r.offset : r.end]
+            yield from encode_chunks(r.name, flat, codec, chunk_bytes, base_offset=r.offset)
+
+
+def overlapping_chunks(chunks: Iterable[pb.TensorChunk], ranges: Iterable[FlatRange]) -> Iterator[pb.TensorChunk]:
+    """The chunks that touch any of the ranges (a lossy chunk cannot be cut, so whole chunks go)."""
+    by_name: dict[str, list[FlatRange]] = {}
+    for r in ranges:
+        by_name.setdefault(r.name, []).append(r)
+    for chunk in chunks:
+        end = chunk.offset + chunk.numel
+        if any(r.offset < end and chunk.offset < r.end for r in by_name.get(chunk.name, ())):
+            yield chunk
 
 
 class Coverage:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+import os
+import sys
 
 import grpc
 import torch
@@ -11,6 +13,7 @@ from diloco.checkpoint import CheckpointError
 from diloco.cli import ArgumentParser, add_config_flags, fail, setup_logging
 from diloco.config import ConfigError, load_config
 from islands.client import CoordinatorUnreachable
+from islands.launch import LaunchError, LaunchOptions, is_launched_rank, launch, replica_spec, run_sharded
 from islands.trainer import join_and_run
 from islands.world import IslandWorld
 
@@ -34,7 +37,37 @@ def build_parser() -> ArgumentParser:
     j.add_argument("--resume", action="store_true", help="restore the newest checkpoint at --checkpoint and rejoin as the same island")
     j.add_argument("--max-rounds", type=int, default=None, help="leave after this many rounds (default: until the run ends)")
     j.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    r = j.add_argument_group(
+        "replica groups",
+        "An island of R replica groups x N ranks: each group shards the model with FSDP2 (NCCL + bf16 on GPU, gloo + "
+        "fp32 on CPU); torchft averages gradients across the groups every inner step and heals restarted groups. "
+        "Started under torchrun or srun (RANK/WORLD_SIZE or SLURM_PROCID set), this process runs as that rank.",
+    )
+    r.add_argument("--nproc-per-node", type=int, default=1, metavar="N", help="FSDP ranks per replica group (default 1)")
+    r.add_argument("--replica-groups", type=int, default=1, metavar="R", help="replica groups in this island (default 1)")
+    r.add_argument("--max-restarts", type=int, default=3, metavar="M", help="times torchrun restarts a failed group (default 3)")
+    r.add_argument("--lighthouse", default="", metavar="URL", help="an existing torchft lighthouse, http://HOST:PORT (default: start one)")
+    r.add_argument("--island-key", default="", metavar="KEY", help="the key the groups join under (default: made up by the launcher)")
+    r.add_argument("--ft-host", default="", metavar="HOST", help="address peers reach this machine at (default: hostname)")
+    r.add_argument("--ft-timeout", type=float, default=300.0, metavar="S",
+                   help="collective, commit and heal timeout; above one rank's push time (default 300)")
+    r.add_argument("--ft-heartbeat-timeout", type=float, default=5.0, metavar="S",
+                   help="a group silent this long leaves the quorum (lighthouse started here; default 5)")
+    r.add_argument("--ft-startup-wait", type=float, default=60.0, metavar="S",
+                   help="at start, wait this long for every replica group before training without some (default 60)")
+    r.add_argument("--receive-window", type=int, default=0, metavar="BYTES",
+                   help="fixed HTTP/2 receive window per stream (default: gRPC's adaptive one); bounds what the "
+                        "transport buffers for a rank; throughput per stream is about window / RTT")
+    r.add_argument("--report-dir", default="", metavar="DIR", help="write per-rank reports and final shards here")
+    r.add_argument("--measure-memory", action="store_true", help="record each rank's peak memory growth in the outer step")
     return parser
+
+
+def _launch_options(args) -> LaunchOptions:
+    return LaunchOptions(
+        args.nproc_per_node, args.replica_groups, args.max_restarts, args.lighthouse, args.island_key, args.ft_host,
+        args.ft_heartbeat_timeout,
+    )
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -50,15 +83,46 @@ def main(argv: list[str] | None = None) -> None:
             cfg = load_config(args.config, args.overrides)
         except ConfigError as e:
             fail(parser.prog, str(e))
-    setup_logging(args.log_level, "island")
+    try:
+        launched = is_launched_rank()
+    except LaunchError as e:
+        fail(parser.prog, str(e))
+    sharded = (
+        args.nproc_per_node > 1 or args.replica_groups > 1
+        or int(os.environ.get("WORLD_SIZE", "1")) > 1 or int(os.environ.get("DILOCO_REPLICA_GROUPS", "1")) > 1
+    )
+    if sharded and (args.checkpoint or args.resume):
+        fail(parser.prog, "--checkpoint/--resume are not supported for sharded islands yet; a restarted replica group heals from a live one")
     if args.threads:
         torch.set_num_threads(args.threads)
+    if sharded and not launched:
+        setup_logging(args.log_level, "island-launcher")
+        argv = list(argv if argv is not None else sys.argv[1:])
+        try:
+            raise SystemExit(launch(argv, _launch_options(args)))
+        except LaunchError as e:
+            fail(parser.prog, str(e))
+    try:
+        spec = replica_spec(args) if sharded else None
+    except LaunchError as e:
+        fail(parser.prog, str(e))
+    group = os.environ.get("DILOCO_REPLICA_GROUP", "0")
+    setup_logging(args.log_level, f"island g{group} r{os.environ.get('RANK', '0')}" if launched else "island")
+    if args.log_level != "debug":
+        # torchft logs every quorum and commit; its warnings repeat a flight-recorder note at each quorum change.
+        for name in ("torchft", "torchft_quorums", "torchft_commits", "torchft_errors"):
+            logging.getLogger(name).setLevel(logging.ERROR)
     world = IslandWorld.init(args.device)
     try:
-        result = join_and_run(
-            args.coordinator, cfg, world, args.max_rounds, args.connect_timeout,
-            args.checkpoint, args.checkpoint_every, args.resume,
-        )
+        if sharded:
+            result = run_sharded(args.coordinator, cfg, world, spec, args.max_rounds, args.connect_timeout)
+            if result is None:
+                return
+        else:
+            result = join_and_run(
+                args.coordinator, cfg, world, args.max_rounds, args.connect_timeout,
+                args.checkpoint, args.checkpoint_every, args.resume,
+            )
         log.info(
             "%s finished at round %d after %d rounds; parameters checksum %s (%s the coordinator's)",
             result.island_id, result.final_round, result.rounds, result.checksum,
@@ -68,7 +132,7 @@ def main(argv: list[str] | None = None) -> None:
         fail(parser.prog, str(e))
     except grpc.RpcError as e:
         fail(parser.prog, f"coordinator refused: {e.code().name}: {e.details()}")
-    except (ConfigError, ValueError, CheckpointError) as e:
+    except (ConfigError, ValueError, CheckpointError, LaunchError) as e:
         fail(parser.prog, str(e))
     except KeyboardInterrupt:
         pass

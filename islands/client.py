@@ -12,10 +12,10 @@ import grpc
 import torch
 
 from diloco.codec import Codec, get_codec
-from diloco.params import checksum
+from diloco.params import checksum, ranges_checksum
 from diloco.v1 import diloco_pb2 as pb
 from diloco.v1 import diloco_pb2_grpc as pb_grpc
-from diloco.wire import PROTOCOL_VERSION, Manifest, apply_chunks
+from diloco.wire import PROTOCOL_VERSION, FlatRange, Manifest, apply_chunks, ranges_to_proto
 
 log = logging.getLogger(__name__)
 
@@ -51,11 +51,41 @@ class ReplayableChunks:
             i += 1
 
 
+class RegeneratingChunks:
+    """Chunks produced afresh for every (re)send from a pure function of the chunk index.
+
+    For a rank pushing its shard: nothing is kept between sends, so the push
+    holds one chunk at a time instead of an encoded copy of the shard. The
+    factory must give the same chunks every time (it may not consume state).
+    """
+
+    def __init__(self, factory: Callable[[int], Iterator[pb.TensorChunk]]):
+        self._factory = factory
+
+    def iter_from(self, start: int) -> Iterator[pb.TensorChunk]:
+        return self._factory(start)
+
+
+def channel_options(receive_window_bytes: int = 0) -> list[tuple[str, int]]:
+    """gRPC options for an island's connection.
+
+    receive_window_bytes > 0 fixes each stream's HTTP/2 receive window instead
+    of letting gRPC grow it by probing the bandwidth-delay product. The window
+    bounds what the transport buffers while the island applies a result chunk
+    by chunk; a slow (CPU-starved) receiver otherwise lets it grow to the
+    size of the whole stream. Throughput per stream is about window / RTT, so
+    size it near bandwidth x RTT.
+    """
+    if receive_window_bytes <= 0:
+        return []
+    return [("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", receive_window_bytes)]
+
+
 class CoordinatorClient:
-    def __init__(self, address: str, connect_timeout_s: float = 30.0, reconnect_s: float = 120.0):
+    def __init__(self, address: str, connect_timeout_s: float = 30.0, reconnect_s: float = 120.0, receive_window_bytes: int = 0):
         self.address = address
         self.reconnect_s = reconnect_s
-        self.channel = grpc.insecure_channel(address)
+        self.channel = grpc.insecure_channel(address, options=channel_options(receive_window_bytes))
         try:
             grpc.channel_ready_future(self.channel).result(timeout=connect_timeout_s)
         except grpc.FutureTimeoutError:
@@ -78,23 +108,30 @@ class CoordinatorClient:
             self._heartbeat.join(5.0)
         self.channel.close()
 
-    def _retry(self, what: str, call):
-        """Retries transient failures with backoff for up to reconnect_s (a coordinator restart)."""
+    def _retry(self, what: str, call, retry_local: bool = True):
+        """Retries transient failures with backoff for up to reconnect_s (a coordinator restart).
+
+        retry_local=False: a failure found on our side (checksum mismatch, short
+        stream) is raised at once. A pull needs that: it may have added part or
+        all of a delta already, and adding it again only moves further away.
+        """
         delay, deadline = 0.2, time.monotonic() + self.reconnect_s
         while True:
             try:
                 return call()
             except grpc.RpcError as e:
+                if not retry_local and isinstance(e, _LocalRpcError):
+                    raise
                 if e.code() not in RETRYABLE or time.monotonic() + delay > deadline:
                     raise
                 log.warning("%s failed (%s: %s); retrying in %.1fs", what, e.code().name, e.details(), delay)
                 time.sleep(delay)
                 delay = min(delay * 2, 5.0)
 
-    def join(self, config_digest: str = "", codec: str = "", island_id: str = "") -> pb.JoinResponse:
+    def join(self, config_digest: str = "", codec: str = "", island_id: str = "", island_key: str = "") -> pb.JoinResponse:
         request = pb.JoinRequest(
             config_digest=config_digest, hostname=socket.gethostname(), protocol_version=PROTOCOL_VERSION,
-            codec=codec, island_id=island_id,
+            codec=codec, island_id=island_id, island_key=island_key,
         )
         return self._retry("join", lambda: self.stub.Join(request, timeout=60))
 
@@ -114,9 +151,19 @@ class CoordinatorClient:
         self._heartbeat.start()
 
     def _receive(
-        self, stream: Iterator[pb.ResultMessage], targets: Mapping[str, torch.Tensor], manifest: Manifest, held: str
+        self,
+        stream: Iterator[pb.ResultMessage],
+        targets: Mapping[str, torch.Tensor],
+        manifest: Manifest,
+        held: str,
+        ranges: list[FlatRange] | None = None,
     ) -> pb.ResultHeader:
-        """Applies a result stream to targets (values, or a delta onto parameters with checksum `held`)."""
+        """Applies a result stream to targets (values, or a delta onto parameters with checksum `held`).
+
+        With ranges, targets[name] is a flat shard holding exactly the range of
+        that parameter, and the shard is verified against the header's
+        ranges_checksum (the whole model's checksum is out of reach).
+        """
         first = next(stream, None)
         if first is None or not first.HasField("header"):
             raise grpc_error(grpc.StatusCode.DATA_LOSS, "result stream without a header")
@@ -134,43 +181,62 @@ class CoordinatorClient:
         codec = self.codecs.get(header.codec)
         if codec is None:
             raise grpc_error(grpc.StatusCode.FAILED_PRECONDITION, f"result codec {header.codec!r} is not this run's")
+        bases = {r.name: r.offset for r in ranges} if ranges is not None else None
+        expected = sum(r.numel for r in ranges) if ranges is not None else manifest.total_numel()
         # Values overwrite, so a broken stream can simply be fetched again. A delta
         # adds, so it is received whole (it is compressed: small) before it touches
         # the parameters; a retry then never adds part of it twice.
         incoming = list(chunks()) if delta else chunks()
-        if delta and sum(c.numel for c in incoming) != manifest.total_numel():
-            raise grpc_error(grpc.StatusCode.DATA_LOSS, "update stream ended early")
-        written = apply_chunks(incoming, targets, manifest, codec, add=delta)
-        if written != manifest.total_numel():
-            raise grpc_error(grpc.StatusCode.DATA_LOSS, f"parameter stream ended early ({written} of {manifest.total_numel()} elements)")
-        if checksum(targets) != header.checksum:
+        written = apply_chunks(incoming, targets, manifest, codec, add=delta, bases=bases)
+        if written != expected:
+            raise grpc_error(grpc.StatusCode.DATA_LOSS, f"parameter stream ended early ({written} of {expected} elements)")
+        if ranges is not None:
+            matches = ranges_checksum((r.name, r.offset, targets[r.name]) for r in ranges) == header.ranges_checksum
+        else:
+            matches = checksum(targets) == header.checksum
+        if not matches:
+            # A pull does not retry this (retry_local=False): the trainer fetches fresh values.
             log.warning(
-                "global parameters after round %d differ from the coordinator's (checksum %s, expected %s); full resync",
-                header.round - 1, checksum(targets)[:12], header.checksum[:12],
+                "global parameters after round %d differ from the coordinator's%s (checksum); full resync",
+                header.round - 1, " in our shard" if ranges is not None else "",
             )
-            # After a delta the parameters we hold are wrong and only fresh values help
-            # (not retryable: the trainer resyncs); values are simply fetched again.
-            code = grpc.StatusCode.FAILED_PRECONDITION if delta else grpc.StatusCode.DATA_LOSS
-            raise grpc_error(code, "received parameters do not match the coordinator's checksum; fetch values")
+            what = "shard does not match the coordinator's ranges checksum" if ranges is not None else "parameters do not match the coordinator's checksum"
+            raise grpc_error(grpc.StatusCode.DATA_LOSS, f"received {what}; fetch values")
         return header
 
-    def fetch(self, island_id: str, targets: Mapping[str, torch.Tensor], manifest: Manifest) -> pb.ResultHeader:
-        """Overwrites targets with the current global parameters (fp32 values); returns their header."""
+    def fetch(
+        self, island_id: str, targets: Mapping[str, torch.Tensor], manifest: Manifest, ranges: list[FlatRange] | None = None
+    ) -> pb.ResultHeader:
+        """Overwrites targets with the current global parameters (fp32 values); returns their header.
+
+        With ranges, only those (targets then are the shards, see _receive).
+        """
+        request = pb.FetchRequest(island_id=island_id, ranges=ranges_to_proto(ranges or ()))
         return self._retry(
-            "fetch", lambda: self._receive(self.stub.FetchParameters(pb.FetchRequest(island_id=island_id)), targets, manifest, "")
+            "fetch", lambda: self._receive(self.stub.FetchParameters(request), targets, manifest, "", ranges)
         )
 
     def pull(
-        self, island_id: str, round_: int, targets: Mapping[str, torch.Tensor], manifest: Manifest, held: str, timeout_s: float
+        self,
+        island_id: str,
+        round_: int,
+        targets: Mapping[str, torch.Tensor],
+        manifest: Manifest,
+        held: str,
+        timeout_s: float,
+        ranges: list[FlatRange] | None = None,
     ) -> pb.ResultHeader:
         """Waits for round_ to close, then brings targets (checksum `held`) to the new global parameters."""
-        request = pb.PullRequest(island_id=island_id, round=round_, timeout_s=timeout_s, accept_delta=bool(held))
+        request = pb.PullRequest(
+            island_id=island_id, round=round_, timeout_s=timeout_s, accept_delta=bool(held), ranges=ranges_to_proto(ranges or ())
+        )
         return self._retry(
             "pull",
-            lambda: self._receive(self.stub.PullRoundResult(request, timeout=timeout_s + 60), targets, manifest, held),
+            lambda: self._receive(self.stub.PullRoundResult(request, timeout=timeout_s + 60), targets, manifest, held, ranges),
+            retry_local=False,
         )
 
-    def push(self, header: pb.PushHeader, chunks: ReplayableChunks) -> pb.PushResponse:
+    def push(self, header: pb.PushHeader, chunks: ReplayableChunks | RegeneratingChunks) -> pb.PushResponse:
         """Streams a pseudo-gradient; after DATA_LOSS resends only what the coordinator did not keep."""
         start = 0
 

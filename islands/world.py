@@ -1,9 +1,9 @@
 """The island's local torch.distributed world.
 
-Every island runs inside a process group, even with one rank, so the same code
-path holds when the island spans many GPUs. Started under torchrun (RANK,
-WORLD_SIZE, MASTER_ADDR in the environment) it joins that world; otherwise it
-makes a one-rank group of its own.
+Every island runs inside a process group, even with one rank. Started under
+torchrun (RANK, WORLD_SIZE, MASTER_ADDR in the environment) it joins that world,
+which is one replica group of a sharded island (islands/sharded.py); otherwise
+it makes a one-rank group of its own (islands/trainer.py).
 """
 
 from __future__ import annotations
@@ -11,10 +11,32 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+
+
+def _attempt_store() -> dict:
+    """Under a torchrun restart, the store this attempt's ranks meet in, apart from earlier attempts'.
+
+    torch 2.13's elastic agent keeps one TCPStore across restarts while the
+    workers assume a fresh one each attempt and add no prefix: a restarted group
+    read its dead predecessors' gloo addresses and failed with "Connection
+    refused". Namespacing by TORCHELASTIC_RESTART_COUNT avoids that.
+    """
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return {}
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timedelta(minutes=10)
+    )
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return {
+        "store": dist.PrefixStore(f"/diloco/attempt_{attempt}", store),
+        "rank": int(os.environ["RANK"]),
+        "world_size": int(os.environ["WORLD_SIZE"]),
+    }
 
 
 @dataclass
@@ -35,7 +57,7 @@ class IslandWorld:
         backend = "nccl" if device.startswith("cuda") else "gloo"
         if not dist.is_initialized():
             if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-                dist.init_process_group(backend)
+                dist.init_process_group(backend, **_attempt_store())
             else:
                 dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
         rank = dist.get_rank()

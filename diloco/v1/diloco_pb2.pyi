@@ -16,18 +16,20 @@ class ParameterSpec(_message.Message):
     def __init__(self, name: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class JoinRequest(_message.Message):
-    __slots__ = ("config_digest", "hostname", "protocol_version", "codec", "island_id")
+    __slots__ = ("config_digest", "hostname", "protocol_version", "codec", "island_id", "island_key")
     CONFIG_DIGEST_FIELD_NUMBER: _ClassVar[int]
     HOSTNAME_FIELD_NUMBER: _ClassVar[int]
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     CODEC_FIELD_NUMBER: _ClassVar[int]
     ISLAND_ID_FIELD_NUMBER: _ClassVar[int]
+    ISLAND_KEY_FIELD_NUMBER: _ClassVar[int]
     config_digest: str
     hostname: str
     protocol_version: int
     codec: str
     island_id: str
-    def __init__(self, config_digest: _Optional[str] = ..., hostname: _Optional[str] = ..., protocol_version: _Optional[int] = ..., codec: _Optional[str] = ..., island_id: _Optional[str] = ...) -> None: ...
+    island_key: str
+    def __init__(self, config_digest: _Optional[str] = ..., hostname: _Optional[str] = ..., protocol_version: _Optional[int] = ..., codec: _Optional[str] = ..., island_id: _Optional[str] = ..., island_key: _Optional[str] = ...) -> None: ...
 
 class JoinResponse(_message.Message):
     __slots__ = ("island_id", "config_digest", "config_toml", "round", "parameters", "codec", "max_chunk_bytes", "heartbeat_interval_s", "shard_index", "total_rounds", "downlink_codec")
@@ -72,10 +74,22 @@ class HeartbeatResponse(_message.Message):
     def __init__(self, round: _Optional[int] = ..., run_finished: _Optional[bool] = ...) -> None: ...
 
 class FetchRequest(_message.Message):
-    __slots__ = ("island_id",)
+    __slots__ = ("island_id", "ranges")
     ISLAND_ID_FIELD_NUMBER: _ClassVar[int]
+    RANGES_FIELD_NUMBER: _ClassVar[int]
     island_id: str
-    def __init__(self, island_id: _Optional[str] = ...) -> None: ...
+    ranges: _containers.RepeatedCompositeFieldContainer[TensorRange]
+    def __init__(self, island_id: _Optional[str] = ..., ranges: _Optional[_Iterable[_Union[TensorRange, _Mapping]]] = ...) -> None: ...
+
+class TensorRange(_message.Message):
+    __slots__ = ("name", "offset", "numel")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    NUMEL_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    offset: int
+    numel: int
+    def __init__(self, name: _Optional[str] = ..., offset: _Optional[int] = ..., numel: _Optional[int] = ...) -> None: ...
 
 class TensorChunk(_message.Message):
     __slots__ = ("name", "offset", "numel", "payload", "crc32")
@@ -128,19 +142,21 @@ class PushResponse(_message.Message):
     def __init__(self, accepted: _Optional[bool] = ..., elements: _Optional[int] = ..., contribution_complete: _Optional[bool] = ...) -> None: ...
 
 class PullRequest(_message.Message):
-    __slots__ = ("island_id", "round", "timeout_s", "accept_delta")
+    __slots__ = ("island_id", "round", "timeout_s", "accept_delta", "ranges")
     ISLAND_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
     ACCEPT_DELTA_FIELD_NUMBER: _ClassVar[int]
+    RANGES_FIELD_NUMBER: _ClassVar[int]
     island_id: str
     round: int
     timeout_s: float
     accept_delta: bool
-    def __init__(self, island_id: _Optional[str] = ..., round: _Optional[int] = ..., timeout_s: _Optional[float] = ..., accept_delta: _Optional[bool] = ...) -> None: ...
+    ranges: _containers.RepeatedCompositeFieldContainer[TensorRange]
+    def __init__(self, island_id: _Optional[str] = ..., round: _Optional[int] = ..., timeout_s: _Optional[float] = ..., accept_delta: _Optional[bool] = ..., ranges: _Optional[_Iterable[_Union[TensorRange, _Mapping]]] = ...) -> None: ...
 
 class ResultHeader(_message.Message):
-    __slots__ = ("round", "codec", "checksum", "run_finished", "islands", "mode", "base_checksum")
+    __slots__ = ("round", "codec", "checksum", "run_finished", "islands", "mode", "base_checksum", "ranges_checksum")
     class Mode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         VALUES: _ClassVar[ResultHeader.Mode]
@@ -154,6 +170,7 @@ class ResultHeader(_message.Message):
     ISLANDS_FIELD_NUMBER: _ClassVar[int]
     MODE_FIELD_NUMBER: _ClassVar[int]
     BASE_CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    RANGES_CHECKSUM_FIELD_NUMBER: _ClassVar[int]
     round: int
     codec: str
     checksum: str
@@ -161,7 +178,8 @@ class ResultHeader(_message.Message):
     islands: int
     mode: ResultHeader.Mode
     base_checksum: str
-    def __init__(self, round: _Optional[int] = ..., codec: _Optional[str] = ..., checksum: _Optional[str] = ..., run_finished: _Optional[bool] = ..., islands: _Optional[int] = ..., mode: _Optional[_Union[ResultHeader.Mode, str]] = ..., base_checksum: _Optional[str] = ...) -> None: ...
+    ranges_checksum: str
+    def __init__(self, round: _Optional[int] = ..., codec: _Optional[str] = ..., checksum: _Optional[str] = ..., run_finished: _Optional[bool] = ..., islands: _Optional[int] = ..., mode: _Optional[_Union[ResultHeader.Mode, str]] = ..., base_checksum: _Optional[str] = ..., ranges_checksum: _Optional[str] = ...) -> None: ...
 
 class ResultMessage(_message.Message):
     __slots__ = ("header", "chunk")

@@ -1,0 +1,70 @@
+"""What a rank of a sharded island records for tests and debugging (only with --report-dir).
+
+Per rank and attempt (torchrun restarts count up), under the report dir:
+`g{group}-r{rank}-a{attempt}.events` (JSON lines as they happen: up, step
+with digests of the model, theta_global and optimizer shards after every
+quorum, healed, takeover, exchange), `.json` (the summary at exit: position,
+memory) and `.pt` (the final model and theta_global shards).
+
+DILOCO_FAULT makes a rank SIGKILL itself at a named point, once, in its
+first attempt: `die-before-push:group=G,rank=K,round=R[,delay=S]`. Tests use it to kill
+the pushing group exactly mid-push; nothing else reads it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import time
+from collections.abc import Iterable
+from pathlib import Path
+
+import torch
+
+FAULT_ENV = "DILOCO_FAULT"
+
+
+def attempt() -> int:
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+
+
+def maybe_fault(point: str, group: int, rank: int, round_: int) -> None:
+    """SIGKILLs this process if DILOCO_FAULT names this point (first attempt only)."""
+    spec = os.environ.get(FAULT_ENV, "")
+    if not spec or attempt() != 0:
+        return
+    name, _, args = spec.partition(":")
+    want = dict(kv.split("=") for kv in args.split(",") if kv)
+    if name == point and (int(want.get("group", group)), int(want.get("rank", rank)), int(want.get("round", round_))) == (group, rank, round_):
+        time.sleep(float(want.get("delay", 0)))  # lets the other ranks of the group get their part done first
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def digest(tensors: Iterable[torch.Tensor]) -> str:
+    h = hashlib.blake2b(digest_size=8)
+    for t in tensors:
+        h.update(t.detach().to("cpu", torch.float32).contiguous().numpy())
+    return h.hexdigest()
+
+
+class Evidence:
+    def __init__(self, report_dir: str, group: int, rank: int):
+        self.enabled = bool(report_dir)
+        self.dir = Path(report_dir) if report_dir else None
+        self.tag = f"g{group}-r{rank}-a{attempt()}"
+        if self.dir is not None:
+            self.dir.mkdir(parents=True, exist_ok=True)
+
+    def event(self, name: str, **fields) -> None:
+        if self.dir is None:
+            return
+        with open(self.dir / f"{self.tag}.events", "a") as f:
+            f.write(json.dumps({"event": name, "pid": os.getpid(), "t": time.time(), **fields}) + "\n")
+
+    def write(self, summary: dict, tensors: dict) -> None:
+        if self.dir is None:
+            return
+        (self.dir / f"{self.tag}.json").write_text(json.dumps(summary, indent=1))
+        torch.save(tensors, self.dir / f"{self.tag}.pt")

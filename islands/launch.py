@@ -1,0 +1,190 @@
+"""Starting a sharded island: as one rank of a launch, or as the launcher of its R x N ranks.
+
+`diloco-island join --nproc-per-node N --replica-groups R` starts a torchft
+lighthouse (unless --lighthouse names one) and, per replica group g, one
+`torch.distributed.run --standalone --nproc-per-node N --max-restarts M`
+(torchrun's semantics: the group's own rendezvous and store; a dead rank makes
+torchrun restart the whole group, which then heals from a live group). Each
+rank is started with
+
+    DILOCO_REPLICA_GROUP=g   DILOCO_REPLICA_GROUPS=R   DILOCO_ISLAND_KEY=...
+    TORCHFT_LIGHTHOUSE=http://HOST:PORT   DILOCO_FT_HOST=HOST
+
+and with torchrun's RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT.
+Started that way by anything else (your own torchrun, one srun step per
+replica group under SLURM), the same command runs as that rank.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import uuid
+from dataclasses import dataclass
+
+import grpc
+import torch
+
+from diloco.config import RunConfig, config_from_toml
+from diloco.v1 import diloco_pb2 as pb
+from diloco.wire import uplink_codec
+from islands.client import CoordinatorClient
+from islands.replicas import FT_HOST_ENV, LIGHTHOUSE_ENV, FtConfig, start_lighthouse
+from islands.shard_state import ReplicaSpec
+from islands.sharded import ShardedIsland
+from islands.world import IslandWorld
+
+log = logging.getLogger(__name__)
+
+GROUP_ENV, GROUPS_ENV, KEY_ENV = "DILOCO_REPLICA_GROUP", "DILOCO_REPLICA_GROUPS", "DILOCO_ISLAND_KEY"
+
+
+class LaunchError(ValueError):
+    """A launch that cannot work; the message says what to set."""
+
+
+def adopt_slurm_env(env: dict[str, str] = os.environ) -> bool:
+    """Under srun (one step per replica group), maps SLURM's task ids onto torchrun's variables.
+
+    Returns True when this process is one rank of a launched world.
+    """
+    if "RANK" in env and "WORLD_SIZE" in env:
+        return True
+    if "SLURM_PROCID" not in env or int(env.get("SLURM_NTASKS", "1")) <= 1:
+        return False
+    missing = [k for k in ("MASTER_ADDR", "MASTER_PORT") if k not in env]
+    if missing:
+        raise LaunchError(
+            f"running under SLURM with {env['SLURM_NTASKS']} tasks but {', '.join(missing)} unset: export MASTER_ADDR "
+            "(the first node of this srun step) and MASTER_PORT (free, distinct per replica group) before srun"
+        )
+    env["RANK"], env["WORLD_SIZE"] = env["SLURM_PROCID"], env["SLURM_NTASKS"]
+    env.setdefault("LOCAL_RANK", env.get("SLURM_LOCALID", "0"))
+    env.setdefault(KEY_ENV, f"slurm-{env.get('SLURM_JOB_ID', 'job')}")
+    return True
+
+
+def is_launched_rank(env: dict[str, str] = os.environ) -> bool:
+    return adopt_slurm_env(env)
+
+
+@dataclass
+class LaunchOptions:
+    nproc_per_node: int = 1
+    replica_groups: int = 1
+    max_restarts: int = 3
+    lighthouse: str = ""
+    island_key: str = ""
+    ft_host: str = ""
+    heartbeat_timeout_s: float = 5.0
+
+
+def worker_command(worker_argv: list[str], opts: LaunchOptions) -> list[str]:
+    return [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes=1",
+        f"--nproc-per-node={opts.nproc_per_node}", f"--max-restarts={opts.max_restarts}", "--monitor-interval=0.5",
+        "-m", "islands", *worker_argv,
+    ]
+
+
+def launch(worker_argv: list[str], opts: LaunchOptions) -> int:
+    """Runs the island's replica groups to the end; returns the worst exit status."""
+    if opts.nproc_per_node < 1 or opts.replica_groups < 1:
+        raise LaunchError("--nproc-per-node and --replica-groups must be at least 1")
+    host = opts.ft_host or os.environ.get(FT_HOST_ENV) or socket.gethostname()
+    key = opts.island_key or os.environ.get(KEY_ENV) or f"{socket.gethostname()}-{uuid.uuid4().hex[:8]}"
+    lighthouse, server = opts.lighthouse or os.environ.get(LIGHTHOUSE_ENV, ""), None
+    os.environ.setdefault("RUST_LOG", "warn")  # torchft's lighthouse and managers log every quorum at info
+    if opts.replica_groups > 1 and not lighthouse:
+        server, lighthouse = start_lighthouse(host, heartbeat_timeout_ms=int(opts.heartbeat_timeout_s * 1000))
+    procs: list[subprocess.Popen] = []
+    codes: list[int] = []
+
+    def stop(signum, _frame) -> None:
+        for p in procs:
+            if p.poll() is None:
+                try:
+                    os.killpg(p.pid, signum)
+                except ProcessLookupError:
+                    pass
+
+    old = {s: signal.signal(s, stop) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        for g in range(opts.replica_groups):
+            env = dict(os.environ, **{GROUP_ENV: str(g), GROUPS_ENV: str(opts.replica_groups), KEY_ENV: key, FT_HOST_ENV: host})
+            if lighthouse:
+                env[LIGHTHOUSE_ENV] = lighthouse
+            procs.append(subprocess.Popen(worker_command(worker_argv, opts), env=env, start_new_session=True))
+        log.info("island %s: %d replica group(s) x %d rank(s) started (lighthouse %s)", key, opts.replica_groups, opts.nproc_per_node, lighthouse or "-")
+        codes = [p.wait() for p in procs]
+    finally:
+        stop(signal.SIGTERM, None)
+        for p in procs:
+            try:
+                p.wait(30)
+            except subprocess.TimeoutExpired:
+                stop(signal.SIGKILL, None)
+        for s, handler in old.items():
+            signal.signal(s, handler)
+        if server is not None:
+            server.shutdown()
+    for g, code in enumerate(codes):
+        if code:
+            log.error("replica group %d exited with status %d", g, code)
+    return max(codes, default=0)
+
+
+def replica_spec(args, env: dict[str, str] = os.environ) -> ReplicaSpec:
+    """This rank's place in the island, from the launch environment and the command line."""
+    groups = int(env.get(GROUPS_ENV, args.replica_groups))
+    group = int(env.get(GROUP_ENV, "0"))
+    if not 0 <= group < groups:
+        raise LaunchError(f"{GROUP_ENV}={group} is outside 0..{groups - 1} (--replica-groups {groups})")
+    lighthouse = args.lighthouse or env.get(LIGHTHOUSE_ENV, "")
+    if groups > 1 and not lighthouse:
+        raise LaunchError(
+            f"{groups} replica groups need a torchft lighthouse: pass --lighthouse http://HOST:PORT or set {LIGHTHOUSE_ENV} "
+            "(run `diloco-island join --replica-groups R` without torchrun and it starts one)"
+        )
+    run_id = env.get("TORCHELASTIC_RUN_ID", "")
+    key = args.island_key or env.get(KEY_ENV) or (lighthouse and f"lighthouse-{lighthouse}") or (run_id and f"torchrun-{run_id}")
+    ft = FtConfig(
+        lighthouse=lighthouse, host=args.ft_host or env.get(FT_HOST_ENV, ""), timeout_s=args.ft_timeout,
+        startup_wait_s=args.ft_startup_wait,
+    )
+    return ReplicaSpec(group, groups, key or "", ft, args.report_dir or "", args.measure_memory, args.receive_window)
+
+
+def run_sharded(
+    address: str, cfg: RunConfig | None, world: IslandWorld, spec: ReplicaSpec, max_rounds: int | None, connect_timeout_s: float
+):
+    """One rank of a sharded island: rank 0 of the group joins (under the island key), every rank trains
+    and exchanges its own shard over its own connection. None if the run had already finished."""
+    client = CoordinatorClient(address, connect_timeout_s, receive_window_bytes=spec.receive_window_bytes)
+    try:
+        reply: bytes | str | None = None
+        if world.is_leader:
+            codec = uplink_codec(cfg.wire).name if cfg is not None else ""
+            try:
+                reply = client.join(cfg.digest() if cfg is not None else "", codec, island_key=spec.key).SerializeToString()
+            except grpc.RpcError as e:
+                reply = f"{e.code().name}: {e.details()}"
+        reply = world.broadcast_object(reply)
+        if isinstance(reply, str):
+            if "has finished" in reply:
+                log.info("the run has finished; nothing to do")
+                return None
+            raise LaunchError(f"coordinator refused the join: {reply}")
+        joined = pb.JoinResponse.FromString(reply)
+        run_cfg = cfg if cfg is not None else config_from_toml(joined.config_toml)
+        torch.manual_seed(run_cfg.seed + 1000 * world.rank)
+        island = ShardedIsland(run_cfg, world, spec, client, joined)
+        if world.is_leader:
+            client.start_heartbeat(lambda: island.state.island_id, joined.heartbeat_interval_s, lambda: island.state.round)
+        return island.run(max_rounds)
+    finally:
+        client.close()

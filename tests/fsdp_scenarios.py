@@ -1,0 +1,213 @@
+"""Multi-process runs of sharded islands, for tests/test_fsdp_islands.py.
+
+    python tests/fsdp_scenarios.py SCENARIO WORKDIR
+
+runs a coordinator in this process and islands as `python -m islands join`
+processes (torchrun underneath), waits for the run to end, and leaves under
+WORKDIR: result.json (the coordinator's report plus what the scenario did),
+coordinator.pt (the final global parameters) and each island's --report-dir.
+torchft's managers and checkpoint servers bind every interface, so the tests
+start this inside a network namespace that has only loopback (unshare -rn).
+Every wait is bounded; every process started here is killed on the way out.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
+
+import torch  # noqa: E402
+
+from conftest import tiny_config  # noqa: E402
+from coordinator.server import start_coordinator  # noqa: E402
+from diloco.codec import Fp32Codec  # noqa: E402
+from diloco.v1 import diloco_pb2 as pb  # noqa: E402
+from diloco.wire import Manifest, tensor_chunks  # noqa: E402
+from islands.client import CoordinatorClient, ReplayableChunks  # noqa: E402
+
+log = logging.getLogger("scenario")
+
+SHARDED_FLAGS = [
+    "--device", "cpu", "--threads", "1", "--ft-host", "127.0.0.1", "--ft-timeout", "15",
+    "--ft-heartbeat-timeout", "2", "--ft-startup-wait", "60", "--connect-timeout", "30",
+]
+
+
+class Run:
+    """A coordinator here, islands as process groups; everything stops in close()."""
+
+    def __init__(self, workdir: Path, cfg, deadline_s: float):
+        self.workdir, self.cfg = workdir, cfg
+        self.deadline = time.monotonic() + deadline_s
+        self.config_path = workdir / "run.toml"
+        self.config_path.write_text(cfg.to_toml())
+        self.coordinator = start_coordinator(cfg, "127.0.0.1", 0, spool_dir=str(workdir / "spool"))
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.env = dict(
+            os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1",
+            # Buffers above 64 KiB become their own mappings, so the peak RSS shows every one of them.
+            MALLOC_MMAP_THRESHOLD_="65536",
+        )
+        self.notes: dict = {}
+
+    def island(self, name: str, *flags: str, env: dict | None = None, module: list[str] | None = None) -> None:
+        argv = [sys.executable, "-m", *(module or ["islands"]), "join", "--coordinator", f"127.0.0.1:{self.coordinator.port}",
+                "--config", str(self.config_path), *flags]
+        with open(self.workdir / f"{name}.log", "w") as out:
+            self.procs[name] = subprocess.Popen(argv, env={**self.env, **(env or {})}, stdout=out, stderr=subprocess.STDOUT,
+                                                start_new_session=True, cwd=ROOT)
+
+    def left(self) -> float:
+        remaining = self.deadline - time.monotonic()
+        if remaining <= 0:
+            raise TimeoutError(f"scenario ran past its deadline; logs in {self.workdir}")
+        return remaining
+
+    def finish(self) -> None:
+        if not self.coordinator.wait(self.left()):
+            raise TimeoutError("the run did not finish")
+        codes = {}
+        for name, p in self.procs.items():
+            try:
+                codes[name] = p.wait(self.left())
+            except subprocess.TimeoutExpired:
+                codes[name] = None
+        self.notes["exit_codes"] = codes
+        report = self.coordinator.report()
+        report["notes"] = self.notes
+        (self.workdir / "result.json").write_text(json.dumps(report, indent=1))
+        torch.save({n: t.clone() for n, t in self.coordinator.state.params.items()}, self.workdir / "coordinator.pt")
+
+    def close(self) -> None:
+        for p in self.procs.values():
+            if p.poll() is None:
+                try:
+                    os.killpg(p.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                p.wait(10)
+        self.coordinator.stop(0.5)
+
+
+class Puppet:
+    """A second island driven from here over the protocol: it pushes a zero pseudo-gradient when told,
+    so the scenario decides when each round may close."""
+
+    def __init__(self, port: int, cfg):
+        self.client = CoordinatorClient(f"127.0.0.1:{port}", connect_timeout_s=10)
+        joined = self.client.join(cfg.digest(), "fp32")
+        self.island_id, self.chunk_bytes = joined.island_id, joined.max_chunk_bytes
+        self.zeros = {n: torch.zeros(s) for n, s in Manifest.from_proto(joined.parameters).shapes.items()}
+        self.client.start_heartbeat(lambda: self.island_id, joined.heartbeat_interval_s, lambda: 0)
+
+    def push(self, round_: int) -> None:
+        header = pb.PushHeader(island_id=self.island_id, round=round_, tokens=1, train_loss=0.0, codec="fp32")
+        self.client.push(header, ReplayableChunks(tensor_chunks(self.zeros, Fp32Codec(), self.chunk_bytes)))
+
+    def close(self) -> None:
+        self.client.leave(self.island_id, "", 0)
+        self.client.close()
+
+
+def events(report_dir: Path, tag: str) -> list[dict]:
+    path = report_dir / f"{tag}.events"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def wait_until(run: Run, what: str, condition, poll_s: float = 0.1, timeout_s: float = 90.0):
+    give_up = time.monotonic() + timeout_s
+    while True:
+        value = condition()
+        if value:
+            return value
+        if run.left() < 1 or time.monotonic() > give_up:
+            raise TimeoutError(f"gave up waiting for {what}")
+        time.sleep(poll_s)
+
+
+def two_islands(workdir: Path) -> None:
+    """A 2 replica groups x 2 FSDP ranks island and a 1-rank island in one run; memory measured."""
+    cfg = tiny_config(
+        "model.d_model=256", "model.n_layers=2", "model.n_heads=4", "model.d_ff=1024", "inner.steps_per_round=3",
+        "rounds.rounds=4", "rounds.min_islands=2", "data.shards=2", "wire.chunk_bytes=65536", "rounds.deadline_s=120",
+        "rounds.heartbeat_s=0.5", "rounds.lease_s=30",
+    )
+    run = Run(workdir, cfg, deadline_s=200)
+    try:
+        run.island("sharded", "--nproc-per-node", "2", "--replica-groups", "2", "--max-restarts", "0",
+                   "--report-dir", str(workdir / "sharded"), "--measure-memory", "--receive-window", "262144", *SHARDED_FLAGS)
+        run.island("single", "--device", "cpu", "--threads", "1")
+        run.finish()
+    finally:
+        run.close()
+
+
+def faults(workdir: Path) -> None:
+    """SIGKILL replica group 1 while round 1 is open; in round 3 the pushing group 0 dies mid-push
+    (one rank delivered its shard, the other died before pushing). A puppet island holds rounds 2
+    and 4 open until the killed group is back, so that it rejoins while the run still has rounds."""
+    cfg = tiny_config(
+        "model.n_layers=2", "inner.steps_per_round=3", "rounds.rounds=7", "rounds.min_islands=2", "data.shards=2",
+        "rounds.deadline_s=120", "rounds.heartbeat_s=0.5", "rounds.lease_s=30",
+    )
+    run = Run(workdir, cfg, deadline_s=230)
+    reports = workdir / "sharded"
+    puppet = None
+    try:
+        run.island("sharded", "--nproc-per-node", "2", "--replica-groups", "2", "--max-restarts", "2",
+                   "--report-dir", str(reports), *SHARDED_FLAGS,
+                   env={"DILOCO_FAULT": "die-before-push:group=0,rank=1,round=3,delay=1"})
+        puppet = Puppet(run.coordinator.port, cfg)
+        state = run.coordinator.state
+        sharded_id = wait_until(run, "the sharded island to join", lambda: next((i for i in state.islands if i != puppet.island_id), None))
+        run.notes["sharded_island"], run.notes["puppet"] = sharded_id, puppet.island_id
+        for round_ in range(cfg.rounds.rounds):
+            def contributed():
+                with state.cond:
+                    c = state.contributions.get(sharded_id)
+                    return state.round == round_ and c is not None and c.state == "committed"
+
+            wait_until(run, f"the sharded island's contribution to round {round_}", contributed)
+            if round_ == 1:
+                pids = [e["pid"] for r in (0, 1) for e in events(reports, f"g1-r{r}-a0") if e["event"] == "up"]
+                for pid in pids:
+                    os.kill(pid, signal.SIGKILL)
+                run.notes["killed"] = {"round": 1, "group": 1, "pids": pids, "t": time.time()}
+            if round_ in (2, 4):
+                group = 1 if round_ == 2 else 0
+                wait_until(run, f"group {group} to come back", lambda: all(
+                    any(e["event"] == "up" for a in (1, 2) for e in events(reports, f"g{group}-r{r}-a{a}")) for r in (0, 1)))
+            puppet.push(round_)
+        run.finish()
+    finally:
+        if puppet is not None:
+            puppet.close()
+        run.close()
+
+
+def torchrun(workdir: Path) -> None:
+    """An island started by a plain torchrun (no launcher): 1 replica group x 2 FSDP ranks."""
+    cfg = tiny_config("model.n_layers=2", "rounds.rounds=3", "rounds.heartbeat_s=0.5")
+    run = Run(workdir, cfg, deadline_s=150)
+    try:
+        run.island("torchrun", "--device", "cpu", "--threads", "1", "--report-dir", str(workdir / "torchrun"),
+                   module=["torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "islands"])
+        run.finish()
+    finally:
+        run.close()
+
+
+SCENARIOS = {"two_islands": two_islands, "faults": faults, "torchrun": torchrun}
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s [scenario] %(levelname)s %(name)s: %(message)s")
+    SCENARIOS[sys.argv[1]](Path(sys.argv[2]))

@@ -1,0 +1,222 @@
+"""Sharded islands: R replica groups x N FSDP ranks kept in step by torchft, each rank exchanging its own shard.
+
+The multi-process runs live in tests/fsdp_scenarios.py and are started here
+inside a user + network namespace that has only loopback (`unshare -rn`),
+because torchft's manager and checkpoint server bind every interface. Each
+scenario bounds all its waits and kills what it started; the test adds an
+outer timeout on top.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from islands.cli import build_parser
+from islands.launch import LaunchError, LaunchOptions, adopt_slurm_env, replica_spec, worker_command
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@functools.cache
+def _loopback_namespace() -> bool:
+    try:
+        return subprocess.run(["unshare", "-rn", "sh", "-c", "ip link set lo up"], capture_output=True, timeout=20).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
+def _scenario(name: str, workdir: Path, timeout_s: float) -> dict:
+    if not _loopback_namespace():
+        pytest.skip("needs `unshare -rn` (user and network namespaces) to keep torchft's servers on a loopback-only network")
+    workdir.mkdir(parents=True, exist_ok=True)
+    cmd = f"ip link set lo up && exec {sys.executable} tests/fsdp_scenarios.py {name} {workdir}"
+    try:
+        proc = subprocess.run(["unshare", "-rn", "sh", "-c", cmd], cwd=ROOT, capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"scenario {name} outlived {timeout_s:.0f}s; logs in {workdir}")
+    assert proc.returncode == 0, f"scenario {name} failed (logs in {workdir}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    return json.loads((workdir / "result.json").read_text())
+
+
+def _events(reports: Path, tag: str) -> list[dict]:
+    path = reports / f"{tag}.events"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def _assemble(reports: Path, group: int, attempt: int, world_size: int, key: str = "model") -> dict[str, torch.Tensor]:
+    """One group's full parameters, put together from its ranks' final shards (only here, in the test)."""
+    parts: dict[str, list[tuple[int, torch.Tensor]]] = {}
+    for rank in range(world_size):
+        tag = f"g{group}-r{rank}-a{attempt}"
+        shards = torch.load(reports / f"{tag}.pt")[key]
+        for name, offset, numel in json.loads((reports / f"{tag}.json").read_text())["ranges"]:
+            parts.setdefault(name, []).append((offset, shards[name]))
+            assert shards[name].numel() == numel
+    return {name: torch.cat([t for _, t in sorted(pieces, key=lambda p: p[0])]) for name, pieces in parts.items()}
+
+
+def _assert_equals_coordinator(full: dict[str, torch.Tensor], coordinator: dict[str, torch.Tensor], what: str) -> None:
+    assert set(full) == set(coordinator), what
+    for name, t in coordinator.items():
+        assert torch.equal(full[name], t.reshape(-1)), f"{what}: {name} differs from the coordinator's global parameters"
+
+
+def _assert_every_round_whole(result: dict, islands: int) -> None:
+    for r in result["rounds"]:
+        assert len(r["islands"]) == islands, r
+        assert r["elements_folded"] == r["elements_expected"] > 0, r
+
+
+# --- a 2 x 2 island and a 1-rank island in one run --------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def two_islands(tmp_path_factory):
+    workdir = tmp_path_factory.mktemp("two_islands")
+    return workdir, _scenario("two_islands", workdir, timeout_s=240)
+
+
+@pytest.mark.timeout(300)
+def test_sharded_and_single_islands_end_holding_the_coordinators_parameters(two_islands):
+    workdir, result = two_islands
+    assert result["notes"]["exit_codes"] == {"sharded": 0, "single": 0}
+    assert result["final_round"] == 4
+    _assert_every_round_whole(result, islands=2)
+    # Both islands left reporting exactly the coordinator's checksum (the sharded one after every
+    # rank of every group verified its ranges against the coordinator's checksum of them).
+    assert set(result["islands"].values()) == {result["checksum"]}
+    coordinator = torch.load(workdir / "coordinator.pt")
+    for group in (0, 1):
+        for key in ("model", "global"):
+            _assert_equals_coordinator(_assemble(workdir / "sharded", group, 0, 2, key), coordinator, f"group {group} {key}")
+
+
+@pytest.mark.timeout(300)
+def test_outer_step_memory_per_rank_stays_far_below_the_full_model(two_islands):
+    workdir, _ = two_islands
+    figures = []
+    for report in sorted((workdir / "sharded").glob("*.json")):
+        r = json.loads(report.read_text())
+        assert len(r["memory"]) == 4, f"{report.name}: no measurement for every outer step"
+        peak = max(m["peak_rss_bytes"] for m in r["memory"])
+        figures.append((report.stem, peak, r["shard_fp32_bytes"], r["full_model_fp32_bytes"]))
+        # The model is a few MB so that holding it, or even one shard, would show.
+        assert r["full_model_fp32_bytes"] > 6_000_000
+        assert peak < r["shard_fp32_bytes"] / 2, figures[-1]
+        assert peak < r["full_model_fp32_bytes"] / 4, figures[-1]
+    print("\nouter-step peak RSS growth per rank (bytes): " + ", ".join(f"{t}={p} (shard {s}, model {f})" for t, p, s, f in figures))
+
+
+# --- SIGKILL of a replica group; the pushing group dying mid-push ------------------------------
+
+
+def _restarted(reports: Path, group: int) -> int:
+    """The attempt of a restarted group that ran to the end (torchrun counts restarts from 0)."""
+    finished = [int(p.stem.rsplit("-a", 1)[1]) for p in reports.glob(f"g{group}-r0-a*.json")]
+    assert finished and max(finished) >= 1, f"group {group} never came back after its failure"
+    return max(finished)
+
+
+def _heal_matches_peer(reports: Path, healed_tag: str, peer_tags: list[str]) -> dict:
+    """The state a group healed into equals its peer's at the same torchft step (model, theta_global, optimizer)."""
+    healed = [e for e in _events(reports, healed_tag) if e["event"] == "step" and e["healed"]]
+    assert healed, f"{healed_tag} never healed"
+    first = healed[0]
+    peer = [e for tag in peer_tags for e in _events(reports, tag) if e["event"] == "step" and e["step"] == first["step"]]
+    assert peer, f"no peer step {first['step']} to compare {healed_tag} with"
+    for key in ("round", "pos", "model", "globals", "optimizer"):
+        assert first[key] == peer[0][key], (key, first, peer[0])
+    return first
+
+
+@pytest.mark.timeout(300)
+def test_killed_replica_group_heals_and_a_dead_pusher_is_taken_over(tmp_path):
+    result = _scenario("faults", tmp_path, timeout_s=260)
+    reports, notes = tmp_path / "sharded", result["notes"]
+    assert notes["exit_codes"] == {"sharded": 0} and notes["killed"]["round"] == 1
+    # Every round completed with the sharded island's whole contribution, through both failures.
+    _assert_every_round_whole(result, islands=2)
+    sharded = notes["sharded_island"]
+    assert all(sharded in r["islands"] for r in result["rounds"])
+    # While group 1 was down the island kept training: group 0 trained (some of) round 2 alone.
+    tokens = [r["tokens"] - 1 for r in result["rounds"]]  # the puppet adds one token a round
+    assert tokens[2] < tokens[0], tokens
+    # The restarted groups healed from their live peer, rank k from rank k, and then held exactly its state.
+    g0, g1 = _restarted(reports, 0), _restarted(reports, 1)
+    for rank in (0, 1):
+        _heal_matches_peer(reports, f"g1-r{rank}-a{g1}", [f"g0-r{rank}-a0"])
+        _heal_matches_peer(reports, f"g0-r{rank}-a{g0}", [f"g1-r{rank}-a{g1}"])
+    # In round 3 group 0's rank 1 died before pushing, after rank 0 had delivered its shard: group 1
+    # took the push over, and the shard already there counted as delivered.
+    takeovers = [e for rank in (0, 1) for e in _events(reports, f"g1-r{rank}-a{g1}") if e["event"] == "takeover"]
+    assert [e["round"] for e in takeovers] == [3], takeovers
+    # In the end both groups hold exactly the coordinator's global parameters.
+    coordinator = torch.load(tmp_path / "coordinator.pt")
+    for group, attempt in ((0, g0), (1, g1)):
+        _assert_equals_coordinator(_assemble(reports, group, attempt, 2), coordinator, f"group {group}")
+
+
+# --- started by a plain torchrun; the launcher's flags -------------------------------------------
+
+
+@pytest.mark.timeout(200)
+def test_island_started_by_a_plain_torchrun(tmp_path):
+    result = _scenario("torchrun", tmp_path, timeout_s=170)
+    assert result["notes"]["exit_codes"] == {"torchrun": 0}
+    _assert_every_round_whole(result, islands=1)
+    assert set(result["islands"].values()) == {result["checksum"]}
+    _assert_equals_coordinator(_assemble(tmp_path / "torchrun", 0, 0, 2), torch.load(tmp_path / "coordinator.pt"), "torchrun island")
+
+
+def test_launcher_runs_each_replica_group_through_torchrun():
+    cmd = worker_command(["join", "--coordinator", "h:1"], LaunchOptions(nproc_per_node=4, replica_groups=2, max_restarts=5))
+    assert cmd[1:4] == ["-m", "torch.distributed.run", "--standalone"]
+    assert "--nproc-per-node=4" in cmd and "--max-restarts=5" in cmd
+    assert cmd[-5:] == ["-m", "islands", "join", "--coordinator", "h:1"]
+    args = build_parser().parse_args(["join", "--coordinator", "h:1", "--nproc-per-node", "2", "--replica-groups", "3"])
+    assert (args.nproc_per_node, args.replica_groups, args.max_restarts) == (2, 3, 3)
+
+
+def test_rank_environment_from_torchrun_and_slurm():
+    args = build_parser().parse_args(["join", "--coordinator", "h:1"])
+    env = {"RANK": "1", "WORLD_SIZE": "2", "DILOCO_REPLICA_GROUP": "1", "DILOCO_REPLICA_GROUPS": "2",
+           "TORCHFT_LIGHTHOUSE": "http://10.0.0.1:29510"}
+    spec = replica_spec(args, env)
+    assert (spec.group, spec.groups, spec.ft.lighthouse) == (1, 2, "http://10.0.0.1:29510")
+    assert spec.key == "lighthouse-http://10.0.0.1:29510", "groups of one island must share a key without being told one"
+    with pytest.raises(LaunchError, match="need a torchft lighthouse"):
+        replica_spec(args, {"DILOCO_REPLICA_GROUPS": "2"})
+    with pytest.raises(LaunchError, match="outside"):
+        replica_spec(args, {"DILOCO_REPLICA_GROUP": "2", "DILOCO_REPLICA_GROUPS": "2", "TORCHFT_LIGHTHOUSE": "http://x:1"})
+    slurm = {"SLURM_PROCID": "3", "SLURM_NTASKS": "4", "SLURM_LOCALID": "1", "SLURM_JOB_ID": "77", "MASTER_ADDR": "n1", "MASTER_PORT": "29500"}
+    assert adopt_slurm_env(slurm)
+    assert (slurm["RANK"], slurm["WORLD_SIZE"], slurm["LOCAL_RANK"], slurm["DILOCO_ISLAND_KEY"]) == ("3", "4", "1", "slurm-77")
+    assert not adopt_slurm_env({"SLURM_PROCID": "0", "SLURM_NTASKS": "1"}), "a one-task srun is a one-rank island"
+    with pytest.raises(LaunchError, match="MASTER_ADDR"):
+        adopt_slurm_env({"SLURM_PROCID": "0", "SLURM_NTASKS": "2"})
+
+
+@pytest.mark.parametrize(
+    "argv, env, message",
+    [
+        (["--nproc-per-node", "2", "--checkpoint", "/tmp/x"], {}, "not supported for sharded islands"),
+        ([], {"RANK": "0", "WORLD_SIZE": "1", "DILOCO_REPLICA_GROUPS": "2"}, "need a torchft lighthouse"),
+        ([], {"SLURM_PROCID": "0", "SLURM_NTASKS": "2"}, "MASTER_ADDR"),
+    ],
+    ids=["checkpoint-sharded", "torchrun-without-lighthouse", "slurm-without-master"],
+)
+def test_bad_launches_are_one_line_errors(argv, env, message):
+    clean = {k: v for k, v in __import__("os").environ.items() if not k.startswith(("RANK", "WORLD_SIZE", "SLURM", "DILOCO", "TORCHFT"))}
+    out = subprocess.run(
+        [sys.executable, "-m", "islands", "join", "--coordinator", "127.0.0.1:9", *argv],
+        env={**clean, **env}, capture_output=True, text=True, timeout=120, cwd=ROOT,
+    )
+    assert out.returncode == 2, out.stderr
+    assert len(out.stderr.strip().splitlines()) == 1 and message in out.stderr, out.stderr
