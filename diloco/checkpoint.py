@@ -3,7 +3,9 @@
 Layout under the URL: one folder per step, `step-0000000042/`, holding
 `state.pt` (torch.save of nested dicts of tensors and plain values),
 `meta.json`, and last a `COMMITTED` marker with the size and SHA-256 of
-state.pt. A step without its marker, or whose state.pt does not match it, was
+state.pt. A folder step (begin_files/commit_files: files written by others,
+e.g. torch.distributed.checkpoint's ranks) has a marker listing every file
+and its size instead. A step without its marker, or whose state.pt does not match it, was
 torn by a crash and is never loaded. Object stores have no atomic rename, so the
 marker written last is what makes a checkpoint exist.
 """
@@ -91,12 +93,16 @@ class CheckpointStore:
         A committed step whose data does not match its marker (storage that lost
         or damaged a file) is skipped with a warning in favour of the one before.
         """
+        return self._first_usable(self._load, step)
+
+    def _first_usable(self, read, step: int | None):
+        """read(step), or read() of the newest committed step that verifies."""
         if step is not None:
-            return self._load(step)
+            return read(step)
         steps = self.steps()
         for candidate in reversed(steps):
             try:
-                return self._load(candidate)
+                return read(candidate)
             except CheckpointError as e:
                 log.warning("skipping checkpoint: %s", e)
         raise CheckpointError(
@@ -126,6 +132,68 @@ class CheckpointStore:
             raise CheckpointError(f"checkpoint {step} under {self.url} does not match its commit marker (corrupt)")
         tensors = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
         return tensors, meta
+
+    # --- folder steps: the files are written by someone else (torch.distributed.checkpoint's ranks) ---
+
+    def step_url(self, step: int) -> str:
+        return f"{self.url}/step-{step:010d}"
+
+    def begin_files(self, step: int) -> str:
+        """Un-commits and empties step's folder for writers to fill; returns its URL.
+
+        Until commit_files() the step is torn and never loaded.
+        """
+        where = self._dir(step)
+        try:
+            if self.fs.exists(f"{where}/{MARKER}"):
+                self.fs.rm(f"{where}/{MARKER}")  # first, so a crash while clearing leaves it torn, not mixed
+            if self.fs.exists(where):
+                self.fs.rm(where, recursive=True)
+            self.fs.makedirs(where, exist_ok=True)
+        except OSError as e:
+            raise CheckpointError(f"could not prepare checkpoint {step} at {self.url}: {e}") from e
+        return self.step_url(step)
+
+    def commit_files(self, step: int, meta: dict[str, Any]) -> str:
+        """Once every file of the step is written: meta.json, then the marker listing every file and its size."""
+        where = self._dir(step)
+        try:
+            with self.fs.open(f"{where}/meta.json", "w") as f:
+                f.write(json.dumps(meta, indent=1, default=str))
+            files = self._files(step)
+            with self.fs.open(f"{where}/{MARKER}", "w") as f:
+                f.write(json.dumps({"step": step, "files": files}))
+        except OSError as e:
+            raise CheckpointError(f"could not commit checkpoint {step} at {self.url}: {e}") from e
+        self._prune(step)
+        return self.step_url(step)
+
+    def load_files(self, step: int | None = None) -> tuple[int, dict[str, Any]]:
+        """(step, meta) of a committed folder step whose files all match its marker; by default the newest."""
+        return self._first_usable(lambda s: (s, self._verify_files(s)), step)
+
+    def _files(self, step: int) -> dict[str, int]:
+        where = self._dir(step)
+        self.fs.invalidate_cache(where)
+        found = self.fs.find(where, detail=True)
+        return {p[len(where) + 1 :]: int(info["size"]) for p, info in found.items() if not p.endswith(f"/{MARKER}")}
+
+    def _verify_files(self, step: int) -> dict[str, Any]:
+        where = self._dir(step)
+        try:
+            with self.fs.open(f"{where}/{MARKER}", "r") as f:
+                marker = json.loads(f.read())
+            with self.fs.open(f"{where}/meta.json", "r") as f:
+                meta = json.loads(f.read())
+        except FileNotFoundError as e:
+            raise CheckpointError(f"checkpoint {step} under {self.url} is not committed or incomplete: {e}") from e
+        if "files" not in marker:
+            raise CheckpointError(f"checkpoint {step} under {self.url} is a single-file checkpoint, not a folder one")
+        found = self._files(step)
+        bad = sorted(n for n, size in marker["files"].items() if found.get(n) != size)
+        if bad:
+            raise CheckpointError(f"checkpoint {step} under {self.url} does not match its commit marker: {', '.join(bad)} missing or resized")
+        return meta
 
     def _prune(self, newest: int) -> None:
         """Keeps the keep_last newest committed steps; removes older ones and torn leftovers."""

@@ -91,8 +91,6 @@ def main(argv: list[str] | None = None) -> None:
         args.nproc_per_node > 1 or args.replica_groups > 1
         or int(os.environ.get("WORLD_SIZE", "1")) > 1 or int(os.environ.get("DILOCO_REPLICA_GROUPS", "1")) > 1
     )
-    if sharded and (args.checkpoint or args.resume):
-        fail(parser.prog, "--checkpoint/--resume are not supported for sharded islands yet; a restarted replica group heals from a live one")
     if args.threads:
         torch.set_num_threads(args.threads)
     if sharded and not launched:
@@ -115,7 +113,10 @@ def main(argv: list[str] | None = None) -> None:
     world = IslandWorld.init(args.device)
     try:
         if sharded:
-            result = run_sharded(args.coordinator, cfg, world, spec, args.max_rounds, args.connect_timeout)
+            result = run_sharded(
+                args.coordinator, cfg, world, spec, args.max_rounds, args.connect_timeout,
+                args.checkpoint, args.checkpoint_every, args.resume,
+            )
             if result is None:
                 return
         else:

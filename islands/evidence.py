@@ -8,7 +8,8 @@ memory) and `.pt` (the final model and theta_global shards).
 
 DILOCO_FAULT makes a rank SIGKILL itself at a named point, once, in its
 first attempt: `die-before-push:group=G,rank=K,round=R[,delay=S]`. Tests use it to kill
-the pushing group exactly mid-push; nothing else reads it.
+the pushing group exactly mid-push (and `die-before-commit`: a checkpoint's files are
+written, its marker is not); nothing else reads it.
 """
 
 from __future__ import annotations

@@ -34,6 +34,7 @@ from diloco.v1 import diloco_pb2 as pb
 from diloco.wire import uplink_codec
 from islands.client import CoordinatorClient
 from islands.replicas import FT_HOST_ENV, LIGHTHOUSE_ENV, FtConfig, start_lighthouse
+from islands.shard_checkpoint import ShardCheckpoint
 from islands.shard_state import ReplicaSpec
 from islands.sharded import ShardedIsland
 from islands.world import IslandWorld
@@ -160,17 +161,24 @@ def replica_spec(args, env: dict[str, str] = os.environ) -> ReplicaSpec:
 
 
 def run_sharded(
-    address: str, cfg: RunConfig | None, world: IslandWorld, spec: ReplicaSpec, max_rounds: int | None, connect_timeout_s: float
+    address: str, cfg: RunConfig | None, world: IslandWorld, spec: ReplicaSpec, max_rounds: int | None, connect_timeout_s: float,
+    checkpoint_url: str = "", checkpoint_every: int = 1, resume: bool = False,
 ):
     """One rank of a sharded island: rank 0 of the group joins (under the island key), every rank trains
-    and exchanges its own shard over its own connection. None if the run had already finished."""
+    and exchanges its own shard over its own connection. None if the run had already finished.
+
+    With checkpoint_url the island checkpoints (islands/shard_checkpoint.py); with resume every group
+    first loads the coordinator's round's checkpoint (else the newest) and rejoins as the same island."""
+    ckpt = ShardCheckpoint(checkpoint_url, checkpoint_every, world) if checkpoint_url else None
+    previous = ckpt.choose() if ckpt is not None and resume else None
     client = CoordinatorClient(address, connect_timeout_s, receive_window_bytes=spec.receive_window_bytes)
     try:
         reply: bytes | str | None = None
         if world.is_leader:
             codec = uplink_codec(cfg.wire).name if cfg is not None else ""
+            island_id = previous[1]["island_id"] if previous else ""
             try:
-                reply = client.join(cfg.digest() if cfg is not None else "", codec, island_key=spec.key).SerializeToString()
+                reply = client.join(cfg.digest() if cfg is not None else "", codec, island_id, spec.key).SerializeToString()
             except grpc.RpcError as e:
                 reply = f"{e.code().name}: {e.details()}"
         reply = world.broadcast_object(reply)
@@ -185,6 +193,9 @@ def run_sharded(
         island = ShardedIsland(run_cfg, world, spec, client, joined)
         if world.is_leader:
             client.start_heartbeat(lambda: island.state.island_id, joined.heartbeat_interval_s, lambda: island.state.round)
+        if previous is not None:
+            ckpt.restore(island, prefer_round=joined.round)
+        island.checkpoint = ckpt
         return island.run(max_rounds)
     finally:
         client.close()

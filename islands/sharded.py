@@ -87,6 +87,7 @@ class ShardedIsland:
         self.memory: list[dict] = []
         self.takeovers = 0
         self.evidence = Evidence(spec.report_dir, spec.group, world.rank)
+        self.checkpoint = None  # islands.shard_checkpoint.ShardCheckpoint with --checkpoint
 
     # --- inside the replica group -------------------------------------------------
 
@@ -373,6 +374,8 @@ class ShardedIsland:
                     time.sleep(0.1)
                     continue
                 assemble_until = 0.0
+                if self.checkpoint is not None:
+                    self.checkpoint.maybe_save(self)  # at a round's first step, by the quorum's rank-0 group
                 if s.finished or s.round >= s.stop_round:
                     finishing += 1
                     matches = self._finish(last_try=finishing >= 5)

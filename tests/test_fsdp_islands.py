@@ -206,11 +206,10 @@ def test_rank_environment_from_torchrun_and_slurm():
 @pytest.mark.parametrize(
     "argv, env, message",
     [
-        (["--nproc-per-node", "2", "--checkpoint", "/tmp/x"], {}, "not supported for sharded islands"),
         ([], {"RANK": "0", "WORLD_SIZE": "1", "DILOCO_REPLICA_GROUPS": "2"}, "need a torchft lighthouse"),
         ([], {"SLURM_PROCID": "0", "SLURM_NTASKS": "2"}, "MASTER_ADDR"),
     ],
-    ids=["checkpoint-sharded", "torchrun-without-lighthouse", "slurm-without-master"],
+    ids=["torchrun-without-lighthouse", "slurm-without-master"],
 )
 def test_bad_launches_are_one_line_errors(argv, env, message):
     clean = {k: v for k, v in __import__("os").environ.items() if not k.startswith(("RANK", "WORLD_SIZE", "SLURM", "DILOCO", "TORCHFT"))}
