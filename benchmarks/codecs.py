@@ -65,11 +65,12 @@ def ref_e3m0_encode(x: torch.Tensor) -> bytes:
     n = x.numel()
     v = torch.nn.functional.pad(x, (0, (-n) % BLOCK)).view(-1, BLOCK)
     absmax = v.abs().amax(1, keepdim=True)
-    r = v.abs() / torch.where(absmax > 0, absmax, torch.ones_like(absmax))
-    mantissa, exponent = torch.frexp(r)
-    k = torch.where(mantissa >= 0.75, exponent, exponent - 1)
-    c = (k + 7).clamp(1, 7)
-    c = torch.where(r < 2.0**-7, torch.zeros_like(c), c)
+    # t = |v| * (4/3) / absmax has the exponent of the power of two nearest to |v| / absmax.
+    inv = torch.where(absmax > 0, (4.0 / 3.0) / absmax, torch.zeros_like(absmax))
+    t = v.abs() * inv
+    _, exponent = torch.frexp(t)  # t = mantissa * 2**exponent, mantissa in [0.5, 1)
+    c = (exponent - 1 + 7).clamp(1, 7)
+    c = torch.where(t < torch.tensor(4.0 / 3.0 * 2.0**-7, dtype=torch.float32), torch.zeros_like(c), c)
     codes = (c | ((v < 0) & (c > 0)).to(c.dtype) << 3).to(torch.uint8).view(-1)[:n]
     if n % 2:
         codes = torch.nn.functional.pad(codes, (0, 1))
