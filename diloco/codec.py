@@ -52,6 +52,19 @@ class Codec(Protocol):
         """Returns a flat fp32 CPU tensor; raises ValueError on a malformed payload."""
         ...
 
+    def decode_into(self, payload: bytes, out: torch.Tensor) -> None:
+        """decode() written straight into out (flat, contiguous fp32 CPU): no intermediate tensor."""
+        ...
+
+
+class _Decoder:
+    """decode() in terms of decode_into()."""
+
+    def decode(self, payload: bytes, numel: int) -> torch.Tensor:
+        out = torch.empty(numel, dtype=torch.float32)
+        self.decode_into(payload, out)
+        return out
+
 
 def _as_f32_numpy(flat: torch.Tensor) -> np.ndarray:
     return flat.detach().to("cpu", torch.float32).contiguous().reshape(-1).numpy()
@@ -178,7 +191,7 @@ def _e3m0_decode(packed, scales, block, out):  # pragma: no cover - compiled
 # --- codecs ----------------------------------------------------------------------------
 
 
-class Fp32Codec:
+class Fp32Codec(_Decoder):
     """No compression: little-endian IEEE fp32."""
 
     name = "fp32"
@@ -193,12 +206,12 @@ class Fp32Codec:
     def encode(self, flat: torch.Tensor) -> bytes:
         return _as_f32_numpy(flat).astype("<f4", copy=False).tobytes()
 
-    def decode(self, payload: bytes, numel: int) -> torch.Tensor:
-        _check_size(self, payload, numel)
-        return torch.from_numpy(np.frombuffer(payload, dtype="<f4").astype(np.float32))
+    def decode_into(self, payload: bytes, out: torch.Tensor) -> None:
+        _check_size(self, payload, out.numel())
+        out.numpy()[:] = np.frombuffer(payload, dtype="<f4")
 
 
-class Bf16Codec:
+class Bf16Codec(_Decoder):
     """bfloat16, round to nearest even (torch's conversion)."""
 
     name = "bf16"
@@ -213,13 +226,13 @@ class Bf16Codec:
     def encode(self, flat: torch.Tensor) -> bytes:
         return flat.detach().to("cpu", torch.bfloat16).contiguous().view(torch.int16).numpy().tobytes()
 
-    def decode(self, payload: bytes, numel: int) -> torch.Tensor:
-        _check_size(self, payload, numel)
-        bits = torch.from_numpy(np.frombuffer(payload, dtype="<i2").copy())
-        return bits.view(torch.bfloat16).to(torch.float32)
+    def decode_into(self, payload: bytes, out: torch.Tensor) -> None:
+        _check_size(self, payload, out.numel())
+        bits = torch.frombuffer(bytearray(payload), dtype=torch.int16)
+        out.copy_(bits.view(torch.bfloat16))
 
 
-class _BlockScaledCodec:
+class _BlockScaledCodec(_Decoder):
     """Shared layout: [fp32 scale per block][codes]."""
 
     lossless = False
@@ -259,11 +272,9 @@ class Int8Codec(_BlockScaledCodec):
         _int8_encode(x, self.block, out[: 4 * n_blocks].view(np.float32), out[4 * n_blocks :].view(np.int8))
         return out.tobytes()
 
-    def decode(self, payload: bytes, numel: int) -> torch.Tensor:
-        scales, codes = self._split(payload, numel)
-        out = torch.empty(numel, dtype=torch.float32)
+    def decode_into(self, payload: bytes, out: torch.Tensor) -> None:
+        scales, codes = self._split(payload, out.numel())
         _int8_decode(codes.view(np.int8), scales, self.block, out.numpy())
-        return out
 
 
 class E3M0Codec(_BlockScaledCodec):
@@ -277,14 +288,12 @@ class E3M0Codec(_BlockScaledCodec):
         _e3m0_encode(x, self.block, out[: 4 * n_blocks].view(np.float32), out[4 * n_blocks :])
         return out.tobytes()
 
-    def decode(self, payload: bytes, numel: int) -> torch.Tensor:
-        scales, codes = self._split(payload, numel)
-        out = torch.empty(numel, dtype=torch.float32)
+    def decode_into(self, payload: bytes, out: torch.Tensor) -> None:
+        scales, codes = self._split(payload, out.numel())
         _e3m0_decode(codes, scales, self.block, out.numpy())
-        return out
 
 
-class TopKCodec:
+class TopKCodec(_Decoder):
     """Chunked top-k with 2-bit values.
 
     Per block: two fp32 magnitude levels (the mean |v| of the kept values below
@@ -364,20 +373,19 @@ class TopKCodec:
         vals = levels.gather(1, codes >> 1) * (1 - 2 * (codes & 1)).to(torch.float32)
         out.view(blocks, length).zero_().scatter_(1, idx, vals)
 
-    def decode(self, payload: bytes, numel: int) -> torch.Tensor:
+    def decode_into(self, payload: bytes, out: torch.Tensor) -> None:
+        numel = out.numel()
         _check_size(self, payload, numel)
         raw = np.frombuffer(payload, dtype=np.uint8)
-        out = torch.empty(numel, dtype=torch.float32)
         full_blocks, tail = divmod(numel, self.block)
         split = full_blocks * self._block_bytes(self.block)
         if full_blocks:
             self._decode_rows(raw[:split], full_blocks, self.block, out[: full_blocks * self.block])
         if tail:
             self._decode_rows(raw[split:], 1, tail, out[full_blocks * self.block :])
-        return out
 
 
-class ZstdCodec:
+class ZstdCodec(_Decoder):
     """Any codec's payload, compressed with zstd."""
 
     def __init__(self, inner: Codec, level: int = 3):
@@ -406,7 +414,8 @@ class ZstdCodec:
     def encode(self, flat: torch.Tensor) -> bytes:
         return self._contexts()[0].compress(self.inner.encode(flat))
 
-    def decode(self, payload: bytes, numel: int) -> torch.Tensor:
+    def decode_into(self, payload: bytes, out: torch.Tensor) -> None:
+        numel = out.numel()
         limit = self.inner.encoded_size(numel)
         try:
             # The frame header's size decides the allocation: refuse a lie before decompressing.
@@ -415,7 +424,7 @@ class ZstdCodec:
             raw = self._contexts()[1].decompress(payload, max_output_size=limit, allow_extra_data=False)
         except zstandard.ZstdError as e:
             raise ValueError(f"zstd: {e}") from e
-        return self.inner.decode(raw, numel)
+        self.inner.decode_into(raw, out)
 
 
 CODECS = ("fp32", "bf16", "int8", "e3m0", "topk")

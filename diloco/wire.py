@@ -125,13 +125,16 @@ def check_chunk(chunk: pb.TensorChunk, manifest: Manifest) -> None:
         )
 
 
-def decode_chunk(chunk: pb.TensorChunk, manifest: Manifest, codec: Codec) -> torch.Tensor:
-    """Checks address and checksum, then decodes to a flat fp32 tensor."""
+def decode_chunk(chunk: pb.TensorChunk, manifest: Manifest, codec: Codec, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Checks address and checksum, then decodes to a flat fp32 tensor (into out, when given)."""
     check_chunk(chunk, manifest)
     if zlib.crc32(chunk.payload) != chunk.crc32:
         raise ChunkCorrupt(f"{chunk.name}@{chunk.offset}: payload checksum mismatch")
     try:
-        return codec.decode(chunk.payload, chunk.numel)
+        if out is None:
+            return codec.decode(chunk.payload, chunk.numel)
+        codec.decode_into(chunk.payload, out)
+        return out
     except ValueError as e:
         raise ChunkError(f"{chunk.name}@{chunk.offset}: {e}") from e
 
@@ -152,8 +155,12 @@ def apply_chunks(
     """
     written = 0
     for chunk in chunks:
-        values = decode_chunk(chunk, manifest, codec)
         flat = targets[chunk.name].view(-1)
+        if bases is None and not add:  # whole chunk overwrites its range: decode straight into it
+            decode_chunk(chunk, manifest, codec, out=flat[chunk.offset : chunk.offset + chunk.numel])
+            written += chunk.numel
+            continue
+        values = decode_chunk(chunk, manifest, codec)
         lo, hi = chunk.offset, chunk.offset + chunk.numel
         if bases is not None:
             base = bases[chunk.name]
