@@ -14,12 +14,15 @@ from diloco.data import Batch
 
 def build_inner_optimizer(model: nn.Module, cfg: InnerConfig) -> torch.optim.Optimizer:
     """AdamW with weight decay on matrices only (norm gains are not decayed), or plain SGD."""
+    # foreach: one multi-tensor kernel per update instead of a Python loop over
+    # parameters; torch only defaults to it on CUDA (on CPU it is ~35% of a small
+    # model's step). It works on FSDP2's DTensors too.
     if cfg.optimizer == "sgd":
-        return torch.optim.SGD(model.parameters(), lr=cfg.lr)
+        return torch.optim.SGD(model.parameters(), lr=cfg.lr, foreach=True)
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas))
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), foreach=True)
 
 
 def inner_lr(step: int, total_steps: int, cfg: InnerConfig) -> float:
@@ -50,7 +53,7 @@ def train_step(
     if reduce_gradients is not None:
         reduce_gradients(model)
     if grad_clip > 0:
-        torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip, foreach=True)
     for group in optimizer.param_groups:
         group["lr"] = lr
     optimizer.step()
