@@ -90,12 +90,19 @@ class FragmentLayout:
         return [self.round_end(index, r, total_rounds) for r in range(total_rounds)]
 
     def start_step(self, rounds: Sequence[int], total_rounds: int) -> int:
-        """Where an island whose fragments are at these rounds trains from: the latest round start.
+        """Where an island joining fragments at these rounds trains from: the earliest of their round
+        starts, so it trains at least one step for every fragment before that fragment's next sync.
 
         For P = 1, round * H, as in plain DiLoCo.
         """
         starts = [self.round_start(f, r, total_rounds) for f, r in enumerate(rounds) if r < total_rounds]
-        return max(starts) if starts else total_rounds * self.steps_per_round
+        return min(starts) if starts else total_rounds * self.steps_per_round
+
+    def min_spacing(self) -> int:
+        """The fewest inner steps between two syncs of different fragments (H without streaming)."""
+        offsets = sorted(f.offset for f in self.fragments)
+        gaps = [b - a for a, b in zip(offsets, offsets[1:])] + [self.steps_per_round - offsets[-1] + offsets[0]]
+        return min(gaps)
 
     def describe(self) -> str:
         parts = []
