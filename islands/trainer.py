@@ -211,7 +211,7 @@ class Island:
         eager = self.eager[f] if self.eager is not None else None
         if eager is not None:
             ex.mean = MeanBuffer({n_: torch.zeros_like(t) for n_, t in pg.items()}, self.manifest_f[f], self.down)
-            if eager.prev_mean is not None:
+            if eager.prev_mean is not None and due > c:  # no window to fill when the result lands at once
                 ex.estimate = eager.replica.step(self.global_f[f], eager_gradient(eager.prev_mean, eager.prev_own, pg, eager.share))
                 mix_(self.local_f[f], ex.estimate, self.alpha)
         self.last_sync[f], self.pending_loss[f] = c, [0.0, 0]
