@@ -283,8 +283,8 @@ class FragmentRounds:
 
     # --- reading the parameters ---------------------------------------------------
 
-    def wait_for_result(self, island_id: str, round_: int, timeout_s: float) -> None:
-        """Blocks until round_ has closed. Refuses at once if the island's push is not here."""
+    def wait_for_result(self, island_id: str, round_: int, timeout_s: float) -> float:
+        """Blocks until round_ has closed; returns the seconds it waited. Refuses at once if the island's push is not here."""
         with self.cond:
             self.max_round_seen = max(self.max_round_seen, round_)
             if round_ > self.round:
@@ -298,8 +298,10 @@ class FragmentRounds:
                     grpc.StatusCode.FAILED_PRECONDITION,
                     f"no contribution from {island_id} in {self.label}round {round_} (the coordinator may have restarted); push again",
                 )
+            started = self.clock()
             if not self.cond.wait_for(lambda: self.round > round_ or self.phase is Phase.FINISHED, timeout_s):
                 raise Refused(grpc.StatusCode.DEADLINE_EXCEEDED, f"{self.label}round {round_} still open after {timeout_s:.0f}s")
+            return self.clock() - started
 
     def state_proto(self) -> pb.FragmentState:
         return pb.FragmentState(index=self.index, round=self.round, checksum=self.checksum)

@@ -121,7 +121,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
 
     def _result(
         self, island_id: str, delta_from_round: int | None, ranges: list[FlatRange] | None = None,
-        fragment: int | None = None, want_mean: bool = False,
+        fragment: int | None = None, want_mean: bool = False, held_s: float = 0.0,
     ) -> Iterator[pb.ResultMessage]:
         """The global parameters: as fp32 values, or as the last round's delta when the island can take it.
 
@@ -133,6 +133,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         fp32 = get_codec("fp32")
         chunk_bytes = self.state.cfg.wire.chunk_bytes
         with self._reading(fragment, delta_from_round, want_mean) as (header, params, delta, mean):
+            header.held_s = held_s
             if ranges is not None:
                 header.ranges_checksum = ranges_checksum(
                     (r.name, r.offset, params[r.name].view(-1)[r.offset : r.end]) for r in ranges
@@ -181,15 +182,18 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
     @_refusals
     def PullRoundResult(self, request: pb.PullRequest, context) -> Iterator[pb.ResultMessage]:
         self.state.touch(request.island_id)
-        self.state.wait_for_result(request.island_id, request.round, request.timeout_s or 600.0, request.fragment)
+        held = self.state.wait_for_result(request.island_id, request.round, request.timeout_s or 600.0, request.fragment)
         return self._result(
             request.island_id, request.round if request.accept_delta else None,
-            self._ranges(request.ranges, request.fragment), request.fragment, request.want_mean,
+            self._ranges(request.ranges, request.fragment), request.fragment, request.want_mean, held,
         )
 
     @_refusals
     def Leave(self, request: pb.LeaveRequest, context) -> pb.LeaveResponse:
-        stats = {"compute_s": request.compute_s, "wait_s": request.wait_s, "wall_s": request.wall_s, "inner_steps": request.inner_steps}
+        stats = {
+            "compute_s": request.compute_s, "wait_s": request.wait_s, "straggler_s": request.straggler_s,
+            "wall_s": request.wall_s, "inner_steps": request.inner_steps,
+        }
         return pb.LeaveResponse(checksum_matches=self.state.leave(request.island_id, request.checksum, stats))
 
     def WatchRounds(self, request: pb.WatchRequest, context) -> Iterator[pb.RoundSummary]:

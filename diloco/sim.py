@@ -256,8 +256,10 @@ def summarize(result: SimResult, cfg: RunConfig, echo=print) -> None:
     stats = [s for s in rep.get("island_stats", {}).values() if s.get("wall_s")]
     if stats:
         util = [s["compute_s"] / s["wall_s"] for s in stats]
+        waits = ", ".join(f"{s['wait_s']:.1f}s" for s in stats)
+        others = ", ".join(f"{s.get('straggler_s', 0.0):.1f}s" for s in stats)
         echo(f"compute utilization (inner steps / island wall time): mean {sum(util) / len(util):.1%}, "
-             f"per island {', '.join(f'{u:.1%}' for u in util)}")
+             f"per island {', '.join(f'{u:.1%}' for u in util)}; waiting for results {waits} (for other islands {others})")
     matches = sum(1 for c in rep["islands"].values() if c == rep["checksum"])
     echo(f"islands holding the coordinator's global parameters: {matches}/{len(rep['islands'])} (checksum {rep['checksum'][:12]})")
 

@@ -62,6 +62,7 @@ class Exchange:
     started_at: float = 0.0
     finished_at: float = 0.0
     landed_at: float = 0.0
+    inline: bool = False  # ran in the training thread (tau = 0)
     thread: threading.Thread | None = field(default=None, repr=False)
 
     def run(self, work: Callable[[], pb.ResultHeader], background: bool) -> None:
@@ -76,6 +77,7 @@ class Exchange:
             self.finished_at = time.monotonic()
 
         self.started_at = time.monotonic()
+        self.inline = not background
         if background:
             self.thread = threading.Thread(target=target, name=f"exchange-f{self.fragment}-r{self.round}", daemon=True)
             self.thread.start()

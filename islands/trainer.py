@@ -61,6 +61,7 @@ class IslandResult:
     wait_s: float = 0.0
     wall_s: float = 0.0
     inner_steps: int = 0
+    straggler_s: float = 0.0  # of wait_s, waiting for other islands' pushes
 
     @property
     def utilization(self) -> float:
@@ -116,7 +117,8 @@ class Island:
         self.rounds_done = 0  # fragment 0's rounds landed (rounds, without streaming)
         self.run_finished = False
         self.restored = False
-        self.timing = {"compute_s": 0.0, "wait_s": 0.0, "wall_s": 0.0}
+        # Inner steps; blocked waiting for results (of which: for other islands' pushes); everything.
+        self.timing = {"compute_s": 0.0, "wait_s": 0.0, "straggler_s": 0.0, "wall_s": 0.0}
         self.exchanges: list[dict] = []  # one record per landed exchange
         self.step_spans: list[tuple[float, float]] | None = None  # set to [] to record each inner step's span
 
@@ -225,6 +227,8 @@ class Island:
         )
         chunks = ReplayableChunks(tensor_chunks(pg, self.codec, self.chunk_bytes, feedback=self.feedback))
         ex.run(lambda: self._exchange(ex, header, chunks), background=not blocking)
+        if blocking:  # the whole exchange was spent waiting for the coordinator
+            self._count_wait(ex, ex.finished_at - ex.started_at)
 
     @torch.no_grad()
     def _land(self, f: int) -> None:
@@ -260,11 +264,20 @@ class Island:
                 eager.prev_mean, eager.prev_own, eager.share = ex.mean.tensors, ex.pg, min(1.0, ex.tokens / round_tokens)
             else:
                 eager.forget()
-        self.timing["wait_s"] += time.monotonic() - waited
         ex.landed_at = time.monotonic()
+        if not ex.inline:  # an inline exchange counted its whole duration already
+            self._count_wait(ex, ex.landed_at - waited)
+        log.debug("%s fragment %d round %d: pushed after step %d, landed after step %d, exchange %.3fs, waited %.3fs",
+                  self.island_id, f, ex.round, ex.pushed_step, self.step, ex.finished_at - ex.started_at, ex.landed_at - waited)
         self.exchanges.append(ex.record())
         if f == 0:
             self.rounds_done += 1
+
+    def _count_wait(self, ex: Exchange, blocked: float) -> None:
+        """Time blocked on an exchange; the part the coordinator held our pull for others' pushes is the stragglers'."""
+        held = ex.outcome.held_s if isinstance(ex.outcome, pb.ResultHeader) else 0.0
+        self.timing["wait_s"] += blocked
+        self.timing["straggler_s"] += min(blocked, held)
 
     def _tokens_per_step(self) -> int:
         return self.cfg.inner.batch_size * self.cfg.data.seq_len * self.world.world_size
@@ -330,7 +343,8 @@ class Island:
             self.step += 1
             if self.step % h == 0:
                 losses.append(sum(wave) / len(wave))
-                log.info("%s step %d: train loss %.4f, fragment rounds %s", self.island_id, self.step, losses[-1], self.rounds)
+                log.info("%s step %d: train loss %.4f, fragment rounds %s; %.1fs in inner steps, %.1fs waiting so far",
+                         self.island_id, self.step, losses[-1], self.rounds, self.timing["compute_s"], self.timing["wait_s"])
                 wave = []
         for f in sorted(self.in_flight):  # leaving early (max_rounds): let what is in flight land
             self._land(f)
@@ -342,7 +356,7 @@ class Island:
             matches = self.client.leave(self.island_id, final, self.round, stats)
         return IslandResult(
             self.island_id, self.rounds_done, self.round, final, matches, losses,
-            self.timing["compute_s"], self.timing["wait_s"], self.timing["wall_s"], self.step,
+            self.timing["compute_s"], self.timing["wait_s"], self.timing["wall_s"], self.step, self.timing["straggler_s"],
         )
 
 

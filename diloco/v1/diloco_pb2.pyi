@@ -188,7 +188,7 @@ class PullRequest(_message.Message):
     def __init__(self, island_id: _Optional[str] = ..., round: _Optional[int] = ..., timeout_s: _Optional[float] = ..., accept_delta: _Optional[bool] = ..., ranges: _Optional[_Iterable[_Union[TensorRange, _Mapping]]] = ..., fragment: _Optional[int] = ..., want_mean: _Optional[bool] = ...) -> None: ...
 
 class ResultHeader(_message.Message):
-    __slots__ = ("round", "codec", "checksum", "run_finished", "islands", "mode", "base_checksum", "ranges_checksum", "fragment", "fragments", "tokens")
+    __slots__ = ("round", "codec", "checksum", "run_finished", "islands", "mode", "base_checksum", "ranges_checksum", "fragment", "fragments", "tokens", "held_s")
     class Mode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         VALUES: _ClassVar[ResultHeader.Mode]
@@ -206,6 +206,7 @@ class ResultHeader(_message.Message):
     FRAGMENT_FIELD_NUMBER: _ClassVar[int]
     FRAGMENTS_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
+    HELD_S_FIELD_NUMBER: _ClassVar[int]
     round: int
     codec: str
     checksum: str
@@ -217,7 +218,8 @@ class ResultHeader(_message.Message):
     fragment: int
     fragments: _containers.RepeatedCompositeFieldContainer[FragmentState]
     tokens: int
-    def __init__(self, round: _Optional[int] = ..., codec: _Optional[str] = ..., checksum: _Optional[str] = ..., run_finished: _Optional[bool] = ..., islands: _Optional[int] = ..., mode: _Optional[_Union[ResultHeader.Mode, str]] = ..., base_checksum: _Optional[str] = ..., ranges_checksum: _Optional[str] = ..., fragment: _Optional[int] = ..., fragments: _Optional[_Iterable[_Union[FragmentState, _Mapping]]] = ..., tokens: _Optional[int] = ...) -> None: ...
+    held_s: float
+    def __init__(self, round: _Optional[int] = ..., codec: _Optional[str] = ..., checksum: _Optional[str] = ..., run_finished: _Optional[bool] = ..., islands: _Optional[int] = ..., mode: _Optional[_Union[ResultHeader.Mode, str]] = ..., base_checksum: _Optional[str] = ..., ranges_checksum: _Optional[str] = ..., fragment: _Optional[int] = ..., fragments: _Optional[_Iterable[_Union[FragmentState, _Mapping]]] = ..., tokens: _Optional[int] = ..., held_s: _Optional[float] = ...) -> None: ...
 
 class ResultMessage(_message.Message):
     __slots__ = ("header", "chunk", "mean_chunk")
@@ -230,7 +232,7 @@ class ResultMessage(_message.Message):
     def __init__(self, header: _Optional[_Union[ResultHeader, _Mapping]] = ..., chunk: _Optional[_Union[TensorChunk, _Mapping]] = ..., mean_chunk: _Optional[_Union[TensorChunk, _Mapping]] = ...) -> None: ...
 
 class LeaveRequest(_message.Message):
-    __slots__ = ("island_id", "checksum", "round", "compute_s", "wait_s", "wall_s", "inner_steps")
+    __slots__ = ("island_id", "checksum", "round", "compute_s", "wait_s", "wall_s", "inner_steps", "straggler_s")
     ISLAND_ID_FIELD_NUMBER: _ClassVar[int]
     CHECKSUM_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
@@ -238,6 +240,7 @@ class LeaveRequest(_message.Message):
     WAIT_S_FIELD_NUMBER: _ClassVar[int]
     WALL_S_FIELD_NUMBER: _ClassVar[int]
     INNER_STEPS_FIELD_NUMBER: _ClassVar[int]
+    STRAGGLER_S_FIELD_NUMBER: _ClassVar[int]
     island_id: str
     checksum: str
     round: int
@@ -245,7 +248,8 @@ class LeaveRequest(_message.Message):
     wait_s: float
     wall_s: float
     inner_steps: int
-    def __init__(self, island_id: _Optional[str] = ..., checksum: _Optional[str] = ..., round: _Optional[int] = ..., compute_s: _Optional[float] = ..., wait_s: _Optional[float] = ..., wall_s: _Optional[float] = ..., inner_steps: _Optional[int] = ...) -> None: ...
+    straggler_s: float
+    def __init__(self, island_id: _Optional[str] = ..., checksum: _Optional[str] = ..., round: _Optional[int] = ..., compute_s: _Optional[float] = ..., wait_s: _Optional[float] = ..., wall_s: _Optional[float] = ..., inner_steps: _Optional[int] = ..., straggler_s: _Optional[float] = ...) -> None: ...
 
 class LeaveResponse(_message.Message):
     __slots__ = ("checksum_matches",)
