@@ -79,6 +79,7 @@ class RunResult:
     step_s: list[float]  # mean seconds per inner step, per island
     wait_s: list[float]  # seconds blocked on results, per island
     straggler_s: list[float]  # of which the coordinator held the island's pulls for the other island's pushes
+    steady: list[float]  # utilization from the end of the first round to the start of the last (per island)
     wall_s: list[float]  # island wall time
     eval_loss: float | None
     sim_s: float  # the whole simulation, process start-up included
@@ -91,12 +92,6 @@ class RunResult:
     def mean_utilization(self) -> float:
         return statistics.fmean(self.utilization)
 
-    @property
-    def balanced_utilization(self) -> float:
-        """Inner steps / (wall time - time waiting for the other island): what the links and the protocol cost."""
-        return statistics.fmean(
-            (u * w) / (w - s) for u, w, s in zip(self.utilization, self.wall_s, self.straggler_s)
-        )
 
 
 def base_overrides(args: argparse.Namespace) -> list[str]:
@@ -167,6 +162,7 @@ def run_one(method: str, link: str, steps: int, args: argparse.Namespace, workdi
         [s["compute_s"] / s["inner_steps"] for s in stats],
         [s["wait_s"] for s in stats],
         [s["straggler_s"] for s in stats],
+        [s["steady_compute_s"] / s["steady_wall_s"] for s in stats if s.get("steady_wall_s")],
         [s["wall_s"] for s in stats],
         evals[-1] if evals else None,
         result.seconds,
@@ -196,8 +192,8 @@ def markdown(results: list[RunResult], args: argparse.Namespace, links: list[str
         f"share the machine's {os.cpu_count()} CPU cores, one torch thread per process.\n"
     )
     rows = [
-        "| method | link | compute utilization (per island) | waiting for results, of which for the other island | "
-        "utilization without the other island's lag | s per inner step | eval loss | vs DiLoCo |",
+        "| method | link | compute utilization, whole run (per island) | steady state (steps H..T−H) | "
+        "waiting for results, of which for the other island | s per inner step | eval loss | vs DiLoCo |",
         "|---|---|---|---|---|---|---|---|",
     ]
     base = full_loss.get("diloco")
@@ -213,14 +209,19 @@ def markdown(results: list[RunResult], args: argparse.Namespace, links: list[str
             steps = "" if r.steps == args.steps else f" ({r.steps} steps)"
             rows.append(
                 f"| {NAMES[method]} | {link}{steps} | **{100 * r.mean_utilization:.1f}%** ({per}) "
+                f"| {f'{100 * statistics.fmean(r.steady):.1f}%' if r.steady else '—'} "
                 f"| {statistics.fmean(r.wait_s):.1f} s of {statistics.fmean(r.wall_s):.0f} s, {statistics.fmean(r.straggler_s):.1f} s "
-                f"| {100 * r.balanced_utilization:.1f}% | {statistics.fmean(r.step_s):.3f} | {loss_text} | {vs} |"
+                f"| {statistics.fmean(r.step_s):.3f} | {loss_text} | {vs} |"
             )
     notes = [
         "",
-        "Waiting for the other island: the part of an island's blocked time during which the coordinator held its pull "
-        "for the other island's push (ResultHeader.held_s): load imbalance between the islands (here: CPU contention on "
-        "the shared cores), not communication. The column after it takes that time out of the wall time.",
+        "Whole run: from each island's first inner step (after its initial fetch) to its last result landing, "
+        "so it includes the islands' different start times (the first syncs wait for the later one) and the final "
+        "wave, where every fragment syncs at once with nothing left to overlap. Steady state: the same ratio from the "
+        "end of the first round to the boundary at T−H, which is what a long run converges to (empty for runs of "
+        "fewer than three rounds). Waiting for the other island: the part of an island's blocked time during which "
+        "the coordinator held its pull for the other island's push (ResultHeader.held_s): load imbalance between the "
+        "islands (CPU contention on the shared cores), not communication.",
         f"† per-step synchronization ran only its first {args.ddp_steps} steps on the slower links; its eval loss is that "
         f"of the full run on {links[0]} (the arithmetic does not depend on the link).",
         "",
@@ -230,8 +231,11 @@ def markdown(results: list[RunResult], args: argparse.Namespace, links: list[str
     d100 = next((r for r in results if r.method == "diloco" and r.link == "100mbit"), None)
     if s100 and d100:
         ok = s100.mean_utilization >= 0.97 and d100.mean_utilization < s100.mean_utilization
+        steady = (f"; steady state {100 * statistics.fmean(s100.steady):.1f}% vs {100 * statistics.fmean(d100.steady):.1f}%"
+                  if s100.steady and d100.steady else "")
         notes.append(f"- Streaming with overlap >= 97% utilization at 100 Mbit/s, plain DiLoCo clearly lower: "
-                     f"{'MET' if ok else 'NOT MET'} ({100 * s100.mean_utilization:.1f}% vs {100 * d100.mean_utilization:.1f}%)")
+                     f"{'MET' if ok else 'NOT MET'} over the whole run ({100 * s100.mean_utilization:.1f}% vs "
+                     f"{100 * d100.mean_utilization:.1f}%{steady})")
     if full_loss.get("streaming") is not None and base is not None:
         diff = 100 * (full_loss["streaming"] - base) / base
         notes.append(f"- Streaming eval loss within 1% of plain DiLoCo at tau = 1: {'MET' if abs(diff) <= 1 or diff < 0 else 'NOT MET'} "

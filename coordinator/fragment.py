@@ -18,13 +18,11 @@ FINISHED; the run is finished when every fragment is.
 
 from __future__ import annotations
 
-import enum
 import logging
 import math
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import grpc
@@ -32,53 +30,18 @@ import torch
 
 from coordinator.locks import ReadWriteLock
 from coordinator.publish import Publication
+from coordinator.records import ACCEPTED_CHUNKS_KEY, Closed, Contribution, Phase, Refused
 from coordinator.spool import Spool
 from diloco.outer import OuterOptimizer, PseudoGradientAccumulator
 from diloco.v1 import diloco_pb2 as pb
 from diloco.wire import ChunkCorrupt, ChunkError, Coverage, Manifest, decode_chunk, downlink_codec, tensor_chunks
 
+__all__ = ["ACCEPTED_CHUNKS_KEY", "Closed", "FragmentRounds", "Phase", "Refused"]
+
 if TYPE_CHECKING:
     from coordinator.state import CoordinatorState
 
 log = logging.getLogger(__name__)
-
-ACCEPTED_CHUNKS_KEY = "diloco-accepted-chunks"
-
-
-class Refused(Exception):
-    """A call the coordinator turns down; code is the gRPC status to return."""
-
-    def __init__(self, code: grpc.StatusCode, message: str, trailing: tuple = ()):
-        super().__init__(message)
-        self.code = code
-        self.trailing = trailing
-
-
-class Phase(enum.Enum):
-    OPEN = "open"
-    CLOSING = "closing"
-    FINISHED = "finished"
-
-
-@dataclass
-class Contribution:
-    """One island's pseudo-gradient for one round, possibly pushed over several streams."""
-
-    tokens: int
-    train_loss: float
-    coverage: Coverage
-    spools: list[Spool] = field(default_factory=list)
-    state: str = "pending"  # pending -> folding -> committed
-
-
-@dataclass
-class Closed:
-    """What the driver learns when a round closed."""
-
-    summary: pb.RoundSummary
-    total_rounds: int  # rounds closed so far over every fragment (the checkpoint step)
-    run_finished: bool
-
 
 class FragmentRounds:
     def __init__(self, owner: "CoordinatorState", index: int, params: dict[str, torch.Tensor]):

@@ -193,6 +193,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         stats = {
             "compute_s": request.compute_s, "wait_s": request.wait_s, "straggler_s": request.straggler_s,
             "wall_s": request.wall_s, "inner_steps": request.inner_steps,
+            "steady_compute_s": request.steady_compute_s, "steady_wall_s": request.steady_wall_s,
         }
         return pb.LeaveResponse(checksum_matches=self.state.leave(request.island_id, request.checksum, stats))
 

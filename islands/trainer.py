@@ -323,8 +323,11 @@ class Island:
         started = time.monotonic()
         losses: list[float] = []
         wave: list[float] = []
+        marks = {h: None, total_steps - h: None} if self.total_rounds >= 3 else {}
         while True:
             self._boundary(store, every)
+            if self.step in marks and marks[self.step] is None:
+                marks[self.step] = (self.timing["compute_s"], time.monotonic())
             if self._finished() or self.step >= total_steps or (max_rounds is not None and self.rounds_done >= max_rounds):
                 break
             c = self.step
@@ -349,6 +352,9 @@ class Island:
         for f in sorted(self.in_flight):  # leaving early (max_rounds): let what is in flight land
             self._land(f)
         self.timing["wall_s"] = time.monotonic() - started
+        if marks and all(marks.values()):
+            (c0, t0), (c1, t1) = marks[h], marks[total_steps - h]
+            self.timing["steady_compute_s"], self.timing["steady_wall_s"] = c1 - c0, t1 - t0
         final = module_checksum(self.model)
         matches = False
         if self.world.is_leader:

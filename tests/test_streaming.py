@@ -328,3 +328,13 @@ def test_sim_prints_one_line_per_fragment_round():
         printer.print(pb.RoundSummary(round=0, fragment=fragment, fragments=2, islands=["a"], tokens=1, eval_loss=float("nan")))
     assert lines[0].split()[:3] == ["round", "frag", "islands"]
     assert [line.split()[:2] for line in lines[1:]] == [["0", "1"], ["0", "0"]]
+
+
+def test_sharded_islands_refuse_streaming_with_one_line(capsys):
+    from islands.cli import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["join", "--coordinator", "127.0.0.1:9", "--nproc-per-node", "2", "--set", "streaming.fragments=2"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exit_.value.code == 2 and len(err) == 1
+    assert "sharded islands do not support Streaming DiLoCo yet" in err[0] and "streaming.fragments=1" in err[0]

@@ -232,7 +232,7 @@ class ResultMessage(_message.Message):
     def __init__(self, header: _Optional[_Union[ResultHeader, _Mapping]] = ..., chunk: _Optional[_Union[TensorChunk, _Mapping]] = ..., mean_chunk: _Optional[_Union[TensorChunk, _Mapping]] = ...) -> None: ...
 
 class LeaveRequest(_message.Message):
-    __slots__ = ("island_id", "checksum", "round", "compute_s", "wait_s", "wall_s", "inner_steps", "straggler_s")
+    __slots__ = ("island_id", "checksum", "round", "compute_s", "wait_s", "wall_s", "inner_steps", "straggler_s", "steady_compute_s", "steady_wall_s")
     ISLAND_ID_FIELD_NUMBER: _ClassVar[int]
     CHECKSUM_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
@@ -241,6 +241,8 @@ class LeaveRequest(_message.Message):
     WALL_S_FIELD_NUMBER: _ClassVar[int]
     INNER_STEPS_FIELD_NUMBER: _ClassVar[int]
     STRAGGLER_S_FIELD_NUMBER: _ClassVar[int]
+    STEADY_COMPUTE_S_FIELD_NUMBER: _ClassVar[int]
+    STEADY_WALL_S_FIELD_NUMBER: _ClassVar[int]
     island_id: str
     checksum: str
     round: int
@@ -249,7 +251,9 @@ class LeaveRequest(_message.Message):
     wall_s: float
     inner_steps: int
     straggler_s: float
-    def __init__(self, island_id: _Optional[str] = ..., checksum: _Optional[str] = ..., round: _Optional[int] = ..., compute_s: _Optional[float] = ..., wait_s: _Optional[float] = ..., wall_s: _Optional[float] = ..., inner_steps: _Optional[int] = ..., straggler_s: _Optional[float] = ...) -> None: ...
+    steady_compute_s: float
+    steady_wall_s: float
+    def __init__(self, island_id: _Optional[str] = ..., checksum: _Optional[str] = ..., round: _Optional[int] = ..., compute_s: _Optional[float] = ..., wait_s: _Optional[float] = ..., wall_s: _Optional[float] = ..., inner_steps: _Optional[int] = ..., straggler_s: _Optional[float] = ..., steady_compute_s: _Optional[float] = ..., steady_wall_s: _Optional[float] = ...) -> None: ...
 
 class LeaveResponse(_message.Message):
     __slots__ = ("checksum_matches",)
