@@ -33,8 +33,12 @@ per step the same all along); its eval loss is taken from the full run on the
 fastest link: with fixed seeds the arithmetic does not depend on the link (the
 diloco and streaming rows show it: their losses agree across links).
 
+Each island process is pinned to a CPU core of its own (--no-pin leaves them to
+the scheduler); the coordinator and the link proxies run wherever there is room.
+
 Run from the repository root:  python benchmarks/streaming.py
-(about 20 minutes on 2 CPU cores; --quick is a smoke test of about 2 minutes).
+(22-28 minutes on 2 CPU cores shared with other work; --quick is a smoke test
+of about 2 minutes).
 """
 
 from __future__ import annotations
@@ -189,7 +193,8 @@ def markdown(results: list[RunResult], args: argparse.Namespace, links: list[str
         f"in fp32; d_model {m.d_model}, {m.n_layers} layers, d_ff {m.d_ff}), seq_len {cfg.data.seq_len}, batch "
         f"{cfg.inner.batch_size} per island, T = {args.steps} inner steps, H = {args.h}; Streaming: {args.fragments} "
         f"fragments (strided), tau = 1, alpha = {args.alpha:g}, {args.codec} both ways. Islands, coordinator and links "
-        f"share the machine's {os.cpu_count()} CPU cores, one torch thread per process.\n"
+        f"share the machine's {os.cpu_count()} CPU cores, one torch thread per process"
+        f"{', each island pinned to a core of its own' if args.pin else ''}.\n"
     )
     rows = [
         "| method | link | compute utilization, whole run (per island) | steady state (steps H..T−H) | "
