@@ -18,6 +18,7 @@ Run from the repository root:  python benchmarks/codecs.py
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -144,7 +145,7 @@ def throughput(names: list[str], sizes: list[int], repeat: int) -> list[str]:
             rows.append(
                 f"| {name} | {n / 2**20:.0f}M | {mb / enc:,.0f} | {mb / dec:,.0f} | {mb / (enc + dec):,.0f} | {ref_text} | {speedup} | {size:.3f} |"
             )
-        print(rows[-1], flush=True)
+        print(rows[-1], file=sys.stderr, flush=True)  # progress; the table follows on stdout
     return rows
 
 

@@ -338,8 +338,9 @@ def job_cost(method: str, setup: Setup) -> float:
     return 1.0 / setup.islands if method == "single" else 1.0
 
 
-def run_all(setup: Setup, methods: list[str], seeds: list[int], workers: int) -> list[JobResult]:
-    jobs = [(m, s, setup) for s in seeds for m in methods]
+def run_all(setup: Setup, methods: list[str], seeds: list[int], workers: int,
+            skip: set[tuple[str, int]] = frozenset()) -> list[JobResult]:
+    jobs = [(m, s, setup) for s in seeds for m in methods if (m, s) not in skip]
     jobs.sort(key=lambda j: -job_cost(j[0], setup))  # longest first: better packing
     level = logging.getLogger().level
     if workers <= 1:
@@ -454,7 +455,28 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quick", action="store_true", help="tiny smoke configuration (under a minute)")
     p.add_argument("--json", metavar="PATH", help="write per-seed results and summaries here")
     p.add_argument("--quiet", action="store_true", help="no progress lines")
+    p.add_argument("--reuse", action="append", default=[], metavar="PATH",
+                   help="reuse (method, seed) runs from an earlier --json of this benchmark with an identical setup "
+                        "(runs are deterministic: one torch thread, fixed seeds); repeatable")
     return p
+
+
+def reusable_runs(paths: list[str], setup: Setup) -> dict[tuple[str, int], JobResult]:
+    """Runs from earlier JSON reports whose setup equals this one; any other report is an error."""
+    wanted = json.loads(json.dumps(asdict(setup)))
+    runs: dict[tuple[str, int], JobResult] = {}
+    for path in paths:
+        try:
+            payload = json.loads(Path(path).read_text())
+        except (OSError, ValueError) as e:
+            raise SystemExit(f"convergence: error: --reuse {path}: {e}") from None
+        if payload.get("setup") != wanted:
+            raise SystemExit(f"convergence: error: --reuse {path} was run with a different setup; "
+                             "rerun with the same flags or leave it out")
+        for r in payload["runs"]:
+            r["curve"] = [tuple(point) for point in r["curve"]]
+            runs[(r["method"], r["seed"])] = JobResult(**r)
+    return runs
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -478,12 +500,18 @@ def main(argv: list[str] | None = None) -> None:
     cfg = setup.config(seeds[0])
     log.info("convergence: %s x seeds %s, T=%d, B=%d, M=%d, H=%d, %d workers",
              ",".join(methods), seeds, setup.steps, setup.batch, setup.islands, cfg.inner.steps_per_round, args.workers)
+    reused = reusable_runs(args.reuse, setup)
+    reused = {k: v for k, v in reused.items() if k[0] in methods and k[1] in seeds}
+    todo = [m for m in methods if any((m, s) not in reused for s in seeds)]
     started = time.monotonic()
-    results = run_all(setup, methods, seeds, args.workers)
+    results = run_all(setup, todo, [s for s in seeds], args.workers, skip=set(reused)) if todo else []
+    results += list(reused.values())
     wall = time.monotonic() - started
     summary = summarize(results, methods)
     print(markdown(summary, setup, cfg, seeds))
     print(f"\nwall time {wall:.0f}s ({args.workers} worker processes, 1 torch thread each)")
+    if reused:
+        print("reused from " + ", ".join(args.reuse) + ": " + ", ".join(f"{m} seed {s}" for m, s in sorted(reused)))
     if args.json:
         payload = {"setup": asdict(setup), "seeds": seeds, "wall_s": wall,
                    "runs": [asdict(r) for r in results], "summary": {k: asdict(v) for k, v in summary.items()}}

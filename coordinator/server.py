@@ -61,18 +61,21 @@ class Coordinator:
     server: grpc.Server
     port: int
     stop_event: threading.Event
-    driver: threading.Thread
+    drivers: list[threading.Thread]  # one round driver per fragment
     health: health.HealthServicer
 
     def wait(self, timeout: float | None = None) -> bool:
-        self.driver.join(timeout)
-        return not self.driver.is_alive()
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for driver in self.drivers:
+            driver.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        return not any(d.is_alive() for d in self.drivers)
 
     def stop(self, grace_s: float = 1.0) -> None:
         self.stop_event.set()
         self.health.enter_graceful_shutdown()
         self.server.stop(grace_s).wait()
-        self.driver.join(5.0)
+        for driver in self.drivers:
+            driver.join(5.0)
 
     def report(self) -> dict:
         s = self.state
@@ -80,6 +83,7 @@ class Coordinator:
             "rounds": [
                 {
                     "round": r.round,
+                    "fragment": r.fragment,
                     "islands": list(r.islands),
                     "dropped": list(r.dropped),
                     "tokens": r.tokens,
@@ -101,7 +105,10 @@ class Coordinator:
             "final_round": s.round,
             "codec": s.codec.name,
             "downlink_codec": s.publication.codec.name,
+            "fragments": len(s.fragments),
+            "fragment_rounds": [f.round for f in s.fragments],
             "islands": {i.island_id: i.final_checksum for i in s.departed},
+            "island_stats": {i.island_id: i.stats for i in s.departed},
             "events": dataclasses.asdict(s.events),
         }
 
@@ -140,21 +147,31 @@ def start_coordinator(
     for name in (SERVICE_NAME, ""):
         health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
 
-    def drive() -> None:
+    saving = threading.Lock()
+    # Every fragment closing checkpoint.every_rounds rounds (without streaming: every every_rounds rounds).
+    save_every = cfg.checkpoint.every_rounds * len(state.fragments)
+
+    def drive(fragment: int) -> None:
         while not stop.is_set():
-            summary = state.step_round()
-            if summary is None:
+            closed = state.step_round(fragment=fragment)
+            if closed is None:
+                if state.fragments[fragment].phase.value == "finished":
+                    return  # this fragment is done; the others' drivers go on
                 continue
-            if store is not None and (summary.run_finished or state.round % cfg.checkpoint.every_rounds == 0):
-                durable.save(state, store)
-            if summary.run_finished:
+            if store is not None and (closed.run_finished or closed.total_rounds % save_every == 0):
+                with saving:
+                    durable.save(state, store)
+            if closed.run_finished:
                 health_servicer.set(SERVICE_NAME, health_pb2.HealthCheckResponse.NOT_SERVING)
                 return
 
-    driver = threading.Thread(target=drive, name="round-driver", daemon=True)
-    driver.start()
+    drivers = [
+        threading.Thread(target=drive, args=(f,), name=f"round-driver-{f}", daemon=True) for f in range(len(state.fragments))
+    ]
+    for driver in drivers:
+        driver.start()
     log.info("coordinator serving on %s:%d", host, bound)
-    return Coordinator(state, server, bound, stop, driver, health_servicer)
+    return Coordinator(state, server, bound, stop, drivers, health_servicer)
 
 
 def serve(

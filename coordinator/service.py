@@ -6,6 +6,7 @@ import functools
 import logging
 import threading
 from collections.abc import Iterator
+from contextlib import contextmanager
 
 import grpc
 
@@ -88,6 +89,8 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             heartbeat_interval_s=cfg.rounds.heartbeat_s,
             shard_index=island.shard,
             total_rounds=cfg.rounds.rounds,
+            fragments=[pb.FragmentSpec(index=f.index, names=list(f.names), offset=f.offset) for f in state.layout],
+            fragment_rounds=[f.round for f in state.fragments],
         )
 
     @_refusals
@@ -95,28 +98,42 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         self.state.touch(request.island_id)
         return pb.HeartbeatResponse(round=self.state.round, run_finished=self.state.phase.value == "finished")
 
-    def _ranges(self, requested) -> list[FlatRange] | None:
-        """The flat ranges a request names (None: the whole model)."""
+    def _ranges(self, requested, fragment: int | None = None) -> list[FlatRange] | None:
+        """The flat ranges a request names (None: the whole model, or the whole fragment)."""
         if not requested:
             return None
+        manifest = self.state.manifest if fragment is None else self.state.fragment(fragment).manifest
         try:
-            return ranges_from_proto(requested, self.state.manifest)
+            return ranges_from_proto(requested, manifest)
         except ChunkError as e:
             raise Refused(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from e
 
+    @contextmanager
+    def _reading(self, fragment: int | None, delta_from_round: int | None, want_mean: bool):
+        """(header, params, delta chunks or None, mean chunks) of the whole model or of one fragment."""
+        if fragment is None:
+            with self.state.reading() as header:
+                yield header, self.state.params, None, []
+        else:
+            f = self.state.fragment(fragment)
+            with f.reading(delta_from_round, want_mean) as (header, delta, mean):
+                yield header, f.publication.params, delta, mean
+
     def _result(
-        self, island_id: str, delta_from_round: int | None, ranges: list[FlatRange] | None = None
+        self, island_id: str, delta_from_round: int | None, ranges: list[FlatRange] | None = None,
+        fragment: int | None = None, want_mean: bool = False, held_s: float = 0.0,
     ) -> Iterator[pb.ResultMessage]:
         """The global parameters: as fp32 values, or as the last round's delta when the island can take it.
 
         With ranges (one rank of a sharded island), only the chunks for those
         ranges, and the header carries their checksum so the rank can verify
-        what it holds.
+        what it holds. With a fragment, only that fragment's parameters (and,
+        for eager updates, the round's mean pseudo-gradient after them).
         """
         fp32 = get_codec("fp32")
         chunk_bytes = self.state.cfg.wire.chunk_bytes
-        with self.state.reading(delta_from_round) as (header, delta):
-            params = self.state.params
+        with self._reading(fragment, delta_from_round, want_mean) as (header, params, delta, mean):
+            header.held_s = held_s
             if ranges is not None:
                 header.ranges_checksum = ranges_checksum(
                     (r.name, r.offset, params[r.name].view(-1)[r.offset : r.end]) for r in ranges
@@ -133,13 +150,20 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                 message = pb.ResultMessage(chunk=chunk)
                 sent += message.ByteSize()
                 yield message
-        self.state.count_down(header.round, island_id, sent)
+            for chunk in mean:
+                message = pb.ResultMessage(mean_chunk=chunk)
+                sent += message.ByteSize()
+                yield message
+        self.state.count_down(header.round, island_id, sent, fragment or 0)
 
     @_refusals
     def FetchParameters(self, request: pb.FetchRequest, context) -> Iterator[pb.ResultMessage]:
         if request.island_id:
             self.state.touch(request.island_id)
-        return self._result(request.island_id or "observer", None, self._ranges(request.ranges))
+        fragment = request.fragment if request.HasField("fragment") else None
+        if fragment is not None:
+            self.state.fragment(fragment)  # refuses a fragment that does not exist
+        return self._result(request.island_id or "observer", None, self._ranges(request.ranges, fragment), fragment)
 
     @_refusals
     def PushPseudoGradient(self, request_iterator: Iterator[pb.PushMessage], context) -> pb.PushResponse:
@@ -158,12 +182,20 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
     @_refusals
     def PullRoundResult(self, request: pb.PullRequest, context) -> Iterator[pb.ResultMessage]:
         self.state.touch(request.island_id)
-        self.state.wait_for_result(request.island_id, request.round, request.timeout_s or 600.0)
-        return self._result(request.island_id, request.round if request.accept_delta else None, self._ranges(request.ranges))
+        held = self.state.wait_for_result(request.island_id, request.round, request.timeout_s or 600.0, request.fragment)
+        return self._result(
+            request.island_id, request.round if request.accept_delta else None,
+            self._ranges(request.ranges, request.fragment), request.fragment, request.want_mean, held,
+        )
 
     @_refusals
     def Leave(self, request: pb.LeaveRequest, context) -> pb.LeaveResponse:
-        return pb.LeaveResponse(checksum_matches=self.state.leave(request.island_id, request.checksum))
+        stats = {
+            "compute_s": request.compute_s, "wait_s": request.wait_s, "straggler_s": request.straggler_s,
+            "wall_s": request.wall_s, "inner_steps": request.inner_steps,
+            "steady_compute_s": request.steady_compute_s, "steady_wall_s": request.steady_wall_s,
+        }
+        return pb.LeaveResponse(checksum_matches=self.state.leave(request.island_id, request.checksum, stats))
 
     def WatchRounds(self, request: pb.WatchRequest, context) -> Iterator[pb.RoundSummary]:
         yield from self.state.watch(request.from_round, self.stop)

@@ -67,7 +67,7 @@ def run_chaos(
     coordinator_killed = False
     try:
         sim.start()
-        printer = RoundPrinter(echo)
+        printer = RoundPrinter(echo, fragments=cfg.streaming.fragments)
         last = cfg.rounds.rounds - 1
         for summary in sim.watch(timeout_s):
             note = ""

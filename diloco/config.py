@@ -110,6 +110,39 @@ class WireConfig:
 
 
 @dataclass
+class StreamingConfig:
+    """Streaming DiLoCo: the model syncs in fragments, each at its own offset, overlapped with training.
+
+    fragments = 1 with tau = 0 and alpha = 0 is plain DiLoCo (the default).
+    """
+
+    # P: the model splits into this many fragments of transformer blocks; each
+    # syncs once every inner.steps_per_round steps at offset f * H // P.
+    fragments: int = 1
+    # "strided": block i belongs to fragment i % P; "sequential": P contiguous
+    # groups of blocks. The embedding goes with block 0's fragment, every other
+    # non-block parameter (the final norm) with the last block's.
+    pattern: str = "strided"
+    # Inner steps between a fragment's push and the step at which its result
+    # is mixed in (the exchange runs in the background meanwhile); 0 blocks.
+    # -1 (auto): 1 with fragments > 1, 0 with one fragment.
+    tau: int = -1
+    # Mixing at landing: theta_local = alpha * theta_local + (1 - alpha) * theta_global.
+    alpha: float = 0.0
+    # Eager updates: between push and landing the island trains from a
+    # provisional global built from its own fresh pseudo-gradient and the
+    # others' one-round-stale ones; the exact result replaces it on landing.
+    eager: bool = False
+
+    @property
+    def overlap(self) -> int:
+        """The effective tau."""
+        if self.tau >= 0:
+            return self.tau
+        return 1 if self.fragments > 1 else 0
+
+
+@dataclass
 class EvalConfig:
     # Batches of held-out data the coordinator evaluates the global parameters
     # on after each round (0 disables evaluation).
@@ -137,6 +170,7 @@ class RunConfig:
     outer: OuterConfig = field(default_factory=OuterConfig)
     rounds: RoundConfig = field(default_factory=RoundConfig)
     wire: WireConfig = field(default_factory=WireConfig)
+    streaming: StreamingConfig = field(default_factory=StreamingConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
 
@@ -153,6 +187,8 @@ class RunConfig:
         body.pop("rounds")
         body.pop("eval")
         body.pop("checkpoint")
+        if self.streaming == StreamingConfig():
+            body.pop("streaming")  # plain DiLoCo hashes as it did before streaming existed
         canonical = json.dumps(body, sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(canonical.encode()).hexdigest()[:16]
 
@@ -180,10 +216,27 @@ class RunConfig:
         for ok, message in checks:
             if not ok:
                 raise ConfigError(message)
+        self._validate_streaming()
         if d.source == "synthetic" and m.vocab_size < d.synthetic_vocab:
             raise ConfigError("model.vocab_size must be >= data.synthetic_vocab")
         if d.source == "text" and m.vocab_size < 256:
             raise ConfigError("byte-level text needs model.vocab_size >= 256")
+
+    def _validate_streaming(self) -> None:
+        s, h = self.streaming, self.inner.steps_per_round
+        checks = [
+            (s.fragments >= 1, f"streaming.fragments must be >= 1, got {s.fragments}"),
+            (s.fragments <= self.model.n_layers,
+             f"streaming.fragments={s.fragments} exceeds model.n_layers={self.model.n_layers}: a fragment is a group of blocks"),
+            (s.fragments <= h, f"streaming.fragments={s.fragments} exceeds inner.steps_per_round={h}: fragments need distinct offsets"),
+            (s.pattern in ("strided", "sequential"), f"streaming.pattern must be 'strided' or 'sequential', got {s.pattern!r}"),
+            (-1 <= s.tau < h, f"streaming.tau must be in [0, inner.steps_per_round={h}) or -1 (auto), got {s.tau}"),
+            (0.0 <= s.alpha < 1.0, f"streaming.alpha must be in [0, 1), got {s.alpha}"),
+            (not s.eager or s.overlap >= 1, "streaming.eager needs streaming.tau >= 1 (eager updates fill the overlap window)"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ConfigError(message)
 
 
 def _build(cls: type, raw: dict[str, Any], where: str) -> Any:

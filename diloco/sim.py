@@ -135,7 +135,7 @@ class Simulation:
     def watch(self, timeout_s: float) -> Iterator[pb.RoundSummary]:
         """Round summaries until the run finishes, across coordinator restarts."""
         deadline = self.started + timeout_s
-        next_round = 0
+        next_round: dict[int, int] = {}  # per fragment
         while time.monotonic() < deadline:
             try:
                 with grpc.insecure_channel(f"127.0.0.1:{self.port}") as channel:
@@ -143,9 +143,9 @@ class Simulation:
                     stream = stub.WatchRounds(pb.WatchRequest(from_round=0), timeout=deadline - time.monotonic(),
                                               wait_for_ready=True)
                     for summary in stream:
-                        if summary.round < next_round:
+                        if summary.round < next_round.get(summary.fragment, 0):
                             continue  # already seen before a coordinator restart
-                        next_round = summary.round + 1
+                        next_round[summary.fragment] = summary.round + 1
                         yield summary
                         if summary.run_finished:
                             return
@@ -192,7 +192,7 @@ def run_sim(
     sim = Simulation(cfg, islands, workdir, threads, wan=wan)
     try:
         sim.start()
-        printer = RoundPrinter(echo, per_island)
+        printer = RoundPrinter(echo, per_island, cfg.streaming.fragments)
         for summary in sim.watch(timeout_s):
             printer.print(summary)
         return sim.finish(timeout_s)
@@ -201,12 +201,20 @@ def run_sim(
 
 
 class RoundPrinter:
-    """One line per closed round: islands, losses, bytes, and the running factor against data-parallel."""
+    """One line per closed round: islands, losses, bytes, and the running factor against data-parallel.
 
-    def __init__(self, echo, per_island: bool = False):
+    With Streaming DiLoCo, one line per fragment-round, the fragment in its own column.
+    """
+
+    def __init__(self, echo, per_island: bool = False, fragments: int = 1):
         self.echo, self.per_island = echo, per_island
+        self.fragments = fragments
         self.sent = self.ddp = 0.0
-        echo(f"{'round':>5} {'islands':>7} {'train':>7} {'eval':>7} {'up':>10} {'down':>10} {'vs DDP':>8} {'secs':>6}")
+        # Per island: its bytes against one data-parallel rank's share, 2(n-1)/n x 4 bytes x params per step.
+        self.island_sent: dict[str, float] = {}
+        self.island_ddp: dict[str, float] = {}
+        frag = f"{'frag':>4} " if fragments > 1 else ""
+        echo(f"{'round':>5} {frag}{'islands':>7} {'train':>7} {'eval':>7} {'up':>10} {'down':>10} {'vs DDP':>8} {'secs':>6}")
 
     def print(self, s: pb.RoundSummary, note: str = "") -> None:
         self.sent += s.bytes_up + s.bytes_down
@@ -214,13 +222,17 @@ class RoundPrinter:
         eval_text = "-" if math.isnan(s.eval_loss) else f"{s.eval_loss:.4f}"
         factor = f"{self.ddp / self.sent:.1f}x" if self.sent and self.ddp else "-"
         extra = (f"  dropped: {', '.join(s.dropped)}" if s.dropped else "") + (f"  {note}" if note else "")
+        frag = f"{s.fragment:>4} " if self.fragments > 1 else ""
         self.echo(
-            f"{s.round:>5} {len(s.islands):>7} {s.train_loss:>7.4f} {eval_text:>7} "
+            f"{s.round:>5} {frag}{len(s.islands):>7} {s.train_loss:>7.4f} {eval_text:>7} "
             f"{_fmt_bytes(s.bytes_up):>10} {_fmt_bytes(s.bytes_down):>10} {factor:>8} {s.seconds:>6.1f}{extra}"
         )
         if self.per_island:
             for t in s.traffic:
-                self.echo(f"{'':>5} {t.island_id:>15} {'':>7} {_fmt_bytes(t.bytes_up):>10} {_fmt_bytes(t.bytes_down):>10}")
+                sent = self.island_sent[t.island_id] = self.island_sent.get(t.island_id, 0.0) + t.bytes_up + t.bytes_down
+                ddp = self.island_ddp[t.island_id] = self.island_ddp.get(t.island_id, 0.0) + s.ddp_bytes / max(1, len(s.islands))
+                island_factor = f"{ddp / sent:.1f}x" if sent and ddp else "-"
+                self.echo(f"{'':>5} {t.island_id:>15} {'':>7} {_fmt_bytes(t.bytes_up):>10} {_fmt_bytes(t.bytes_down):>10} {island_factor:>8}")
 
 
 def summarize(result: SimResult, cfg: RunConfig, echo=print) -> None:
@@ -231,7 +243,8 @@ def summarize(result: SimResult, cfg: RunConfig, echo=print) -> None:
     down = sum(r["bytes_down"] for r in rounds)
     ddp = sum(r["ddp_bytes"] for r in rounds)
     echo("")
-    echo(f"finished {len(rounds)} rounds in {result.seconds:.1f}s (codec up {rep['codec']}, down {rep['downlink_codec']})")
+    what = f"{len(rounds)} rounds" if rep.get("fragments", 1) == 1 else f"{len(rounds)} fragment-rounds ({rep['fragments']} fragments)"
+    echo(f"finished {what} in {result.seconds:.1f}s (codec up {rep['codec']}, down {rep['downlink_codec']})")
     if evals and rep["initial_eval_loss"] is not None:
         echo(f"eval loss of the global parameters: {rep['initial_eval_loss']:.4f} -> {evals[-1]:.4f}")
     floor = entropy_floor(cfg.data)
@@ -246,6 +259,13 @@ def summarize(result: SimResult, cfg: RunConfig, echo=print) -> None:
     if result.wan_bytes:
         echo(f"emulated WAN links carried up {_fmt_bytes(sum(u for u, _ in result.wan_bytes))}, "
              f"down {_fmt_bytes(sum(d for _, d in result.wan_bytes))} (gRPC framing included)")
+    stats = [s for s in rep.get("island_stats", {}).values() if s.get("wall_s")]
+    if stats:
+        util = [s["compute_s"] / s["wall_s"] for s in stats]
+        waits = ", ".join(f"{s['wait_s']:.1f}s" for s in stats)
+        others = ", ".join(f"{s.get('straggler_s', 0.0):.1f}s" for s in stats)
+        echo(f"compute utilization (inner steps / island wall time): mean {sum(util) / len(util):.1%}, "
+             f"per island {', '.join(f'{u:.1%}' for u in util)}; waiting for results {waits} (for other islands {others})")
     matches = sum(1 for c in rep["islands"].values() if c == rep["checksum"])
     echo(f"islands holding the coordinator's global parameters: {matches}/{len(rep['islands'])} (checksum {rep['checksum'][:12]})")
 
@@ -297,8 +317,11 @@ def main(argv: list[str] | None = None) -> None:
             fail(parser.prog, f"--wan: {e}")
     logging.basicConfig(level=logging.WARNING)
     workdir = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="diloco-sim-"))
+    s = cfg.streaming
+    streaming = (f", streaming: {s.fragments} fragments ({s.pattern}), tau={s.overlap}, alpha={s.alpha:g}"
+                 f"{', eager' if s.eager else ''}") if s.fragments > 1 or s.overlap or s.eager else ""
     print(f"diloco-sim: {args.islands} islands, {cfg.rounds.rounds} rounds of H={cfg.inner.steps_per_round}, "
-          f"config {cfg.name!r}{_wan_text(wan)} (logs in {workdir})", flush=True)
+          f"config {cfg.name!r}{streaming}{_wan_text(wan)} (logs in {workdir})", flush=True)
     try:
         result = run_sim(
             cfg, args.islands, workdir, args.timeout, args.threads, echo=lambda s: print(s, flush=True),

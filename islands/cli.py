@@ -13,7 +13,7 @@ from diloco.checkpoint import CheckpointError
 from diloco.cli import ArgumentParser, add_config_flags, fail, setup_logging
 from diloco.config import ConfigError, load_config
 from islands.client import CoordinatorUnreachable
-from islands.launch import LaunchError, LaunchOptions, is_launched_rank, launch, replica_spec, run_sharded
+from islands.launch import LaunchError, LaunchOptions, is_launched_rank, launch, refuse_streaming, replica_spec, run_sharded
 from islands.trainer import join_and_run
 from islands.world import IslandWorld
 
@@ -91,6 +91,11 @@ def main(argv: list[str] | None = None) -> None:
         args.nproc_per_node > 1 or args.replica_groups > 1
         or int(os.environ.get("WORLD_SIZE", "1")) > 1 or int(os.environ.get("DILOCO_REPLICA_GROUPS", "1")) > 1
     )
+    if sharded and cfg is not None:
+        try:
+            refuse_streaming(cfg)
+        except LaunchError as e:
+            fail(parser.prog, str(e))
     if args.threads:
         torch.set_num_threads(args.threads)
     if sharded and not launched:

@@ -28,6 +28,17 @@ class CoordinatorUnreachable(ConnectionError):
     pass
 
 
+class MeanBuffer:
+    """Where a pull puts the round's mean pseudo-gradient (eager updates); complete once all of it came."""
+
+    def __init__(self, tensors: Mapping[str, torch.Tensor], manifest: Manifest, codec: Codec):
+        self.tensors, self.manifest, self.codec = tensors, manifest, codec
+        self.complete = False
+
+    def take(self, chunks: list[pb.TensorChunk]) -> None:
+        self.complete = bool(chunks) and apply_chunks(chunks, self.tensors, self.manifest, self.codec) == self.manifest.total_numel()
+
+
 class ReplayableChunks:
     """Encoded chunks produced lazily, kept so a push can be resent without re-encoding.
 
@@ -157,6 +168,7 @@ class CoordinatorClient:
         manifest: Manifest,
         held: str,
         ranges: list[FlatRange] | None = None,
+        mean: MeanBuffer | None = None,
     ) -> pb.ResultHeader:
         """Applies a result stream to targets (values, or a delta onto parameters with checksum `held`).
 
@@ -173,10 +185,15 @@ class CoordinatorClient:
         if delta and header.base_checksum != held:
             raise grpc_error(grpc.StatusCode.FAILED_PRECONDITION, "delta is for other parameters than ours; fetch values")
 
+        mean_chunks: list[pb.TensorChunk] = []
+
         def chunks():
             for message in stream:
                 self.bytes_received += message.ByteSize()
-                yield message.chunk
+                if message.HasField("mean_chunk"):
+                    mean_chunks.append(message.mean_chunk)
+                else:
+                    yield message.chunk
 
         codec = self.codecs.get(header.codec)
         if codec is None:
@@ -202,16 +219,20 @@ class CoordinatorClient:
             )
             what = "shard does not match the coordinator's ranges checksum" if ranges is not None else "parameters do not match the coordinator's checksum"
             raise grpc_error(grpc.StatusCode.DATA_LOSS, f"received {what}; fetch values")
+        if mean is not None:
+            mean.take(mean_chunks)
         return header
 
     def fetch(
-        self, island_id: str, targets: Mapping[str, torch.Tensor], manifest: Manifest, ranges: list[FlatRange] | None = None
+        self, island_id: str, targets: Mapping[str, torch.Tensor], manifest: Manifest, ranges: list[FlatRange] | None = None,
+        fragment: int | None = None,
     ) -> pb.ResultHeader:
         """Overwrites targets with the current global parameters (fp32 values); returns their header.
 
-        With ranges, only those (targets then are the shards, see _receive).
+        With ranges, only those (targets then are the shards, see _receive). With
+        a fragment, only its parameters (targets and manifest are the fragment's).
         """
-        request = pb.FetchRequest(island_id=island_id, ranges=ranges_to_proto(ranges or ()))
+        request = pb.FetchRequest(island_id=island_id, ranges=ranges_to_proto(ranges or ()), fragment=fragment)
         return self._retry(
             "fetch", lambda: self._receive(self.stub.FetchParameters(request), targets, manifest, "", ranges)
         )
@@ -225,14 +246,21 @@ class CoordinatorClient:
         held: str,
         timeout_s: float,
         ranges: list[FlatRange] | None = None,
+        fragment: int = 0,
+        mean: MeanBuffer | None = None,
     ) -> pb.ResultHeader:
-        """Waits for round_ to close, then brings targets (checksum `held`) to the new global parameters."""
+        """Waits for round_ to close, then brings targets (checksum `held`) to the new global parameters.
+
+        With a fragment, targets and manifest are that fragment's; with mean, the
+        round's mean pseudo-gradient is asked for too (eager updates).
+        """
         request = pb.PullRequest(
-            island_id=island_id, round=round_, timeout_s=timeout_s, accept_delta=bool(held), ranges=ranges_to_proto(ranges or ())
+            island_id=island_id, round=round_, timeout_s=timeout_s, accept_delta=bool(held), ranges=ranges_to_proto(ranges or ()),
+            fragment=fragment, want_mean=mean is not None,
         )
         return self._retry(
             "pull",
-            lambda: self._receive(self.stub.PullRoundResult(request, timeout=timeout_s + 60), targets, manifest, held, ranges),
+            lambda: self._receive(self.stub.PullRoundResult(request, timeout=timeout_s + 60), targets, manifest, held, ranges, mean),
             retry_local=False,
         )
 
@@ -259,9 +287,11 @@ class CoordinatorClient:
 
         return self._retry("push", attempt)
 
-    def leave(self, island_id: str, params_checksum: str, round_: int) -> bool:
+    def leave(self, island_id: str, params_checksum: str, round_: int, stats: Mapping[str, float] | None = None) -> bool:
+        """Leaves the run; stats (compute_s, wait_s, wall_s, inner_steps) go into the coordinator's report."""
         try:
-            reply = self.stub.Leave(pb.LeaveRequest(island_id=island_id, checksum=params_checksum, round=round_), timeout=30)
+            request = pb.LeaveRequest(island_id=island_id, checksum=params_checksum, round=round_, **dict(stats or {}))
+            reply = self.stub.Leave(request, timeout=30)
             return reply.checksum_matches
         except grpc.RpcError as e:
             log.warning("leave failed: %s %s", e.code().name, e.details())

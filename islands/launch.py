@@ -160,6 +160,16 @@ def replica_spec(args, env: dict[str, str] = os.environ) -> ReplicaSpec:
     return ReplicaSpec(group, groups, key or "", ft, args.report_dir or "", args.measure_memory, args.receive_window)
 
 
+def refuse_streaming(cfg: RunConfig) -> None:
+    """Sharded islands sync the whole model, blocking: Streaming DiLoCo is for one-rank islands (for now)."""
+    s = cfg.streaming
+    if s.fragments > 1 or s.overlap > 0 or s.eager:
+        raise LaunchError(
+            f"sharded islands do not support Streaming DiLoCo yet (streaming.fragments={s.fragments}, tau={s.overlap}, "
+            f"eager={str(s.eager).lower()}); run one-rank islands, or set streaming.fragments=1 streaming.tau=0"
+        )
+
+
 def run_sharded(
     address: str, cfg: RunConfig | None, world: IslandWorld, spec: ReplicaSpec, max_rounds: int | None, connect_timeout_s: float,
     checkpoint_url: str = "", checkpoint_every: int = 1, resume: bool = False,
@@ -189,6 +199,7 @@ def run_sharded(
             raise LaunchError(f"coordinator refused the join: {reply}")
         joined = pb.JoinResponse.FromString(reply)
         run_cfg = cfg if cfg is not None else config_from_toml(joined.config_toml)
+        refuse_streaming(run_cfg)
         torch.manual_seed(run_cfg.seed + 1000 * world.rank)
         island = ShardedIsland(run_cfg, world, spec, client, joined)
         if world.is_leader:

@@ -1,33 +1,48 @@
 """The island's training loop, top to bottom.
 
-join -> fetch theta_global -> [H inner steps -> push theta_global - theta_local
--> pull the new theta_global -> adopt it] x rounds -> leave.
+join -> fetch theta_global -> inner steps, and at each fragment's sync step:
+push theta_global_f - theta_local_f, pull the fragment's new theta_global_f,
+mix it in -> leave.
 
-The inner AdamW state lives across rounds (never reset or synced), and the
-learning-rate schedule is indexed by the inner step across the whole run.
+Without streaming there is one fragment, it syncs every H inner steps and the
+exchange blocks (tau = 0): plain DiLoCo. With Streaming DiLoCo (P fragments,
+see diloco/fragments.py) fragment f syncs at its own offset; its exchange runs
+in the background (islands/exchange.py) and lands tau inner steps later, where
+theta_local_f = alpha * theta_local_f + (1 - alpha) * theta_global_f (eager
+updates: see diloco/streaming.py). Inner steps are numbered across the whole
+run; the inner AdamW state lives across rounds (never reset or synced), and the
+learning-rate schedule is indexed by that global inner step.
+
+Checkpoints are written right after a landing with no exchange in flight, so
+no network state needs saving; a resumed island replays exactly what it would
+have done.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import time
 from dataclasses import dataclass, field
 
 import grpc
 import torch
 
-from diloco.codec import ErrorFeedback
 from diloco.checkpoint import CheckpointStore
+from diloco.codec import ErrorFeedback
 from diloco.config import RunConfig, config_from_toml
 from diloco.data import train_stream
+from diloco.fragments import layout_for
 from diloco.inner import build_inner_optimizer, inner_lr, train_step
 from diloco.model import Transformer
 from diloco.outer import pseudo_gradient
-from diloco.params import module_checksum
+from diloco.params import checksum, module_checksum
+from diloco.streaming import eager_gradient, mix_, swap_estimate_
 from diloco.v1 import diloco_pb2 as pb
 from diloco.wire import Manifest, downlink_codec, tensor_chunks, uplink_codec, uses_error_feedback
 from islands import durable
-from islands.client import CoordinatorClient, ReplayableChunks
+from islands.client import CoordinatorClient, MeanBuffer, ReplayableChunks
+from islands.exchange import EagerState, Exchange, push_and_pull
 from islands.world import IslandWorld
 
 log = logging.getLogger(__name__)
@@ -41,6 +56,16 @@ class IslandResult:
     checksum: str
     checksum_matches: bool
     losses: list[float] = field(default_factory=list)
+    # Where the island's wall time went: inner steps, waiting for results, all of it.
+    compute_s: float = 0.0
+    wait_s: float = 0.0
+    wall_s: float = 0.0
+    inner_steps: int = 0
+    straggler_s: float = 0.0  # of wait_s, waiting for other islands' pushes
+
+    @property
+    def utilization(self) -> float:
+        return self.compute_s / self.wall_s if self.wall_s else math.nan
 
 
 class Island:
@@ -53,12 +78,11 @@ class Island:
         self.codec = uplink_codec(cfg.wire)
         if self.codec.name != joined.codec:
             raise RuntimeError(f"this island's codec {self.codec.name!r} is not the run's {joined.codec!r}")
-        down = downlink_codec(cfg.wire)
+        self.down = downlink_codec(cfg.wire)
         if client is not None:
-            client.codecs[down.name] = down
+            client.codecs[self.down.name] = self.down
         self.chunk_bytes = joined.max_chunk_bytes
         self.total_rounds = joined.total_rounds
-        self.round = joined.round
         self.model = Transformer(cfg.model).to(world.device)
         if Manifest.of(dict(self.model.named_parameters())) != self.manifest:
             raise RuntimeError("the coordinator's parameter manifest does not match this island's model; check model config")
@@ -68,59 +92,91 @@ class Island:
         self.data = train_stream(cfg.data, cfg.seed, joined.shard_index * world.world_size + world.rank, shards)
         # theta_global stays in fp32 on the CPU: the outer step never needs it on the GPU.
         self.global_params = {n: torch.zeros(s, dtype=torch.float32) for n, s in self.manifest.shapes.items()}
-        self.global_checksum = ""
         self.feedback = ErrorFeedback(self.manifest.shapes, cfg.wire.feedback_decay) if uses_error_feedback(cfg.wire) else None
         self.resyncs = 0
+        # --- fragments (one without streaming) ---
+        s = cfg.streaming
+        self.layout = layout_for(self.manifest.shapes, cfg)
+        if joined.fragments and [tuple(f.names) for f in joined.fragments] != [f.names for f in self.layout]:
+            raise RuntimeError("the coordinator's fragment layout differs from this island's; use the coordinator's config")
+        self.tau, self.alpha = s.overlap, s.alpha
+        if world.world_size > 1 and (len(self.layout) > 1 or self.tau > 0 or s.eager):
+            raise ValueError("streaming (fragments > 1, tau > 0 or eager) needs one-rank islands")
+        named = dict(self.model.named_parameters())
+        p = len(self.layout)
+        self.local_f = [self.layout.subset(f, named) for f in range(p)]
+        self.global_f = [self.layout.subset(f, self.global_params) for f in range(p)]
+        self.manifest_f = [Manifest.of(g) for g in self.global_f]
+        self.rounds = list(joined.fragment_rounds) or [joined.round] * p
+        self.checksums = [""] * p
+        self.step = 0  # inner steps completed (c), counted across the whole run
+        self.last_sync = [0] * p  # c at which each fragment's current round began here
+        self.pending_loss = [[0.0, 0] for _ in range(p)]  # loss sum and count since then
+        self.in_flight: dict[int, Exchange] = {}
+        self.eager = [EagerState.fresh(cfg.outer) for _ in range(p)] if s.eager else None
+        self.rounds_done = 0  # fragment 0's rounds landed (rounds, without streaming)
+        self.run_finished = False
+        self.restored = False
+        # Inner steps; blocked waiting for results (of which: for other islands' pushes); everything.
+        self.timing = {"compute_s": 0.0, "wait_s": 0.0, "straggler_s": 0.0, "wall_s": 0.0}
+        self.exchanges: list[dict] = []  # one record per landed exchange
+        self.step_spans: list[tuple[float, float]] | None = None  # set to [] to record each inner step's span
 
-    # --- talking to the coordinator (leader only), then sharing with the island ---
+    @property
+    def round(self) -> int:
+        """Fragment 0's round (the island's round without streaming)."""
+        return self.rounds[0]
 
-    def _share(self, header: pb.ResultHeader | None) -> tuple[int, bool]:
-        """Leader's theta_global to every rank, then theta_local <- theta_global."""
-        round_, finished = self.world.broadcast_object((header.round, header.run_finished) if header else None)
-        self.world.broadcast_tensors(self.global_params)
-        self._adopt()
-        return round_, finished
+    @property
+    def global_checksum(self) -> str:
+        return self.checksums[0] if len(self.layout) == 1 else checksum(self.global_params)
 
-    def _fetch(self) -> pb.ResultHeader:
-        header = self.client.fetch(self.island_id, self.global_params, self.manifest)
-        self.global_checksum = header.checksum
-        return header
+    def _finished(self) -> bool:
+        return self.run_finished or all(r >= self.total_rounds for r in self.rounds)
+
+    # --- talking to the coordinator -------------------------------------------------
 
     @torch.no_grad()
-    def _adopt(self) -> None:
-        """theta_local <- theta_global (the inner optimizer state is kept)."""
-        for name, p in self.model.named_parameters():
-            p.copy_(self.global_params[name].to(p.device, p.dtype))
+    def _start(self) -> None:
+        """Fetches theta_global; a fresh island adopts it, a restored one keeps the fragments it has right."""
+        adopt = [True] * len(self.layout)
+        info = None
+        if self.world.is_leader:
+            into = self.global_params if not self.restored else {n: torch.empty_like(t) for n, t in self.global_params.items()}
+            header = self.client.fetch(self.island_id, into, self.manifest)
+            rounds = [f.round for f in header.fragments] or [header.round]
+            sums = [f.checksum for f in header.fragments] or [header.checksum]
+            if self.restored:
+                adopt = [(r, c) != (mine, own) for r, c, mine, own in zip(rounds, sums, self.rounds, self.checksums)]
+                for f in (f for f, a in enumerate(adopt) if a):
+                    for name, t in self.global_f[f].items():
+                        t.copy_(into[name])
+            if not self.restored or any(adopt):
+                if self.restored:
+                    log.warning("%s: checkpoint is at fragment rounds %s, the coordinator at %s; resyncing %s",
+                                self.island_id, self.rounds, rounds, [f for f, a in enumerate(adopt) if a])
+                self.rounds = [r if a else mine for r, a, mine in zip(rounds, adopt, self.rounds)]
+                self.checksums = [c if a else own for c, a, own in zip(sums, adopt, self.checksums)]
+                self.step = self.layout.start_step(self.rounds, self.total_rounds)
+                self.last_sync = [self.step] * len(self.layout)
+                self.pending_loss = [[0.0, 0] for _ in self.layout]
+            info = (self.rounds, self.checksums, self.step, header.run_finished, adopt)
+        self.rounds, self.checksums, self.step, self.run_finished, adopt = self.world.broadcast_object(info)
+        self.world.broadcast_tensors(self.global_params)
+        for f, a in enumerate(adopt):
+            if a:
+                mix_(self.local_f[f], self.global_f[f], 0.0)  # theta_local <- theta_global
 
-    def _exchange(self, tokens: int, train_loss: float) -> pb.ResultHeader:
-        """Leader: push the pseudo-gradient, pull the round's result; resync whenever the round is lost to us."""
-        pg = pseudo_gradient(self.global_params, dict(self.model.named_parameters()))
-        chunks = ReplayableChunks(tensor_chunks(pg, self.codec, self.chunk_bytes, feedback=self.feedback))
-        header = pb.PushHeader(
-            island_id=self.island_id, round=self.round, tokens=tokens, train_loss=train_loss,
-            codec=self.codec.name, inner_steps=self.cfg.inner.steps_per_round, global_checksum=self.global_checksum,
+    def _exchange(self, ex: Exchange, header: pb.PushHeader, chunks: ReplayableChunks) -> pb.ResultHeader:
+        """Leader: push the pseudo-gradient, pull the round's result (on the exchange's thread)."""
+        f = ex.fragment
+        return push_and_pull(
+            self.client, header, chunks, self.global_f[f], self.manifest_f[f], self.checksums[f],
+            self.cfg.rounds.deadline_s + 60, ex.mean,
         )
-        for _ in range(3):
-            try:
-                self.client.push(header, chunks)
-            except grpc.RpcError as e:
-                return self._resync(e)
-            try:
-                result = self.client.pull(
-                    self.island_id, self.round, self.global_params, self.manifest, self.global_checksum,
-                    timeout_s=self.cfg.rounds.deadline_s + 60,
-                )
-                self.global_checksum = result.checksum
-                return result
-            except grpc.RpcError as e:
-                if e.code() == grpc.StatusCode.FAILED_PRECONDITION and "push again" in (e.details() or ""):
-                    log.warning("%s: %s", self.island_id, e.details())
-                    continue  # the coordinator lost our contribution (restart): resend the same chunks
-                return self._resync(e)
-        return self._resync(None)
 
-    def _resync(self, error: grpc.RpcError | None) -> pb.ResultHeader:
-        """The round went on without us: fetch the current global parameters and carry on from there."""
+    def _resync(self, f: int, error: grpc.RpcError | None) -> None:
+        """Fragment f's round went on without us: fetch its current global parameters and carry on from there."""
         code = error.code() if error is not None else None
         details = error.details() if error is not None else "contribution lost repeatedly"
         if code == grpc.StatusCode.NOT_FOUND:
@@ -133,9 +189,125 @@ class Island:
                 self.feedback = ErrorFeedback(self.manifest.shapes, self.cfg.wire.feedback_decay)
         elif code not in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.DATA_LOSS, None):
             raise error
-        log.warning("%s resyncs after round %d: %s", self.island_id, self.round, details)
+        label = f"fragment {f} " if len(self.layout) > 1 else ""
+        log.warning("%s resyncs %safter round %d: %s", self.island_id, label, self.rounds[f], details)
         self.resyncs += 1
-        return self._fetch()
+        one = None if len(self.layout) == 1 else f
+        header = self.client.fetch(self.island_id, self.global_f[f], self.manifest_f[f], fragment=one)
+        self.rounds[f], self.checksums[f] = header.round, header.checksum
+        self.run_finished = self.run_finished or header.run_finished
+
+    # --- one fragment's sync: the push, and tau inner steps later the landing ------------
+
+    def _sync(self, f: int, tokens_per_step: int) -> None:
+        """Snapshots fragment f's pseudo-gradient and starts its exchange (inline when tau = 0)."""
+        c, h = self.step, self.cfg.inner.steps_per_round
+        blocking = self.tau == 0
+        due = c if blocking or c >= self.total_rounds * h else c + self.tau
+        steps = c - self.last_sync[f]
+        if steps <= 0:
+            log.warning("%s: fragment %d is due with no inner step trained for it; pushing it with one step's weight", self.island_id, f)
+        loss_sum, n = self.pending_loss[f]
+        pg = pseudo_gradient(self.global_f[f], self.local_f[f])
+        ex = Exchange(f, self.rounds[f], c, due, pg, tokens=max(steps, 1) * tokens_per_step)
+        eager = self.eager[f] if self.eager is not None else None
+        if eager is not None:
+            ex.mean = MeanBuffer({n_: torch.zeros_like(t) for n_, t in pg.items()}, self.manifest_f[f], self.down)
+            if eager.prev_mean is not None and due > c:  # no window to fill when the result lands at once
+                ex.estimate = eager.replica.step(self.global_f[f], eager_gradient(eager.prev_mean, eager.prev_own, pg, eager.share))
+                mix_(self.local_f[f], ex.estimate, self.alpha)
+        self.last_sync[f], self.pending_loss[f] = c, [0.0, 0]
+        self.in_flight[f] = ex
+        if not self.world.is_leader:
+            return
+        header = pb.PushHeader(
+            island_id=self.island_id, round=self.rounds[f], tokens=ex.tokens,
+            train_loss=loss_sum / n if n else 0.0, codec=self.codec.name, inner_steps=max(steps, 1),
+            global_checksum=self.checksums[f], fragment=f,
+        )
+        chunks = ReplayableChunks(tensor_chunks(pg, self.codec, self.chunk_bytes, feedback=self.feedback))
+        ex.run(lambda: self._exchange(ex, header, chunks), background=not blocking)
+        if blocking:  # the whole exchange was spent waiting for the coordinator
+            self._count_wait(ex, ex.finished_at - ex.started_at)
+
+    @torch.no_grad()
+    def _land(self, f: int) -> None:
+        """Waits for fragment f's exchange and mixes its result in (or resyncs the fragment)."""
+        ex = self.in_flight.pop(f)
+        waited = time.monotonic()
+        info = None
+        round_tokens = 0  # tokens aggregated in the round that landed
+        if self.world.is_leader:
+            outcome = ex.wait()
+            if isinstance(outcome, grpc.RpcError):
+                self._resync(f, outcome)
+                kind = "resync"
+            else:
+                self.rounds[f], self.checksums[f] = outcome.round, outcome.checksum
+                self.run_finished = self.run_finished or outcome.run_finished
+                kind, round_tokens = "result", outcome.tokens
+            info = (kind, self.rounds[f], self.checksums[f], self.run_finished, self.island_id)
+        kind, self.rounds[f], self.checksums[f], self.run_finished, self.island_id = self.world.broadcast_object(info)
+        self.world.broadcast_tensors(self.global_f[f])
+        final = self.rounds[f] >= self.total_rounds  # the island ends holding exactly the global parameters
+        eager = self.eager[f] if self.eager is not None else None
+        if kind == "resync" or final:
+            mix_(self.local_f[f], self.global_f[f], 0.0)
+            self.last_sync[f], self.pending_loss[f] = self.step, [0.0, 0]
+        elif ex.estimate is not None:
+            swap_estimate_(self.local_f[f], self.global_f[f], ex.estimate, self.alpha)
+        else:
+            mix_(self.local_f[f], self.global_f[f], self.alpha)
+        if eager is not None:
+            if kind == "result" and ex.mean is not None and ex.mean.complete and round_tokens > 0:
+                eager.replica.advance(ex.mean.tensors)
+                eager.prev_mean, eager.prev_own, eager.share = ex.mean.tensors, ex.pg, min(1.0, ex.tokens / round_tokens)
+            else:
+                eager.forget()
+        ex.landed_at = time.monotonic()
+        if not ex.inline:  # an inline exchange counted its whole duration already
+            self._count_wait(ex, ex.landed_at - waited)
+        log.debug("%s fragment %d round %d: pushed after step %d, landed after step %d, exchange %.3fs, waited %.3fs",
+                  self.island_id, f, ex.round, ex.pushed_step, self.step, ex.finished_at - ex.started_at, ex.landed_at - waited)
+        self.exchanges.append(ex.record())
+        if f == 0:
+            self.rounds_done += 1
+
+    def _count_wait(self, ex: Exchange, blocked: float) -> None:
+        """Time blocked on an exchange; the part the coordinator held our pull for others' pushes is the stragglers'."""
+        held = ex.outcome.held_s if isinstance(ex.outcome, pb.ResultHeader) else 0.0
+        self.timing["wait_s"] += blocked
+        self.timing["straggler_s"] += min(blocked, held)
+
+    def _tokens_per_step(self) -> int:
+        return self.cfg.inner.batch_size * self.cfg.data.seq_len * self.world.world_size
+
+    def _boundary(self, store: CheckpointStore | None, every: int) -> None:
+        """After self.step inner steps: land what is due, checkpoint if nothing is in flight, start what is due."""
+        landed = False
+        for f in sorted(self.in_flight):
+            if self.in_flight[f].due <= self.step:
+                self._land(f)
+                landed = True
+        self._maybe_checkpoint(landed, store, every)
+        for f in range(len(self.layout)):
+            if f in self.in_flight or self.rounds[f] >= self.total_rounds or self.run_finished:
+                continue
+            if self.step >= self.layout.round_end(f, self.rounds[f], self.total_rounds):
+                self._sync(f, self._tokens_per_step())
+                if self.in_flight[f].due <= self.step:
+                    self._land(f)
+                    self._maybe_checkpoint(True, store, every)
+
+    def _maybe_checkpoint(self, landed: bool, store: CheckpointStore | None, every: int) -> None:
+        total = sum(self.rounds)
+        if (
+            store is None or not landed or self.in_flight or self._finished()
+            or total % (every * len(self.layout)) or total == self._saved_at
+        ):
+            return
+        durable.save(self, store)
+        self._saved_at = total
 
     # --- the loop -------------------------------------------------------------------
 
@@ -143,38 +315,55 @@ class Island:
         cfg = self.cfg.inner
         h = cfg.steps_per_round
         total_steps = self.total_rounds * h
-        tokens_per_step = cfg.batch_size * self.cfg.data.seq_len * self.world.world_size
-        self.round, finished = self._share(self._fetch() if self.world.is_leader else None)
+        self._saved_at = -1
+        if store is not None and self.tau > self.layout.min_spacing():
+            log.warning("%s: tau=%d exceeds the %d steps between fragments' syncs: an exchange is always in flight "
+                        "and no checkpoint will be written", self.island_id, self.tau, self.layout.min_spacing())
+        self._start()
+        started = time.monotonic()
         losses: list[float] = []
-        rounds_done = 0
-        while not finished and (max_rounds is None or rounds_done < max_rounds):
-            started = time.monotonic()
-            round_losses = []
-            for i in range(h):
-                step = self.round * h + i
-                lr = inner_lr(step, total_steps, cfg)
-                batch = self.data.next_batch(cfg.batch_size)
-                round_losses.append(
-                    train_step(self.model, self.optimizer, batch, lr, cfg.grad_clip, self.world.average_gradients, self.world.device)
-                )
-            train_loss = sum(round_losses) / len(round_losses)
-            losses.append(train_loss)
-            compute_s = time.monotonic() - started
-            trained_round = self.round
-            result = self._exchange(tokens_per_step * h, train_loss) if self.world.is_leader else None
-            self.round, finished = self._share(result)
-            rounds_done += 1
-            if store is not None and not finished and self.round % every == 0:
-                durable.save(self, store)
-            log.info(
-                "%s round %d: train loss %.4f, %.1fs inner steps, %.1fs total",
-                self.island_id, trained_round, train_loss, compute_s, time.monotonic() - started,
-            )
+        wave: list[float] = []
+        marks = {h: None, total_steps - h: None} if self.total_rounds >= 3 else {}
+        while True:
+            self._boundary(store, every)
+            if self.step in marks and marks[self.step] is None:
+                marks[self.step] = (self.timing["compute_s"], time.monotonic())
+            if self._finished() or self.step >= total_steps or (max_rounds is not None and self.rounds_done >= max_rounds):
+                break
+            c = self.step
+            lr = inner_lr(c, total_steps, cfg)
+            batch = self.data.next_batch(cfg.batch_size)
+            t0 = time.monotonic()
+            loss = train_step(self.model, self.optimizer, batch, lr, cfg.grad_clip, self.world.average_gradients, self.world.device)
+            t1 = time.monotonic()
+            self.timing["compute_s"] += t1 - t0
+            if self.step_spans is not None:
+                self.step_spans.append((t0, t1))
+            for pending in self.pending_loss:
+                pending[0] += loss
+                pending[1] += 1
+            wave.append(loss)
+            self.step += 1
+            if self.step % h == 0:
+                losses.append(sum(wave) / len(wave))
+                log.info("%s step %d: train loss %.4f, fragment rounds %s; %.1fs in inner steps, %.1fs waiting so far",
+                         self.island_id, self.step, losses[-1], self.rounds, self.timing["compute_s"], self.timing["wait_s"])
+                wave = []
+        for f in sorted(self.in_flight):  # leaving early (max_rounds): let what is in flight land
+            self._land(f)
+        self.timing["wall_s"] = time.monotonic() - started
+        if marks and all(marks.values()):
+            (c0, t0), (c1, t1) = marks[h], marks[total_steps - h]
+            self.timing["steady_compute_s"], self.timing["steady_wall_s"] = c1 - c0, t1 - t0
         final = module_checksum(self.model)
         matches = False
         if self.world.is_leader:
-            matches = self.client.leave(self.island_id, final, self.round)
-        return IslandResult(self.island_id, rounds_done, self.round, final, matches, losses)
+            stats = dict(self.timing, inner_steps=self.step)
+            matches = self.client.leave(self.island_id, final, self.round, stats)
+        return IslandResult(
+            self.island_id, self.rounds_done, self.round, final, matches, losses,
+            self.timing["compute_s"], self.timing["wait_s"], self.timing["wall_s"], self.step, self.timing["straggler_s"],
+        )
 
 
 def join_and_run(
@@ -213,7 +402,7 @@ def join_and_run(
     try:
         island = Island(run_cfg, world, client, joined)
         if previous is not None:
-            durable.restore(island, store, prefer_round=joined.round)
+            durable.restore(island, store, prefer_step=sum(joined.fragment_rounds) if joined.fragment_rounds else joined.round)
         if client is not None:
             client.start_heartbeat(lambda: island.island_id, joined.heartbeat_interval_s, lambda: island.round)
         return island.run(max_rounds, store, checkpoint_every)

@@ -160,10 +160,10 @@ def test_checksum_mismatch_resyncs_the_island_with_a_warning(make_coordinator, c
         island = Island(cfg, world, client, joined)
         exchange = island._exchange
 
-        def corrupt_in_round_1(tokens, loss):
+        def corrupt_in_round_1(*args):
             if island.round == 1:  # as if memory or a decoder had gone wrong
                 island.global_params["norm.weight"][0] += 0.5
-            return exchange(tokens, loss)
+            return exchange(*args)
 
         island._exchange = corrupt_in_round_1
         with caplog.at_level(logging.WARNING):
@@ -194,6 +194,12 @@ def test_sim_with_4bit_uplink_and_compressed_downlink(tmp_path):
     assert report["rounds"][-1]["eval_loss"] < report["initial_eval_loss"] - 0.25
     # One line per round plus one per island per round, after the header.
     assert len(lines) == 1 + 4 * 3 and lines[1].split()[8].endswith("x")
+    # The last round's island lines carry each island's running factor against one DDP rank's traffic.
+    for line in lines[-2:]:
+        island_id, factor = line.split()[0], line.split()[-1]
+        sent = sum(sum(r["traffic"][island_id]) for r in report["rounds"])
+        ddp_share = sum(r["ddp_bytes"] / len(r["traffic"]) for r in report["rounds"])
+        assert factor == f"{ddp_share / sent:.1f}x" and ddp_share / sent > 4
 
 
 def _shapes(cfg):

@@ -31,8 +31,28 @@ class JoinRequest(_message.Message):
     island_key: str
     def __init__(self, config_digest: _Optional[str] = ..., hostname: _Optional[str] = ..., protocol_version: _Optional[int] = ..., codec: _Optional[str] = ..., island_id: _Optional[str] = ..., island_key: _Optional[str] = ...) -> None: ...
 
+class FragmentSpec(_message.Message):
+    __slots__ = ("index", "names", "offset")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    NAMES_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    names: _containers.RepeatedScalarFieldContainer[str]
+    offset: int
+    def __init__(self, index: _Optional[int] = ..., names: _Optional[_Iterable[str]] = ..., offset: _Optional[int] = ...) -> None: ...
+
+class FragmentState(_message.Message):
+    __slots__ = ("index", "round", "checksum")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    round: int
+    checksum: str
+    def __init__(self, index: _Optional[int] = ..., round: _Optional[int] = ..., checksum: _Optional[str] = ...) -> None: ...
+
 class JoinResponse(_message.Message):
-    __slots__ = ("island_id", "config_digest", "config_toml", "round", "parameters", "codec", "max_chunk_bytes", "heartbeat_interval_s", "shard_index", "total_rounds", "downlink_codec")
+    __slots__ = ("island_id", "config_digest", "config_toml", "round", "parameters", "codec", "max_chunk_bytes", "heartbeat_interval_s", "shard_index", "total_rounds", "downlink_codec", "fragments", "fragment_rounds")
     ISLAND_ID_FIELD_NUMBER: _ClassVar[int]
     CONFIG_DIGEST_FIELD_NUMBER: _ClassVar[int]
     CONFIG_TOML_FIELD_NUMBER: _ClassVar[int]
@@ -44,6 +64,8 @@ class JoinResponse(_message.Message):
     SHARD_INDEX_FIELD_NUMBER: _ClassVar[int]
     TOTAL_ROUNDS_FIELD_NUMBER: _ClassVar[int]
     DOWNLINK_CODEC_FIELD_NUMBER: _ClassVar[int]
+    FRAGMENTS_FIELD_NUMBER: _ClassVar[int]
+    FRAGMENT_ROUNDS_FIELD_NUMBER: _ClassVar[int]
     island_id: str
     config_digest: str
     config_toml: str
@@ -55,7 +77,9 @@ class JoinResponse(_message.Message):
     shard_index: int
     total_rounds: int
     downlink_codec: str
-    def __init__(self, island_id: _Optional[str] = ..., config_digest: _Optional[str] = ..., config_toml: _Optional[str] = ..., round: _Optional[int] = ..., parameters: _Optional[_Iterable[_Union[ParameterSpec, _Mapping]]] = ..., codec: _Optional[str] = ..., max_chunk_bytes: _Optional[int] = ..., heartbeat_interval_s: _Optional[float] = ..., shard_index: _Optional[int] = ..., total_rounds: _Optional[int] = ..., downlink_codec: _Optional[str] = ...) -> None: ...
+    fragments: _containers.RepeatedCompositeFieldContainer[FragmentSpec]
+    fragment_rounds: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, island_id: _Optional[str] = ..., config_digest: _Optional[str] = ..., config_toml: _Optional[str] = ..., round: _Optional[int] = ..., parameters: _Optional[_Iterable[_Union[ParameterSpec, _Mapping]]] = ..., codec: _Optional[str] = ..., max_chunk_bytes: _Optional[int] = ..., heartbeat_interval_s: _Optional[float] = ..., shard_index: _Optional[int] = ..., total_rounds: _Optional[int] = ..., downlink_codec: _Optional[str] = ..., fragments: _Optional[_Iterable[_Union[FragmentSpec, _Mapping]]] = ..., fragment_rounds: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
     __slots__ = ("island_id", "round")
@@ -74,12 +98,14 @@ class HeartbeatResponse(_message.Message):
     def __init__(self, round: _Optional[int] = ..., run_finished: _Optional[bool] = ...) -> None: ...
 
 class FetchRequest(_message.Message):
-    __slots__ = ("island_id", "ranges")
+    __slots__ = ("island_id", "ranges", "fragment")
     ISLAND_ID_FIELD_NUMBER: _ClassVar[int]
     RANGES_FIELD_NUMBER: _ClassVar[int]
+    FRAGMENT_FIELD_NUMBER: _ClassVar[int]
     island_id: str
     ranges: _containers.RepeatedCompositeFieldContainer[TensorRange]
-    def __init__(self, island_id: _Optional[str] = ..., ranges: _Optional[_Iterable[_Union[TensorRange, _Mapping]]] = ...) -> None: ...
+    fragment: int
+    def __init__(self, island_id: _Optional[str] = ..., ranges: _Optional[_Iterable[_Union[TensorRange, _Mapping]]] = ..., fragment: _Optional[int] = ...) -> None: ...
 
 class TensorRange(_message.Message):
     __slots__ = ("name", "offset", "numel")
@@ -106,7 +132,7 @@ class TensorChunk(_message.Message):
     def __init__(self, name: _Optional[str] = ..., offset: _Optional[int] = ..., numel: _Optional[int] = ..., payload: _Optional[bytes] = ..., crc32: _Optional[int] = ...) -> None: ...
 
 class PushHeader(_message.Message):
-    __slots__ = ("island_id", "round", "tokens", "train_loss", "codec", "global_checksum", "inner_steps")
+    __slots__ = ("island_id", "round", "tokens", "train_loss", "codec", "global_checksum", "inner_steps", "fragment")
     ISLAND_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -114,6 +140,7 @@ class PushHeader(_message.Message):
     CODEC_FIELD_NUMBER: _ClassVar[int]
     GLOBAL_CHECKSUM_FIELD_NUMBER: _ClassVar[int]
     INNER_STEPS_FIELD_NUMBER: _ClassVar[int]
+    FRAGMENT_FIELD_NUMBER: _ClassVar[int]
     island_id: str
     round: int
     tokens: int
@@ -121,7 +148,8 @@ class PushHeader(_message.Message):
     codec: str
     global_checksum: str
     inner_steps: int
-    def __init__(self, island_id: _Optional[str] = ..., round: _Optional[int] = ..., tokens: _Optional[int] = ..., train_loss: _Optional[float] = ..., codec: _Optional[str] = ..., global_checksum: _Optional[str] = ..., inner_steps: _Optional[int] = ...) -> None: ...
+    fragment: int
+    def __init__(self, island_id: _Optional[str] = ..., round: _Optional[int] = ..., tokens: _Optional[int] = ..., train_loss: _Optional[float] = ..., codec: _Optional[str] = ..., global_checksum: _Optional[str] = ..., inner_steps: _Optional[int] = ..., fragment: _Optional[int] = ...) -> None: ...
 
 class PushMessage(_message.Message):
     __slots__ = ("header", "chunk")
@@ -142,21 +170,25 @@ class PushResponse(_message.Message):
     def __init__(self, accepted: _Optional[bool] = ..., elements: _Optional[int] = ..., contribution_complete: _Optional[bool] = ...) -> None: ...
 
 class PullRequest(_message.Message):
-    __slots__ = ("island_id", "round", "timeout_s", "accept_delta", "ranges")
+    __slots__ = ("island_id", "round", "timeout_s", "accept_delta", "ranges", "fragment", "want_mean")
     ISLAND_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
     ACCEPT_DELTA_FIELD_NUMBER: _ClassVar[int]
     RANGES_FIELD_NUMBER: _ClassVar[int]
+    FRAGMENT_FIELD_NUMBER: _ClassVar[int]
+    WANT_MEAN_FIELD_NUMBER: _ClassVar[int]
     island_id: str
     round: int
     timeout_s: float
     accept_delta: bool
     ranges: _containers.RepeatedCompositeFieldContainer[TensorRange]
-    def __init__(self, island_id: _Optional[str] = ..., round: _Optional[int] = ..., timeout_s: _Optional[float] = ..., accept_delta: _Optional[bool] = ..., ranges: _Optional[_Iterable[_Union[TensorRange, _Mapping]]] = ...) -> None: ...
+    fragment: int
+    want_mean: bool
+    def __init__(self, island_id: _Optional[str] = ..., round: _Optional[int] = ..., timeout_s: _Optional[float] = ..., accept_delta: _Optional[bool] = ..., ranges: _Optional[_Iterable[_Union[TensorRange, _Mapping]]] = ..., fragment: _Optional[int] = ..., want_mean: _Optional[bool] = ...) -> None: ...
 
 class ResultHeader(_message.Message):
-    __slots__ = ("round", "codec", "checksum", "run_finished", "islands", "mode", "base_checksum", "ranges_checksum")
+    __slots__ = ("round", "codec", "checksum", "run_finished", "islands", "mode", "base_checksum", "ranges_checksum", "fragment", "fragments", "tokens", "held_s")
     class Mode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         VALUES: _ClassVar[ResultHeader.Mode]
@@ -171,6 +203,10 @@ class ResultHeader(_message.Message):
     MODE_FIELD_NUMBER: _ClassVar[int]
     BASE_CHECKSUM_FIELD_NUMBER: _ClassVar[int]
     RANGES_CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    FRAGMENT_FIELD_NUMBER: _ClassVar[int]
+    FRAGMENTS_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    HELD_S_FIELD_NUMBER: _ClassVar[int]
     round: int
     codec: str
     checksum: str
@@ -179,25 +215,45 @@ class ResultHeader(_message.Message):
     mode: ResultHeader.Mode
     base_checksum: str
     ranges_checksum: str
-    def __init__(self, round: _Optional[int] = ..., codec: _Optional[str] = ..., checksum: _Optional[str] = ..., run_finished: _Optional[bool] = ..., islands: _Optional[int] = ..., mode: _Optional[_Union[ResultHeader.Mode, str]] = ..., base_checksum: _Optional[str] = ..., ranges_checksum: _Optional[str] = ...) -> None: ...
+    fragment: int
+    fragments: _containers.RepeatedCompositeFieldContainer[FragmentState]
+    tokens: int
+    held_s: float
+    def __init__(self, round: _Optional[int] = ..., codec: _Optional[str] = ..., checksum: _Optional[str] = ..., run_finished: _Optional[bool] = ..., islands: _Optional[int] = ..., mode: _Optional[_Union[ResultHeader.Mode, str]] = ..., base_checksum: _Optional[str] = ..., ranges_checksum: _Optional[str] = ..., fragment: _Optional[int] = ..., fragments: _Optional[_Iterable[_Union[FragmentState, _Mapping]]] = ..., tokens: _Optional[int] = ..., held_s: _Optional[float] = ...) -> None: ...
 
 class ResultMessage(_message.Message):
-    __slots__ = ("header", "chunk")
+    __slots__ = ("header", "chunk", "mean_chunk")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     CHUNK_FIELD_NUMBER: _ClassVar[int]
+    MEAN_CHUNK_FIELD_NUMBER: _ClassVar[int]
     header: ResultHeader
     chunk: TensorChunk
-    def __init__(self, header: _Optional[_Union[ResultHeader, _Mapping]] = ..., chunk: _Optional[_Union[TensorChunk, _Mapping]] = ...) -> None: ...
+    mean_chunk: TensorChunk
+    def __init__(self, header: _Optional[_Union[ResultHeader, _Mapping]] = ..., chunk: _Optional[_Union[TensorChunk, _Mapping]] = ..., mean_chunk: _Optional[_Union[TensorChunk, _Mapping]] = ...) -> None: ...
 
 class LeaveRequest(_message.Message):
-    __slots__ = ("island_id", "checksum", "round")
+    __slots__ = ("island_id", "checksum", "round", "compute_s", "wait_s", "wall_s", "inner_steps", "straggler_s", "steady_compute_s", "steady_wall_s")
     ISLAND_ID_FIELD_NUMBER: _ClassVar[int]
     CHECKSUM_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_S_FIELD_NUMBER: _ClassVar[int]
+    WAIT_S_FIELD_NUMBER: _ClassVar[int]
+    WALL_S_FIELD_NUMBER: _ClassVar[int]
+    INNER_STEPS_FIELD_NUMBER: _ClassVar[int]
+    STRAGGLER_S_FIELD_NUMBER: _ClassVar[int]
+    STEADY_COMPUTE_S_FIELD_NUMBER: _ClassVar[int]
+    STEADY_WALL_S_FIELD_NUMBER: _ClassVar[int]
     island_id: str
     checksum: str
     round: int
-    def __init__(self, island_id: _Optional[str] = ..., checksum: _Optional[str] = ..., round: _Optional[int] = ...) -> None: ...
+    compute_s: float
+    wait_s: float
+    wall_s: float
+    inner_steps: int
+    straggler_s: float
+    steady_compute_s: float
+    steady_wall_s: float
+    def __init__(self, island_id: _Optional[str] = ..., checksum: _Optional[str] = ..., round: _Optional[int] = ..., compute_s: _Optional[float] = ..., wait_s: _Optional[float] = ..., wall_s: _Optional[float] = ..., inner_steps: _Optional[int] = ..., straggler_s: _Optional[float] = ..., steady_compute_s: _Optional[float] = ..., steady_wall_s: _Optional[float] = ...) -> None: ...
 
 class LeaveResponse(_message.Message):
     __slots__ = ("checksum_matches",)
@@ -222,7 +278,7 @@ class WatchRequest(_message.Message):
     def __init__(self, from_round: _Optional[int] = ...) -> None: ...
 
 class RoundSummary(_message.Message):
-    __slots__ = ("round", "islands", "tokens", "train_loss", "eval_loss", "bytes_up", "bytes_down", "seconds", "checksum", "run_finished", "initial_eval_loss", "ddp_bytes", "traffic", "dropped", "elements_folded", "elements_expected")
+    __slots__ = ("round", "islands", "tokens", "train_loss", "eval_loss", "bytes_up", "bytes_down", "seconds", "checksum", "run_finished", "initial_eval_loss", "ddp_bytes", "traffic", "dropped", "elements_folded", "elements_expected", "fragment", "fragments")
     ROUND_FIELD_NUMBER: _ClassVar[int]
     ISLANDS_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -239,6 +295,8 @@ class RoundSummary(_message.Message):
     DROPPED_FIELD_NUMBER: _ClassVar[int]
     ELEMENTS_FOLDED_FIELD_NUMBER: _ClassVar[int]
     ELEMENTS_EXPECTED_FIELD_NUMBER: _ClassVar[int]
+    FRAGMENT_FIELD_NUMBER: _ClassVar[int]
+    FRAGMENTS_FIELD_NUMBER: _ClassVar[int]
     round: int
     islands: _containers.RepeatedScalarFieldContainer[str]
     tokens: int
@@ -255,4 +313,6 @@ class RoundSummary(_message.Message):
     dropped: _containers.RepeatedScalarFieldContainer[str]
     elements_folded: int
     elements_expected: int
-    def __init__(self, round: _Optional[int] = ..., islands: _Optional[_Iterable[str]] = ..., tokens: _Optional[int] = ..., train_loss: _Optional[float] = ..., eval_loss: _Optional[float] = ..., bytes_up: _Optional[int] = ..., bytes_down: _Optional[int] = ..., seconds: _Optional[float] = ..., checksum: _Optional[str] = ..., run_finished: _Optional[bool] = ..., initial_eval_loss: _Optional[float] = ..., ddp_bytes: _Optional[float] = ..., traffic: _Optional[_Iterable[_Union[IslandTraffic, _Mapping]]] = ..., dropped: _Optional[_Iterable[str]] = ..., elements_folded: _Optional[int] = ..., elements_expected: _Optional[int] = ...) -> None: ...
+    fragment: int
+    fragments: int
+    def __init__(self, round: _Optional[int] = ..., islands: _Optional[_Iterable[str]] = ..., tokens: _Optional[int] = ..., train_loss: _Optional[float] = ..., eval_loss: _Optional[float] = ..., bytes_up: _Optional[int] = ..., bytes_down: _Optional[int] = ..., seconds: _Optional[float] = ..., checksum: _Optional[str] = ..., run_finished: _Optional[bool] = ..., initial_eval_loss: _Optional[float] = ..., ddp_bytes: _Optional[float] = ..., traffic: _Optional[_Iterable[_Union[IslandTraffic, _Mapping]]] = ..., dropped: _Optional[_Iterable[str]] = ..., elements_folded: _Optional[int] = ..., elements_expected: _Optional[int] = ..., fragment: _Optional[int] = ..., fragments: _Optional[int] = ...) -> None: ...
