@@ -60,9 +60,11 @@ class Events:
     dropped_nonfinite: int = 0
     checksum_resyncs: int = 0
     late_pushes: int = 0
-    restarts: int = 0
+    restarts: int = 0  # of the coordinator
     rounds_lost: int = 0
-    recovery_s: float = 0.0
+    recovery_s: float = 0.0  # coordinator restarts: from restore to the first round closed again
+    island_restarts: int = 0  # an island came back under its own id (e.g. `join --resume`) while still a member
+    island_silent_s: float = 0.0  # those islands' silence before they came back: last heartbeat to rejoin
 
 
 class CoordinatorState:
@@ -224,10 +226,14 @@ class CoordinatorState:
             if self.finished:
                 raise Refused(grpc.StatusCode.FAILED_PRECONDITION, "the run has finished; nothing to join")
             self.expire_leases()
+            explicit_id = bool(island_id) and island_id in self.islands
             if key and not (island_id and island_id in self.islands):
                 island_id = next((i.island_id for i in self.islands.values() if i.key == key), island_id)
             if island_id and island_id in self.islands:
                 island = self.islands[island_id]
+                if explicit_id:  # a restarted island presenting its own id, not another replica group by key
+                    self.events.island_restarts += 1
+                    self.events.island_silent_s += self.clock() - island.last_seen
                 island.last_seen = self.clock()
                 log.info("%s rejoined from %s at round %d", island_id, hostname, self.round)
                 return island

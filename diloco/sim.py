@@ -200,6 +200,14 @@ def run_sim(
         sim.close()
 
 
+EVENT_LABELS = {
+    "leases_expired": "leases expired", "dropped_nonfinite": "non-finite contributions dropped",
+    "checksum_resyncs": "checksum resyncs", "late_pushes": "late pushes refused",
+    "restarts": "coordinator restarts", "rounds_lost": "rounds lost", "recovery_s": "coordinator recovery",
+    "island_restarts": "island restarts", "island_silent_s": "restarted islands silent for",
+}
+
+
 class RoundPrinter:
     """One line per closed round: islands, losses, bytes, and the running factor against data-parallel.
 
@@ -255,7 +263,9 @@ def summarize(result: SimResult, cfg: RunConfig, echo=print) -> None:
     ev = rep.get("events", {})
     failures = {k: v for k, v in ev.items() if v}
     if failures:
-        echo("failures and recovery: " + ", ".join(f"{k}={v:.1f}" if isinstance(v, float) else f"{k}={v}" for k, v in failures.items()))
+        echo("failures and recovery: " + ", ".join(
+            f"{EVENT_LABELS.get(k, k)} {v:.1f}s" if isinstance(v, float) else f"{EVENT_LABELS.get(k, k)} {v}"
+            for k, v in failures.items()))
     if result.wan_bytes:
         echo(f"emulated WAN links carried up {_fmt_bytes(sum(u for u, _ in result.wan_bytes))}, "
              f"down {_fmt_bytes(sum(d for _, d in result.wan_bytes))} (gRPC framing included)")

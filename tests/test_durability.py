@@ -106,6 +106,8 @@ def test_chaos_run_finishes_consistent_and_close_to_undisturbed(tmp_path):
     for r in report["rounds"]:
         assert r["elements_folded"] == r["elements_expected"] > 0, r
     assert report["events"]["restarts"] == 1
+    # The summary counts each island that came back under its own id, and how long it was silent.
+    assert report["events"]["island_restarts"] == len(who) - 1 and report["events"]["island_silent_s"] > 0
     final, calm_final = report["rounds"][-1]["eval_loss"], calm.report["rounds"][-1]["eval_loss"]
     assert abs(final - calm_final) / calm_final < 0.05, (final, calm_final)
     assert chaos.recovery_s, "no recovery was measured"
