@@ -116,13 +116,19 @@ def push_and_pull(
     """
     for _ in range(3):
         client.push(header, chunks)
-        try:
-            return client.pull(
-                header.island_id, header.round, targets, manifest, held, timeout_s, fragment=header.fragment, mean=mean
-            )
-        except grpc.RpcError as e:
-            if e.code() == grpc.StatusCode.FAILED_PRECONDITION and "push again" in (e.details() or ""):
-                log.warning("%s: %s", header.island_id, e.details())
-                continue  # resend the same chunks (re-encoding would consume the error feedback again)
-            raise
+        while True:
+            try:
+                return client.pull(
+                    header.island_id, header.round, targets, manifest, held, timeout_s, fragment=header.fragment, mean=mean
+                )
+            except grpc.RpcError as e:
+                details = e.details() or ""
+                if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED and "still open" in details:
+                    # The round waits for more islands (below rounds.min_islands): so do we.
+                    log.info("%s: %s; waiting on", header.island_id, details)
+                    continue
+                if e.code() == grpc.StatusCode.FAILED_PRECONDITION and "push again" in details:
+                    log.warning("%s: %s", header.island_id, details)
+                    break  # resend the same chunks (re-encoding would consume the error feedback again)
+                raise
     raise grpc_error(grpc.StatusCode.FAILED_PRECONDITION, "contribution lost repeatedly")

@@ -7,6 +7,7 @@ import signal
 import time
 
 import grpc
+import torch
 import pytest
 
 from conftest import join, random_like, tiny_config, wait_for_round
@@ -106,3 +107,40 @@ def test_island_joining_a_run_under_way_enters_the_current_round(tmp_path):
     assert rounds[-1] == ["island-0", "island-1"], rounds
     # The newcomer fetched the current global parameters and ends holding the final ones.
     assert result.report["islands"] == {"island-0": result.report["checksum"], "island-1": result.report["checksum"]}
+
+
+def test_island_keeps_waiting_for_a_round_held_open_below_min_islands(make_coordinator, channel_to):
+    """A pull that times out on a round still open (too few islands) waits on instead of failing the island."""
+    import threading
+
+    from diloco.params import checksum
+    from islands.client import CoordinatorClient, ReplayableChunks
+    from islands.exchange import push_and_pull
+
+    cfg = tiny_config("rounds.min_islands=2", "rounds.deadline_s=0.2", "rounds.lease_s=60", "rounds.rounds=2")
+    coordinator = make_coordinator(cfg)
+    stub = channel_to(coordinator)
+    a, b = join(stub), join(stub)
+    manifest = Manifest.from_proto(a.parameters)
+    targets = {n: torch.zeros(s) for n, s in manifest.shapes.items()}
+    header = pb.PushHeader(island_id=a.island_id, round=0, tokens=100, codec="fp32")
+    chunks = ReplayableChunks(tensor_chunks(random_like(manifest.shapes, 0), Fp32Codec(), 4096))
+    client = CoordinatorClient(f"127.0.0.1:{coordinator.port}", connect_timeout_s=10)
+    outcome: list = []
+
+    def island_a():
+        try:
+            outcome.append(push_and_pull(client, header, chunks, targets, manifest, "", timeout_s=0.3))
+        except Exception as e:  # noqa: BLE001 - the test reports it
+            outcome.append(e)
+
+    thread = threading.Thread(target=island_a)
+    thread.start()
+    time.sleep(2.0)  # several of a's pull timeouts pass while the round waits for b
+    assert not outcome, outcome
+    _push(stub, b.island_id, manifest, seed=3)
+    thread.join(20)
+    client.close()
+    assert len(outcome) == 1 and isinstance(outcome[0], pb.ResultHeader), outcome
+    assert outcome[0].round == 1 and outcome[0].checksum == coordinator.state.checksum  # the round closed: now round 1
+    assert checksum(targets) == coordinator.state.checksum
