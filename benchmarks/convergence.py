@@ -306,9 +306,11 @@ def run_job(job: tuple[str, int, Setup]) -> JobResult:
     if base in OUTER:
         lr, momentum = OUTER[base]
         cfg.outer.lr, cfg.outer.momentum, cfg.outer.nesterov = lr, momentum, True
-    if codecs:  # "diloco:UP[/DOWN]"
+    if codecs:  # "diloco:UP[/DOWN][@ef]"
+        codecs, _, flag = codecs.partition("@")
         up, _, down = codecs.partition("/")
         cfg.wire.codec, cfg.wire.downlink_codec = up, down or up
+        cfg.wire.error_feedback = cfg.wire.error_feedback or flag == "ef"
     held_out = eval_batches(cfg.data, setup.eval_batches, setup.eval_batch_size)
     curve: list[tuple[int, float]] = []
     started = time.monotonic()
@@ -426,10 +428,12 @@ def codec_table(summary: dict[str, Summary]) -> list[str]:
             "| codec up / down | eval loss (mean ± std) | per seed | loss cost vs fp32 | bytes up per island-round | smaller | bytes down per island-round | smaller |",
             "|---|---|---|---|---|---|---|---|"]
     for s in [base, *variants]:
-        up, _, down = (s.method.partition(":")[2] or "fp32").partition("/")
+        spec, _, flag = (s.method.partition(":")[2] or "fp32").partition("@")
+        up, _, down = spec.partition("/")
+        down = (down or up) + (", error feedback" if flag else "")
         cost = 100.0 * (s.mean - base.mean) / base.mean
         rows.append(
-            f"| {up} / {down or up} | {s.mean:.4f} ± {s.std:.4f} | {', '.join(f'{v:.4f}' for v in s.per_seed)} | "
+            f"| {up} / {down} | {s.mean:.4f} ± {s.std:.4f} | {', '.join(f'{v:.4f}' for v in s.per_seed)} | "
             f"{cost:+.2f}% | {s.bytes_up:,} | {base.bytes_up / s.bytes_up:.1f}x | {s.bytes_down:,} | {base.bytes_down / s.bytes_down:.1f}x |"
         )
     return rows
@@ -448,7 +452,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--min-lr-ratio", type=float, default=0.1, help="cosine floor as a fraction of lr (default 0.1)")
     p.add_argument("--methods", default=",".join(METHODS), help=f"subset of {','.join(METHODS)}")
     p.add_argument("--codecs", default="", metavar="UP[/DOWN],...",
-                   help="also run DiLoCo with these codecs up (and down; default the same), e.g. e3m0+zstd,topk/int8")
+                   help="also run DiLoCo with these codecs up (and down; default the same), e.g. e3m0+zstd,topk/int8; "
+                        "a suffix @ef turns on the islands' error feedback (always on for topk)")
     p.add_argument("--workers", type=int, default=2, help="worker processes (default 2)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="extra RunConfig override applied to every method (repeatable)")
@@ -490,7 +495,10 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"convergence: error: unknown methods {unknown} or no seeds")
     methods = [m for m in METHODS if m in methods]
     for spec in filter(None, args.codecs.split(",")):
-        for name in spec.split("/"):
+        codecs, _, flag = spec.partition("@")
+        if flag not in ("", "ef"):
+            raise SystemExit(f"convergence: error: --codecs {spec}: the only suffix is @ef (error feedback on the islands)")
+        for name in codecs.split("/"):
             try:
                 get_codec(name)
             except ConfigError as e:

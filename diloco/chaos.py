@@ -32,11 +32,30 @@ class ChaosLog:
     recovery_s: list[float] = field(default_factory=list)
 
 
+def parse_chaos(text: str) -> ChaosPlan:
+    """`EVERY[:COORDINATOR_AT]`, as diloco-sim --chaos takes it."""
+    every, _, coordinator = text.partition(":")
+    try:
+        plan = ChaosPlan(island_every=int(every), coordinator_at=int(coordinator) if coordinator else -1)
+    except ValueError:
+        raise ValueError(f"{text!r} is not EVERY[:COORDINATOR_AT] with whole numbers, e.g. 3:4") from None
+    if plan.island_every < 1 or (coordinator and plan.coordinator_at < 0):
+        raise ValueError(f"{text!r}: EVERY must be at least 1 and COORDINATOR_AT at least 0")
+    return plan
+
+
+def describe(chaos: ChaosLog) -> str:
+    kills = ", ".join(f"{who} after round {after}" for who, after, _ in chaos.kills) or "nothing"
+    back = ", ".join(f"{s:.1f}s" for s in chaos.recovery_s) or "-"
+    return f"chaos: killed {kills}; all islands back in a round after {back}"
+
+
 def run_chaos(
-    cfg: RunConfig, islands: int, workdir: Path, plan: ChaosPlan, timeout_s: float = 900.0, echo=print
+    cfg: RunConfig, islands: int, workdir: Path, plan: ChaosPlan, timeout_s: float = 900.0, echo=print,
+    threads: int = 1, per_island: bool = False,
 ) -> tuple[SimResult, ChaosLog]:
     rng = random.Random(plan.seed)
-    sim = Simulation(cfg, islands, workdir, checkpoints=True)
+    sim = Simulation(cfg, islands, workdir, threads, checkpoints=True)
     chaos = ChaosLog()
     pending: list[float] = []  # kill times still waiting for a full round after them
     lock = threading.Lock()
@@ -67,7 +86,7 @@ def run_chaos(
     coordinator_killed = False
     try:
         sim.start()
-        printer = RoundPrinter(echo, fragments=cfg.streaming.fragments)
+        printer = RoundPrinter(echo, per_island, cfg.streaming.fragments)
         last = cfg.rounds.rounds - 1
         for summary in sim.watch(timeout_s):
             note = ""

@@ -297,6 +297,11 @@ def build_parser() -> ArgumentParser:
              "(rate in kbit/mbit/gbit per second, one-way delay in us/ms/s); "
              "a comma-separated list gives one link per island",
     )
+    parser.add_argument(
+        "--chaos", metavar="EVERY[:N]",
+        help="SIGKILL a random island after every EVERY rounds and restart it with --resume; with :N also "
+             "SIGKILL and restart the coordinator once after round N (checkpoints every round, in the workdir)",
+    )
     parser.add_argument("--timeout", type=float, default=1800.0, help="give up after this many seconds (default 1800)")
     return parser
 
@@ -318,6 +323,17 @@ def main(argv: list[str] | None = None) -> None:
         args.overrides.append(f"rounds.rounds={args.rounds}")
     # Every island starts in round 0 and owns its own shard of the data.
     args.overrides = [f"rounds.min_islands={args.islands}", f"data.shards={args.islands}"] + args.overrides
+    chaos_plan = None
+    if args.chaos is not None:
+        from diloco.chaos import parse_chaos  # chaos drives a Simulation: imported here, not at the top
+
+        try:
+            chaos_plan = parse_chaos(args.chaos)
+        except ValueError as e:
+            fail(parser.prog, f"--chaos: {e}")
+        if args.wan is not None:
+            fail(parser.prog, "--chaos and --wan do not combine yet; run one or the other")
+        args.overrides = ["checkpoint.every_rounds=1"] + args.overrides
     cfg = config_from_args(parser.prog, args)
     wan = None
     if args.wan is not None:
@@ -332,11 +348,15 @@ def main(argv: list[str] | None = None) -> None:
                  f"{', eager' if s.eager else ''}") if s.fragments > 1 or s.overlap or s.eager else ""
     print(f"diloco-sim: {args.islands} islands, {cfg.rounds.rounds} rounds of H={cfg.inner.steps_per_round}, "
           f"config {cfg.name!r}{streaming}{_wan_text(wan)} (logs in {workdir})", flush=True)
+    echo = lambda s: print(s, flush=True)  # noqa: E731
     try:
-        result = run_sim(
-            cfg, args.islands, workdir, args.timeout, args.threads, echo=lambda s: print(s, flush=True),
-            per_island=args.per_island, wan=wan,
-        )
+        if chaos_plan is not None:
+            from diloco.chaos import describe, run_chaos
+
+            result, chaos = run_chaos(cfg, args.islands, workdir, chaos_plan, args.timeout, echo, args.threads, args.per_island)
+            echo(describe(chaos))
+        else:
+            result = run_sim(cfg, args.islands, workdir, args.timeout, args.threads, echo=echo, per_island=args.per_island, wan=wan)
     except (RuntimeError, TimeoutError, grpc.RpcError) as e:
         fail(parser.prog, f"simulation failed: {e}")
     except KeyboardInterrupt:

@@ -2,6 +2,12 @@
 
 from __future__ import annotations
 
+import functools
+import json
+import subprocess
+import sys
+from pathlib import Path
+
 import grpc
 import pytest
 import torch
@@ -66,3 +72,32 @@ def wait_for_round(coordinator, round_: int, timeout_s: float = 10.0) -> None:
     state = coordinator.state
     with state.cond:
         assert state.cond.wait_for(lambda: state.round > round_, timeout_s), f"round {round_} did not close"
+
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@functools.cache
+def loopback_namespace() -> bool:
+    """Whether `unshare -rn` works here (user + network namespaces)."""
+    try:
+        return subprocess.run(["unshare", "-rn", "sh", "-c", "ip link set lo up"], capture_output=True, timeout=20).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
+def run_scenario(script: str, name: str, workdir: Path, timeout_s: float, *args: str) -> dict:
+    """Runs tests/<script> <name> <workdir> in a network namespace with only loopback; returns its result.json.
+
+    torchft's Manager and checkpoint server bind every interface: the namespace keeps them on lo.
+    """
+    if not loopback_namespace():
+        pytest.skip("needs `unshare -rn` (user and network namespaces) to keep torchft's servers on a loopback-only network")
+    workdir.mkdir(parents=True, exist_ok=True)
+    cmd = f"ip link set lo up && exec {sys.executable} tests/{script} {name} {workdir} {' '.join(args)}"
+    try:
+        proc = subprocess.run(["unshare", "-rn", "sh", "-c", cmd], cwd=ROOT, capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"scenario {name} outlived {timeout_s:.0f}s; logs in {workdir}")
+    assert proc.returncode == 0, f"scenario {name} failed (logs in {workdir}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    return json.loads((workdir / "result.json").read_text())

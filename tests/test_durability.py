@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import time
 
+import pytest
 import torch
 
 from conftest import random_like, tiny_config, wait_for_round
-from diloco.chaos import ChaosPlan, run_chaos
+from diloco.chaos import ChaosPlan, parse_chaos, run_chaos
 from diloco.codec import Fp32Codec
 from diloco.sim import Simulation, run_sim
 from diloco.v1 import diloco_pb2 as pb
@@ -111,3 +114,19 @@ def test_chaos_run_finishes_consistent_and_close_to_undisturbed(tmp_path):
     final, calm_final = report["rounds"][-1]["eval_loss"], calm.report["rounds"][-1]["eval_loss"]
     assert abs(final - calm_final) / calm_final < 0.05, (final, calm_final)
     assert chaos.recovery_s, "no recovery was measured"
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [("0", "EVERY must be at least 1"), ("3:x", "is not EVERY[:COORDINATOR_AT] with whole numbers"), ("", "is not EVERY")],
+)
+def test_sim_with_a_bad_chaos_spec_exits_2_with_one_line(text, message):
+    out = subprocess.run([sys.executable, "-m", "diloco.sim", "--chaos", text], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2, out.stderr
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("diloco-sim: error: --chaos: ") and message in lines[0], lines
+
+
+def test_parse_chaos():
+    assert (parse_chaos("3:4").island_every, parse_chaos("3:4").coordinator_at) == (3, 4)
+    assert parse_chaos("2").coordinator_at == -1  # the coordinator is left alone

@@ -9,7 +9,6 @@ outer timeout on top.
 
 from __future__ import annotations
 
-import functools
 import json
 import subprocess
 import sys
@@ -18,31 +17,15 @@ from pathlib import Path
 import pytest
 import torch
 
+from conftest import run_scenario
 from islands.cli import build_parser
 from islands.launch import LaunchError, LaunchOptions, adopt_slurm_env, replica_spec, worker_command
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@functools.cache
-def _loopback_namespace() -> bool:
-    try:
-        return subprocess.run(["unshare", "-rn", "sh", "-c", "ip link set lo up"], capture_output=True, timeout=20).returncode == 0
-    except (OSError, subprocess.TimeoutExpired):
-        return False
-
-
 def _scenario(name: str, workdir: Path, timeout_s: float) -> dict:
-    if not _loopback_namespace():
-        pytest.skip("needs `unshare -rn` (user and network namespaces) to keep torchft's servers on a loopback-only network")
-    workdir.mkdir(parents=True, exist_ok=True)
-    cmd = f"ip link set lo up && exec {sys.executable} tests/fsdp_scenarios.py {name} {workdir}"
-    try:
-        proc = subprocess.run(["unshare", "-rn", "sh", "-c", cmd], cwd=ROOT, capture_output=True, text=True, timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        pytest.fail(f"scenario {name} outlived {timeout_s:.0f}s; logs in {workdir}")
-    assert proc.returncode == 0, f"scenario {name} failed (logs in {workdir}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-    return json.loads((workdir / "result.json").read_text())
+    return run_scenario("fsdp_scenarios.py", name, workdir, timeout_s)
 
 
 def _events(reports: Path, tag: str) -> list[dict]:

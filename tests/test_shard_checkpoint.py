@@ -8,9 +8,6 @@ The in-process tests use a one-rank FSDP2 model; the runs are multi-process (coo
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 import types
 from pathlib import Path
 
@@ -18,7 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from conftest import tiny_config
+from conftest import run_scenario, tiny_config
 from diloco.checkpoint import CheckpointError
 from diloco.data import StepIndexedStream
 from diloco.inner import build_inner_optimizer
@@ -28,9 +25,7 @@ from islands.shard_checkpoint import ShardCheckpoint
 from islands.shard_state import Position, ReplicaSpec, ShardFeedback
 from islands.world import IslandWorld
 from test_checkpoint import s3  # noqa: F401  (fixture)
-from test_fsdp_islands import _loopback_namespace
 
-ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
@@ -156,16 +151,7 @@ def test_saves_only_at_a_due_rounds_first_step_in_the_rank0_group(world, tmp_pat
 
 
 def _scenario(name: str, workdir: Path, timeout_s: float, *args: str) -> dict:
-    if not _loopback_namespace():
-        pytest.skip("needs `unshare -rn` (user and network namespaces) to keep the run on a loopback-only network")
-    workdir.mkdir(parents=True, exist_ok=True)
-    cmd = f"ip link set lo up && exec {sys.executable} tests/shard_resume_scenarios.py {name} {workdir} {' '.join(args)}"
-    try:
-        proc = subprocess.run(["unshare", "-rn", "sh", "-c", cmd], cwd=ROOT, capture_output=True, text=True, timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        pytest.fail(f"scenario {name} outlived {timeout_s:.0f}s; logs in {workdir}")
-    assert proc.returncode == 0, f"scenario {name} failed (logs in {workdir}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-    return json.loads((workdir / "result.json").read_text())
+    return run_scenario("shard_resume_scenarios.py", name, workdir, timeout_s, *args)
 
 
 def _assert_resumed_exactly(result: dict, workdir: Path) -> None:
