@@ -333,6 +333,10 @@ class Island:
             c = self.step
             lr = inner_lr(c, total_steps, cfg)
             batch = self.data.next_batch(cfg.batch_size)
+            if self.world.device.type == "cuda":
+                # Charge this step only, not GPU work queued before it (a landing's copies into the
+                # model); train_step's loss.item() then waits for the step's own kernels.
+                torch.cuda.synchronize(self.world.device)
             t0 = time.monotonic()
             loss = train_step(self.model, self.optimizer, batch, lr, cfg.grad_clip, self.world.average_gradients, self.world.device)
             t1 = time.monotonic()
