@@ -25,6 +25,16 @@ def build_inner_optimizer(model: nn.Module, cfg: InnerConfig) -> torch.optim.Opt
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), foreach=True)
 
 
+def compute_precision(device: torch.device | str):
+    """bf16 autocast on CUDA (fp32 master weights and optimizer state); plain fp32 elsewhere.
+
+    Forward and backward run in bf16 like FSDP2's MixedPrecisionPolicy does for
+    sharded islands; the loss and the optimizer stay fp32.
+    """
+    device = torch.device(device)
+    return torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
+
+
 def inner_lr(step: int, total_steps: int, cfg: InnerConfig) -> float:
     """Learning rate at inner step `step`, counted across the whole run (never per round)."""
     if cfg.schedule == "constant":
@@ -47,7 +57,8 @@ def train_step(
 ) -> float:
     """One inner step; returns the (local) loss. reduce_gradients averages grads across the island."""
     inputs, targets = (t.to(device, non_blocking=True) for t in batch)
-    _, loss = model(inputs, targets)
+    with compute_precision(device):
+        _, loss = model(inputs, targets)
     optimizer.zero_grad(set_to_none=True)
     loss.backward()
     if reduce_gradients is not None:
@@ -67,7 +78,8 @@ def evaluate(model: nn.Module, batches: list[Batch], device: torch.device | str 
     model.eval()
     total = 0.0
     for inputs, targets in batches:
-        _, loss = model(inputs.to(device), targets.to(device))
-        total += loss.item()
+        with compute_precision(device):
+            _, loss = model(inputs.to(device), targets.to(device))
+        total += loss.float().item()
     model.train(was_training)
     return total / max(1, len(batches))
