@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import logging
 import multiprocessing as mp
 import statistics
@@ -306,11 +307,18 @@ def run_job(job: tuple[str, int, Setup]) -> JobResult:
     if base in OUTER:
         lr, momentum = OUTER[base]
         cfg.outer.lr, cfg.outer.momentum, cfg.outer.nesterov = lr, momentum, True
-    if codecs:  # "diloco:UP[/DOWN][@ef]"
-        codecs, _, flag = codecs.partition("@")
+    if codecs:  # "diloco:UP[/DOWN][@ef][@dDENSITY]"
+        codecs, *flags = codecs.split("@")
         up, _, down = codecs.partition("/")
         cfg.wire.codec, cfg.wire.downlink_codec = up, down or up
-        cfg.wire.error_feedback = cfg.wire.error_feedback or flag == "ef"
+        cfg.wire.error_feedback = cfg.wire.error_feedback or "ef" in flags
+        for flag in flags:
+            if flag.startswith("decay"):
+                cfg.wire.feedback_decay = float(flag[5:])
+            elif flag.startswith("d"):
+                cfg.wire.topk_density = float(flag[1:])
+            elif flag == "sgd":  # SparseLoCo: error feedback stands in for outer momentum
+                cfg.outer.lr, cfg.outer.momentum = 1.0, 0.0
     held_out = eval_batches(cfg.data, setup.eval_batches, setup.eval_batch_size)
     curve: list[tuple[int, float]] = []
     started = time.monotonic()
@@ -428,9 +436,13 @@ def codec_table(summary: dict[str, Summary]) -> list[str]:
             "| codec up / down | eval loss (mean ± std) | per seed | loss cost vs fp32 | bytes up per island-round | smaller | bytes down per island-round | smaller |",
             "|---|---|---|---|---|---|---|---|"]
     for s in [base, *variants]:
-        spec, _, flag = (s.method.partition(":")[2] or "fp32").partition("@")
+        spec, *flags = (s.method.partition(":")[2] or "fp32").split("@")
         up, _, down = spec.partition("/")
-        down = (down or up) + (", error feedback" if flag else "")
+        down = down or up
+        for flag in flags:
+            up += f" (density {flag[1:]})" if re.fullmatch(r"d[\d.]+", flag) else ""
+            down += {"ef": ", error feedback", "sgd": ", outer lr 1 no momentum"}.get(flag, "")
+            down += f", feedback decay {flag[5:]}" if flag.startswith("decay") else ""
         cost = 100.0 * (s.mean - base.mean) / base.mean
         rows.append(
             f"| {up} / {down} | {s.mean:.4f} ± {s.std:.4f} | {', '.join(f'{v:.4f}' for v in s.per_seed)} | "
@@ -453,7 +465,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--methods", default=",".join(METHODS), help=f"subset of {','.join(METHODS)}")
     p.add_argument("--codecs", default="", metavar="UP[/DOWN],...",
                    help="also run DiLoCo with these codecs up (and down; default the same), e.g. e3m0+zstd,topk/int8; "
-                        "a suffix @ef turns on the islands' error feedback (always on for topk)")
+                        "suffixes: @ef turns on the islands' error feedback (always on for topk), @dDENSITY sets the top-k "
+                        "density, @decayD the error-feedback decay, @sgd outer lr 1 without momentum (SparseLoCo)")
     p.add_argument("--workers", type=int, default=2, help="worker processes (default 2)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="extra RunConfig override applied to every method (repeatable)")
@@ -495,9 +508,12 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"convergence: error: unknown methods {unknown} or no seeds")
     methods = [m for m in METHODS if m in methods]
     for spec in filter(None, args.codecs.split(",")):
-        codecs, _, flag = spec.partition("@")
-        if flag not in ("", "ef"):
-            raise SystemExit(f"convergence: error: --codecs {spec}: the only suffix is @ef (error feedback on the islands)")
+        codecs, *flags = spec.split("@")
+        for flag in flags:
+            if flag not in ("ef", "sgd") and not re.fullmatch(r"(d|decay)(0?\.\d+|1)", flag):
+                raise SystemExit(f"convergence: error: --codecs {spec}: suffixes are @ef (error feedback on the islands), "
+                                 "@dDENSITY (top-k density, e.g. @d0.05), @decayD (error-feedback decay) and "
+                                 "@sgd (outer lr 1, no momentum, as SparseLoCo)")
         for name in codecs.split("/"):
             try:
                 get_codec(name)
