@@ -39,9 +39,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import logging
+import math
 import multiprocessing as mp
+import re
 import statistics
 import sys
 import time
@@ -415,7 +416,7 @@ def markdown(summary: dict[str, Summary], setup: Setup, cfg: RunConfig, seeds: l
         if ":" in s.method:
             continue  # codec variants get their own table
         per_seed = ", ".join(f"{v:.4f}" for v in s.per_seed)
-        vs = "—" if s.method == "ddp" else f"{s.vs_ddp_pct:+.2f}%"
+        vs = "—" if s.method == "ddp" or math.isnan(s.vs_ddp_pct) else f"{s.vs_ddp_pct:+.2f}%"
         rows.append(f"| {names[s.method]} | {s.mean:.4f} ± {s.std:.4f} | {per_seed} | {vs} | {s.tokens / 1e6:.2f}M |")
     rows += codec_table(summary)
     steps = [st for st, _ in next(iter(summary.values())).curve_mean]
@@ -448,6 +449,16 @@ def codec_table(summary: dict[str, Summary]) -> list[str]:
             f"| {up} / {down} | {s.mean:.4f} ± {s.std:.4f} | {', '.join(f'{v:.4f}' for v in s.per_seed)} | "
             f"{cost:+.2f}% | {s.bytes_up:,} | {base.bytes_up / s.bytes_up:.1f}x | {s.bytes_down:,} | {base.bytes_down / s.bytes_down:.1f}x |"
         )
+    # Issue targets: 4-bit >= 8x smaller at <= 0.5% cost; top-k with error feedback >= 30x at <= 2% (uplink bytes).
+    rows.append("")
+    for s in variants:
+        up = s.method.partition(":")[2].partition("/")[0].split("@")[0]
+        goal = {"e3m0": (8.0, 0.5), "topk": (30.0, 2.0)}.get(up.split("+")[0])
+        if goal:
+            smaller, cost = base.bytes_up / s.bytes_up, 100.0 * (s.mean - base.mean) / base.mean
+            ok = smaller >= goal[0] and cost <= goal[1]
+            rows.append(f"- {s.method.partition(':')[2]}: >= {goal[0]:.0f}x smaller up at <= {goal[1]}% cost: "
+                        f"{'MET' if ok else 'NOT MET'} ({smaller:.1f}x, {cost:+.2f}%)")
     return rows
 
 
