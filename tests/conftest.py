@@ -6,6 +6,7 @@ import functools
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import grpc
@@ -101,3 +102,19 @@ def run_scenario(script: str, name: str, workdir: Path, timeout_s: float, *args:
         pytest.fail(f"scenario {name} outlived {timeout_s:.0f}s; logs in {workdir}")
     assert proc.returncode == 0, f"scenario {name} failed (logs in {workdir}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     return json.loads((workdir / "result.json").read_text())
+
+
+def kill_all_and_resume(sim, step: int, islands: int, timeout_s: float) -> None:
+    """Once the coordinator and every island committed checkpoint `step`, SIGKILLs them all and restarts them with --resume."""
+    ckpt = sim.workdir / "ckpt"
+    owners = ["coordinator", *(f"island-{i}" for i in range(islands))]
+    deadline = time.monotonic() + timeout_s
+    while not all((ckpt / d / f"step-{step:010d}" / "COMMITTED").exists() for d in owners):
+        assert time.monotonic() < deadline, f"checkpoints of step {step} never appeared"
+        time.sleep(0.02)
+    sim.kill_coordinator()
+    for i in range(islands):
+        sim.kill_island(i)
+    sim.start_coordinator(resume=True)
+    for i in range(islands):
+        sim.start_island(i, resume=True)

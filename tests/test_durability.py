@@ -9,7 +9,7 @@ import time
 import pytest
 import torch
 
-from conftest import random_like, tiny_config, wait_for_round
+from conftest import kill_all_and_resume, random_like, tiny_config, wait_for_round
 from diloco.chaos import ChaosPlan, parse_chaos, run_chaos
 from diloco.codec import Fp32Codec
 from diloco.sim import Simulation, run_sim
@@ -58,29 +58,15 @@ def test_coordinator_resume_restores_parameters_momentum_round_and_members(make_
         second.stop(0.5)
 
 
-def _committed(path, step: int) -> bool:
-    return (path / f"step-{step:010d}" / "COMMITTED").exists()
-
-
 def test_stopped_and_resumed_run_ends_bit_identical(tmp_path):
     cfg = _sim_config(6, 2, "inner.steps_per_round=25")
     straight = run_sim(cfg, 2, tmp_path / "straight", timeout_s=300, echo=lambda s: None)
 
     sim = Simulation(cfg, 2, tmp_path / "stopped", checkpoints=True)
-    ckpt = tmp_path / "stopped" / "ckpt"
     try:
         sim.start()
         # Pull the plug on everything in the middle of round 2, once its checkpoints are in.
-        deadline = time.monotonic() + 120
-        while not all(_committed(ckpt / d, 2) for d in ("coordinator", "island-0", "island-1")):
-            assert time.monotonic() < deadline, "checkpoints of round 2 never appeared"
-            time.sleep(0.02)
-        sim.kill_coordinator()
-        for i in range(2):
-            sim.kill_island(i)
-        sim.start_coordinator(resume=True)
-        for i in range(2):
-            sim.start_island(i, resume=True)
+        kill_all_and_resume(sim, step=2, islands=2, timeout_s=120)
         for _ in sim.watch(300):
             pass
         resumed = sim.finish(300)

@@ -10,13 +10,12 @@ reproduce it bit for bit.
 from __future__ import annotations
 
 import threading
-import time
 
 import grpc
 import pytest
 import torch
 
-from conftest import random_like, tiny_config, wait_for_round
+from conftest import kill_all_and_resume, random_like, tiny_config, wait_for_round
 from diloco.codec import Fp32Codec
 from diloco.config import RunConfig
 from diloco.data import train_stream
@@ -276,10 +275,6 @@ def test_eager_estimate_with_one_island_is_the_exact_result(make_coordinator):
     assert checksum(island.global_params) == coordinator.state.checksum
 
 
-def _committed(path, step: int) -> bool:
-    return (path / f"step-{step:010d}" / "COMMITTED").exists()
-
-
 def test_streaming_run_stopped_and_resumed_ends_bit_identical(make_coordinator, tmp_path):
     """Two islands, two fragments, tau = 1, eager updates, 4-bit up and down; every process killed mid-run."""
     cfg = _cfg(
@@ -293,20 +288,10 @@ def test_streaming_run_stopped_and_resumed_ends_bit_identical(make_coordinator, 
     expected = straight.state.checksum
 
     sim = Simulation(cfg, 2, tmp_path / "stopped", checkpoints=True)
-    ckpt = tmp_path / "stopped" / "ckpt"
     try:
         sim.start()
         # Pull the plug once every fragment has closed two rounds (step 4) and everyone has checkpointed it.
-        deadline = time.monotonic() + 60
-        while not all(_committed(ckpt / d, 4) for d in ("coordinator", "island-0", "island-1")):
-            assert time.monotonic() < deadline, "checkpoints of step 4 never appeared"
-            time.sleep(0.02)
-        sim.kill_coordinator()
-        for i in range(2):
-            sim.kill_island(i)
-        sim.start_coordinator(resume=True)
-        for i in range(2):
-            sim.start_island(i, resume=True)
+        kill_all_and_resume(sim, step=4, islands=2, timeout_s=60)
         summaries = list(sim.watch(100))
         resumed = sim.finish(100)
     finally:
