@@ -539,7 +539,7 @@ def main(argv: list[str] | None = None) -> None:
     reused = {k: v for k, v in reused.items() if k[0] in methods and k[1] in seeds}
     todo = [m for m in methods if any((m, s) not in reused for s in seeds)]
     started = time.monotonic()
-    results = run_all(setup, todo, [s for s in seeds], args.workers, skip=set(reused)) if todo else []
+    results = run_all(setup, todo, seeds, args.workers, skip=set(reused)) if todo else []
     results += list(reused.values())
     wall = time.monotonic() - started
     summary = summarize(results, methods)

@@ -199,20 +199,8 @@ class CoordinatorState:
         return self.fragments[0].contributions
 
     @property
-    def dropped(self):
-        return self.fragments[0].dropped
-
-    @property
     def traffic(self):
         return self.fragments[0].traffic
-
-    @property
-    def param_lock(self):
-        return self.fragments[0].param_lock
-
-    @property
-    def round_opened_at(self) -> float:
-        return self.fragments[0].round_opened_at
 
     # --- membership -------------------------------------------------------------
 
