@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import json
+import shlex
 import subprocess
 import sys
 import time
@@ -78,11 +79,21 @@ def wait_for_round(coordinator, round_: int, timeout_s: float = 10.0) -> None:
 ROOT = Path(__file__).resolve().parents[1]
 
 
+# Brings `lo` up inside a fresh network namespace, like `ip link set lo up`, without needing iproute2
+# (SIOCGIFFLAGS / SIOCSIFFLAGS on a struct ifreq: 16-byte name, short flags, padding to 40 bytes).
+LO_UP = (
+    "import fcntl, socket, struct; s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM); "
+    "f = struct.unpack_from('16sH', fcntl.ioctl(s, 0x8913, struct.pack('16sH22x', b'lo', 0)))[1]; "
+    "fcntl.ioctl(s, 0x8914, struct.pack('16sH22x', b'lo', f | 1))"
+)
+LO_UP_CMD = f"{shlex.quote(sys.executable)} -c {shlex.quote(LO_UP)}"
+
+
 @functools.cache
 def loopback_namespace() -> bool:
     """Whether `unshare -rn` works here (user + network namespaces)."""
     try:
-        return subprocess.run(["unshare", "-rn", "sh", "-c", "ip link set lo up"], capture_output=True, timeout=20).returncode == 0
+        return subprocess.run(["unshare", "-rn", "sh", "-c", LO_UP_CMD], capture_output=True, timeout=20).returncode == 0
     except (OSError, subprocess.TimeoutExpired):
         return False
 
@@ -95,7 +106,7 @@ def run_scenario(script: str, name: str, workdir: Path, timeout_s: float, *args:
     if not loopback_namespace():
         pytest.skip("needs `unshare -rn` (user and network namespaces) to keep torchft's servers on a loopback-only network")
     workdir.mkdir(parents=True, exist_ok=True)
-    cmd = f"ip link set lo up && exec {sys.executable} tests/{script} {name} {workdir} {' '.join(args)}"
+    cmd = f"{LO_UP_CMD} && exec {sys.executable} tests/{script} {name} {workdir} {' '.join(args)}"
     try:
         proc = subprocess.run(["unshare", "-rn", "sh", "-c", cmd], cwd=ROOT, capture_output=True, text=True, timeout=timeout_s)
     except subprocess.TimeoutExpired:
