@@ -31,6 +31,8 @@ def build_parser() -> ArgumentParser:
     add_config_flags(j)
     j.add_argument("--device", default="auto", help="cpu, cuda or auto (default: cuda when available)")
     j.add_argument("--threads", type=int, default=0, help="torch CPU threads (default: torch's choice)")
+    j.add_argument("--compile", action="store_true",
+                   help="torch.compile the model (one-rank islands; worth it on a GPU, the first steps pay the compile)")
     j.add_argument("--connect-timeout", type=float, default=60.0, help="seconds to wait for the coordinator (default 60)")
     j.add_argument("--checkpoint", metavar="URL", default="", help="where to checkpoint this island (local path or s3://...)")
     j.add_argument("--checkpoint-every", type=int, default=5, metavar="N", help="checkpoint every N rounds (default 5)")
@@ -66,7 +68,7 @@ def build_parser() -> ArgumentParser:
 def _launch_options(args) -> LaunchOptions:
     return LaunchOptions(
         args.nproc_per_node, args.replica_groups, args.max_restarts, args.lighthouse, args.island_key, args.ft_host,
-        args.ft_heartbeat_timeout,
+        args.ft_heartbeat_timeout, args.device,
     )
 
 
@@ -91,6 +93,8 @@ def main(argv: list[str] | None = None) -> None:
         args.nproc_per_node > 1 or args.replica_groups > 1
         or int(os.environ.get("WORLD_SIZE", "1")) > 1 or int(os.environ.get("DILOCO_REPLICA_GROUPS", "1")) > 1
     )
+    if sharded and args.compile:
+        fail(parser.prog, "--compile is for one-rank islands for now; drop it for --nproc-per-node/--replica-groups islands")
     if sharded and cfg is not None:
         try:
             refuse_streaming(cfg)
@@ -115,7 +119,10 @@ def main(argv: list[str] | None = None) -> None:
         # torchft logs every quorum and commit; its warnings repeat a flight-recorder note at each quorum change.
         for name in ("torchft", "torchft_quorums", "torchft_commits", "torchft_errors"):
             logging.getLogger(name).setLevel(logging.ERROR)
-    world = IslandWorld.init(args.device)
+    try:
+        world = IslandWorld.init(args.device)
+    except ValueError as e:
+        fail(parser.prog, str(e))
     try:
         if sharded:
             result = run_sharded(
@@ -127,7 +134,7 @@ def main(argv: list[str] | None = None) -> None:
         else:
             result = join_and_run(
                 args.coordinator, cfg, world, args.max_rounds, args.connect_timeout,
-                args.checkpoint, args.checkpoint_every, args.resume,
+                args.checkpoint, args.checkpoint_every, args.resume, args.compile,
             )
         log.info(
             "%s finished at round %d after %d rounds; parameters checksum %s (%s the coordinator's)",

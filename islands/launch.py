@@ -82,6 +82,32 @@ class LaunchOptions:
     island_key: str = ""
     ft_host: str = ""
     heartbeat_timeout_s: float = 5.0
+    device: str = "auto"  # cpu, cuda or auto: decides whether the groups are given GPUs
+
+
+def gpu_placement(opts: LaunchOptions, env: dict[str, str], device_count: int) -> list[str] | None:
+    """CUDA_VISIBLE_DEVICES for each replica group started on this node, or None on CPU.
+
+    torchrun gives a group's ranks LOCAL_RANK 0..N-1 and each rank takes cuda:LOCAL_RANK, so
+    without this every group would land on the same N GPUs, and NCCL refuses two ranks of one
+    communicator (torchft's cross-group one included) on one GPU. Group g gets GPUs
+    [g*N, (g+1)*N) of those visible here.
+    """
+    cuda = opts.device.startswith("cuda") or (opts.device == "auto" and device_count > 0)
+    if not cuda:
+        return None
+    visible = env.get("CUDA_VISIBLE_DEVICES")
+    gpus = [d.strip() for d in visible.split(",") if d.strip()] if visible is not None else [str(i) for i in range(device_count)]
+    gpus = gpus[:device_count] if visible is not None else gpus
+    need = opts.replica_groups * opts.nproc_per_node
+    if need > len(gpus):
+        raise LaunchError(
+            f"--replica-groups {opts.replica_groups} x --nproc-per-node {opts.nproc_per_node} needs {need} GPUs on this node, "
+            f"but {len(gpus)} {'is' if len(gpus) == 1 else 'are'} visible (NCCL cannot put two ranks on one GPU): lower them, "
+            "start the replica groups on separate nodes (one torchrun or srun step each, sharing --lighthouse), or use --device cpu"
+        )
+    n = opts.nproc_per_node
+    return [",".join(gpus[g * n:(g + 1) * n]) for g in range(opts.replica_groups)]
 
 
 def worker_command(worker_argv: list[str], opts: LaunchOptions) -> list[str]:
@@ -97,6 +123,7 @@ def launch(worker_argv: list[str], opts: LaunchOptions) -> int:
     if opts.nproc_per_node < 1 or opts.replica_groups < 1:
         raise LaunchError("--nproc-per-node and --replica-groups must be at least 1")
     host = opts.ft_host or os.environ.get(FT_HOST_ENV) or socket.gethostname()
+    placement = gpu_placement(opts, dict(os.environ), torch.cuda.device_count())
     key = opts.island_key or os.environ.get(KEY_ENV) or f"{socket.gethostname()}-{uuid.uuid4().hex[:8]}"
     lighthouse, server = opts.lighthouse or os.environ.get(LIGHTHOUSE_ENV, ""), None
     os.environ.setdefault("RUST_LOG", "warn")  # torchft's lighthouse and managers log every quorum at info
@@ -119,6 +146,8 @@ def launch(worker_argv: list[str], opts: LaunchOptions) -> int:
             env = dict(os.environ, **{GROUP_ENV: str(g), GROUPS_ENV: str(opts.replica_groups), KEY_ENV: key, FT_HOST_ENV: host})
             if lighthouse:
                 env[LIGHTHOUSE_ENV] = lighthouse
+            if placement is not None:
+                env["CUDA_VISIBLE_DEVICES"] = placement[g]
             procs.append(subprocess.Popen(worker_command(worker_argv, opts), env=env, start_new_session=True))
         log.info("island %s: %d replica group(s) x %d rank(s) started (lighthouse %s)", key, opts.replica_groups, opts.nproc_per_node, lighthouse or "-")
         codes = [p.wait() for p in procs]

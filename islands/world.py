@@ -55,6 +55,13 @@ class IslandWorld:
         if device == "auto":
             device = "cuda" if torch.cuda.is_available() else "cpu"
         backend = "nccl" if device.startswith("cuda") else "gloo"
+        if device == "cuda":
+            local, visible = int(os.environ.get("LOCAL_RANK", 0)), torch.cuda.device_count()
+            if local >= visible:
+                raise ValueError(
+                    f"--device cuda: this rank's LOCAL_RANK is {local} but {visible} CUDA device(s) are visible; "
+                    "start at most one rank per GPU on a node (--nproc-per-node), or pass --device cpu"
+                )
         if not dist.is_initialized():
             if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
                 dist.init_process_group(backend, **_attempt_store())
