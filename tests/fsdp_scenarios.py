@@ -206,8 +206,29 @@ def torchrun(workdir: Path) -> None:
         run.close()
 
 
-SCENARIOS = {"two_islands": two_islands, "faults": faults, "torchrun": torchrun}
+def cuda(workdir: Path, nproc: str = "0", groups: str = "1") -> None:
+    """The GPU paths: a one-rank island under bf16 autocast and, when nproc > 0, a sharded island of
+    groups x nproc ranks (FSDP2 over NCCL with bf16 compute; torchft over NCCL when groups > 1)."""
+    sharded = int(nproc) > 0
+    cfg = tiny_config(
+        "model.d_model=256", "model.n_layers=2", "model.n_heads=4", "model.d_ff=1024", "inner.steps_per_round=3",
+        "rounds.rounds=3", f"rounds.min_islands={2 if sharded else 1}", "data.shards=2", "wire.chunk_bytes=65536",
+        "rounds.deadline_s=120", "rounds.heartbeat_s=0.5", "rounds.lease_s=30",
+    )
+    run = Run(workdir, cfg, deadline_s=200)
+    try:
+        if sharded:
+            flags = ["cuda" if f == "cpu" else f for f in SHARDED_FLAGS]
+            run.island("sharded", "--nproc-per-node", nproc, "--replica-groups", groups, "--max-restarts", "0",
+                       "--report-dir", str(workdir / "sharded"), *flags)
+        run.island("single", "--device", "cuda")
+        run.finish()
+    finally:
+        run.close()
+
+
+SCENARIOS = {"two_islands": two_islands, "faults": faults, "torchrun": torchrun, "cuda": cuda}
 
 if __name__ == "__main__":
     logging.basicConfig(level=logging.INFO, format="%(asctime)s [scenario] %(levelname)s %(name)s: %(message)s")
-    SCENARIOS[sys.argv[1]](Path(sys.argv[2]))
+    SCENARIOS[sys.argv[1]](Path(sys.argv[2]), *sys.argv[3:])

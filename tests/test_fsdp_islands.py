@@ -191,8 +191,9 @@ def test_rank_environment_from_torchrun_and_slurm():
     [
         ([], {"RANK": "0", "WORLD_SIZE": "1", "DILOCO_REPLICA_GROUPS": "2"}, "need a torchft lighthouse"),
         ([], {"SLURM_PROCID": "0", "SLURM_NTASKS": "2"}, "MASTER_ADDR"),
+        (["--nproc-per-node", "2", "--compile"], {}, "--compile is for one-rank islands"),
     ],
-    ids=["torchrun-without-lighthouse", "slurm-without-master"],
+    ids=["torchrun-without-lighthouse", "slurm-without-master", "compile-sharded"],
 )
 def test_bad_launches_are_one_line_errors(argv, env, message):
     clean = {k: v for k, v in __import__("os").environ.items() if not k.startswith(("RANK", "WORLD_SIZE", "SLURM", "DILOCO", "TORCHFT"))}
