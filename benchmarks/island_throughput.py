@@ -23,8 +23,9 @@ From that:
 with N every parameter, the tied embedding counted once (it is the LM head's
 matmul; the lookup costs nothing): `Transformer.flops_per_token`. The island's
 wall-clock throughput over the same rounds (exchanges with the coordinator
-included) is reported beside it. Note the one-rank island trains in fp32 (no
-autocast), so MFU against the bf16 tensor-core peak is that of an fp32 island.
+included) is reported beside it. On CUDA the one-rank island computes under
+bf16 autocast over fp32 master weights (diloco/inner.py compute_precision);
+--compile adds torch.compile (the warm-up round pays the compilation).
 
 Run from the repository root on a GPU machine:
     python benchmarks/island_throughput.py --device cuda --rounds 5 --steps-per-round 20 --json out.json
@@ -79,6 +80,7 @@ def build_parser() -> ArgumentParser:
     p.add_argument("--steps-per-round", type=int, default=20, metavar="H", help="inner steps per round (default 20)")
     p.add_argument("--peak-tflops", type=float, default=None, help="peak dense bf16 TFLOP/s (default: from the device name)")
     p.add_argument("--threads", type=int, default=0, help="island torch CPU threads (default: torch's choice)")
+    p.add_argument("--compile", action="store_true", help="torch.compile the island's model (diloco-island join --compile)")
     p.add_argument("--timeout", type=float, default=1800.0, metavar="S", help="give up after S seconds (default 1800)")
     p.add_argument("--json", metavar="PATH", help="also write the figures here")
     return p
@@ -120,10 +122,10 @@ def load(args) -> RunConfig:
         fail(PROG, str(e))
 
 
-def run_island(coordinator: Coordinator, device: str, threads: int, deadline: float, workdir: Path) -> dict:
+def run_island(coordinator: Coordinator, device: str, threads: int, deadline: float, workdir: Path, compile_model: bool) -> dict:
     """Runs `diloco-island join` to the end of the run; returns the stats it reported when leaving."""
     cmd = [sys.executable, "-m", "islands", "join", "--coordinator", f"127.0.0.1:{coordinator.port}",
-           "--device", device, "--threads", str(threads), "--connect-timeout", "60", "--log-level", "info"]
+           "--device", device, "--threads", str(threads), "--connect-timeout", "60", "--log-level", "info"] + (["--compile"] if compile_model else [])
     log_path = workdir / "island.log"
     with open(log_path, "w") as out:
         proc = subprocess.Popen(cmd, cwd=REPO_ROOT, stdout=out, stderr=subprocess.STDOUT,
@@ -207,7 +209,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         coordinator = start_coordinator(cfg, "127.0.0.1", 0, spool_dir=str(workdir / "spool"))
         log.info("%s: %d rounds x %d steps of %s on %s", PROG, cfg.rounds.rounds, args.steps_per_round, cfg.name, name)
-        stats = run_island(coordinator, device, args.threads, deadline, workdir)
+        stats = run_island(coordinator, device, args.threads, deadline, workdir, args.compile)
         result = figures(cfg, stats, name, device, peak, command)
     except RuntimeError as e:
         fail(PROG, str(e))

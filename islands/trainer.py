@@ -69,7 +69,10 @@ class IslandResult:
 
 
 class Island:
-    def __init__(self, cfg: RunConfig, world: IslandWorld, client: CoordinatorClient | None, joined: pb.JoinResponse):
+    def __init__(
+        self, cfg: RunConfig, world: IslandWorld, client: CoordinatorClient | None, joined: pb.JoinResponse,
+        compile_model: bool = False,
+    ):
         self.cfg = cfg
         self.world = world
         self.client = client  # None on follower ranks
@@ -86,6 +89,9 @@ class Island:
         self.model = Transformer(cfg.model).to(world.device)
         if Manifest.of(dict(self.model.named_parameters())) != self.manifest:
             raise RuntimeError("the coordinator's parameter manifest does not match this island's model; check model config")
+        if compile_model:
+            # In place (nn.Module.compile): parameter names, and so the manifest and checkpoints, stay as they are.
+            self.model.compile()
         self.optimizer = build_inner_optimizer(self.model, cfg.inner)
         # Every rank of the island reads its own slice of the island's shard.
         shards = cfg.data.shards * world.world_size
@@ -379,6 +385,7 @@ def join_and_run(
     checkpoint_url: str = "",
     checkpoint_every: int = 1,
     resume: bool = False,
+    compile_model: bool = False,
 ) -> IslandResult:
     """Joins the coordinator at address (config None: adopt the coordinator's) and trains to the end.
 
@@ -404,7 +411,7 @@ def join_and_run(
     run_cfg = cfg if cfg is not None else config_from_toml(joined.config_toml)
     torch.manual_seed(run_cfg.seed + 1000 * world.rank)
     try:
-        island = Island(run_cfg, world, client, joined)
+        island = Island(run_cfg, world, client, joined, compile_model)
         if previous is not None:
             durable.restore(island, store, prefer_step=sum(joined.fragment_rounds) if joined.fragment_rounds else joined.round)
         if client is not None:
