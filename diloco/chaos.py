@@ -84,6 +84,9 @@ def run_chaos(
         t.start()
 
     coordinator_killed = False
+    # The next island kill is due after this round; it waits while an earlier kill is still under way
+    # (on a fast machine several rounds close during one), rather than being skipped.
+    island_due = plan.island_every - 1
     try:
         sim.start()
         printer = RoundPrinter(echo, per_island, cfg.streaming.fragments)
@@ -100,7 +103,8 @@ def run_chaos(
                     coordinator_killed = True
                     kill_later("coordinator", summary.round)
                     note = "-> killing the coordinator"
-                elif summary.round % plan.island_every == plan.island_every - 1:
+                elif summary.round >= island_due:
+                    island_due = summary.round + plan.island_every
                     who = f"island-{rng.randrange(islands)}"
                     kill_later(who, summary.round)
                     note = f"-> killing {who}"
