@@ -62,6 +62,7 @@ def _codec_options(wire: WireConfig) -> dict:
         "block_size": wire.block_size,
         "density": wire.topk_density,
         "topk_block": wire.topk_block,
+        "topk_bits": wire.topk_bits,
     }
 
 
@@ -76,7 +77,8 @@ def downlink_codec(wire: WireConfig) -> Codec:
 
 
 def uses_error_feedback(wire: WireConfig) -> bool:
-    return wire.error_feedback or wire.codec == "topk"
+    """Islands keep an error-feedback buffer when asked to, and always for top-k (with or without zstd)."""
+    return wire.error_feedback or wire.codec.partition("+")[0] == "topk"
 
 
 def encode_chunks(

@@ -206,3 +206,26 @@ def _shapes(cfg):
     from coordinator.server import initial_parameters
 
     return {n: t.shape for n, t in initial_parameters(cfg).items()}
+
+
+@pytest.mark.parametrize(
+    "overrides, expected",
+    [
+        (["wire.codec=topk"], True),
+        (["wire.codec=topk+zstd"], True),  # was missed once: error feedback silently off
+        (["wire.codec=topk", "wire.zstd=true"], True),
+        (["wire.codec=int8+zstd"], False),
+        (["wire.codec=int8", "wire.error_feedback=true"], True),
+    ],
+)
+def test_islands_keep_error_feedback_for_topk_however_it_is_spelled(make_coordinator, overrides, expected):
+    cfg = tiny_config("rounds.rounds=1", *overrides)
+    coordinator = make_coordinator(cfg)
+    world = IslandWorld.init("cpu")
+    client = CoordinatorClient(f"127.0.0.1:{coordinator.port}", connect_timeout_s=10)
+    try:
+        island = Island(cfg, world, client, client.join(cfg.digest(), uplink_codec(cfg.wire).name))
+        assert (island.feedback is not None) == expected
+    finally:
+        client.close()
+        world.shutdown()
