@@ -180,7 +180,8 @@ def wire_bytes(pg: dict[str, torch.Tensor], names: list[str]) -> list[str]:
     ]
     baseline = None
     for name in names:
-        codec = get_codec(name)
+        base, _, density = name.partition("@d")  # "topk+zstd@d0.15": top-k at 15% density
+        codec = get_codec(base, density=float(density)) if density else get_codec(base)
         total = header
         err_num = err_den = 0.0
         for chunk in tensor_chunks(pg, codec, CHUNK_BYTES):
@@ -211,7 +212,8 @@ def main() -> None:
         data = Path(args.data)
         data = data if data.is_absolute() else (REPO_ROOT / data).resolve()
         pg = real_pseudo_gradient(data)
-        names = ["fp32", "fp32+zstd", "bf16", "bf16+zstd", "int8", "int8+zstd", "e3m0", "e3m0+zstd", "topk", "topk+zstd"]
+        names = ["fp32", "fp32+zstd", "bf16", "bf16+zstd", "int8", "int8+zstd", "e3m0", "e3m0+zstd", "topk", "topk+zstd",
+                 "topk@d0.05", "topk+zstd@d0.05", "topk@d0.1", "topk+zstd@d0.1", "topk@d0.15", "topk+zstd@d0.15"]
         print("\nBytes on the wire for one island's push:\n")
         print("\n".join(wire_bytes(pg, names)), flush=True)
 

@@ -318,6 +318,8 @@ def run_job(job: tuple[str, int, Setup]) -> JobResult:
                 cfg.wire.feedback_decay = float(flag[5:])
             elif flag.startswith("d"):
                 cfg.wire.topk_density = float(flag[1:])
+            elif flag.startswith("b"):
+                cfg.wire.topk_bits = int(flag[1:])
             elif flag == "sgd":  # SparseLoCo: error feedback stands in for outer momentum
                 cfg.outer.lr, cfg.outer.momentum = 1.0, 0.0
     held_out = eval_batches(cfg.data, setup.eval_batches, setup.eval_batch_size)
@@ -477,7 +479,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--codecs", default="", metavar="UP[/DOWN],...",
                    help="also run DiLoCo with these codecs up (and down; default the same), e.g. e3m0+zstd,topk/int8; "
                         "suffixes: @ef turns on the islands' error feedback (always on for topk), @dDENSITY sets the top-k "
-                        "density, @decayD the error-feedback decay, @sgd outer lr 1 without momentum (SparseLoCo)")
+                        "density, @bBITS the top-k value bits, @decayD the error-feedback decay, @sgd outer lr 1 without momentum (SparseLoCo)")
     p.add_argument("--workers", type=int, default=2, help="worker processes (default 2)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="extra RunConfig override applied to every method (repeatable)")
@@ -521,9 +523,9 @@ def main(argv: list[str] | None = None) -> None:
     for spec in filter(None, args.codecs.split(",")):
         codecs, *flags = spec.split("@")
         for flag in flags:
-            if flag not in ("ef", "sgd") and not re.fullmatch(r"(d|decay)(0?\.\d+|1)", flag):
+            if flag not in ("ef", "sgd") and not re.fullmatch(r"(d|decay)(0?\.\d+|1)|b[2-8]", flag):
                 raise SystemExit(f"convergence: error: --codecs {spec}: suffixes are @ef (error feedback on the islands), "
-                                 "@dDENSITY (top-k density, e.g. @d0.05), @decayD (error-feedback decay) and "
+                                 "@dDENSITY (top-k density, e.g. @d0.05), @bBITS (top-k value bits), @decayD (error-feedback decay) and "
                                  "@sgd (outer lr 1, no momentum, as SparseLoCo)")
         for name in codecs.split("/"):
             try:

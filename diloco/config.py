@@ -105,6 +105,7 @@ class WireConfig:
     block_size: int = 256  # elements per scale block (int8, e3m0)
     topk_density: float = 0.02
     topk_block: int = 4096
+    topk_bits: int = 2  # per kept value: a sign bit and bits-1 bits choosing one of 2^(bits-1) magnitude levels
     # Payload bytes per chunk; far under gRPC's 4 MB default message limit.
     chunk_bytes: int = 1 << 20
 

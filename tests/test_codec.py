@@ -68,14 +68,15 @@ def test_e3m0_values_are_signed_powers_of_two_of_the_block_absmax():
     assert torch.allclose(y.abs().amax(1, keepdim=True), absmax)
 
 
-def test_topk_keeps_the_largest_of_each_block_with_their_signs():
-    codec = get_codec("topk", density=0.05, topk_block=200)
+@pytest.mark.parametrize("density, k", [(0.05, 10), (0.15, 30)], ids=["uint16-positions", "bitmap-positions"])
+def test_topk_keeps_the_largest_of_each_block_with_their_signs(density, k):
+    codec = get_codec("topk", density=density, topk_block=200)
     x = _x(1000)
     y = codec.decode(codec.encode(x), x.numel())
     for block_x, block_y in zip(x.view(-1, 200), y.view(-1, 200)):
         kept = block_y != 0
-        assert int(kept.sum()) == 10
-        assert set(block_y.nonzero().flatten().tolist()) == set(block_x.abs().topk(10).indices.tolist())
+        assert int(kept.sum()) == k
+        assert set(block_y.nonzero().flatten().tolist()) == set(block_x.abs().topk(k).indices.tolist())
         assert (torch.sign(block_y[kept]) == torch.sign(block_x[kept])).all()
         assert len(set(block_y[kept].abs().tolist())) <= 2  # two magnitude levels per block
 
@@ -99,8 +100,56 @@ def test_malformed_payload_is_value_error(name):
         codec.decode(payload + b"\0" * 600, 500)
 
 
+def test_topk_positions_travel_as_whichever_is_smaller_uint16s_or_a_bitmap():
+    # 4096-element blocks: k uint16 positions up to density 1/16 (512 bytes), a 512-byte bitmap above.
+    for density, positions in [(0.02, 2 * 82), (0.0625, 2 * 256), (0.07, 512), (0.15, 512)]:
+        k = round(density * 4096)
+        assert get_codec("topk", density=density).encoded_size(4096) == 8 + positions + (k + 3) // 4, density
+    # Same values either way: only the positions' encoding differs.
+    x = _x(4096 * 3 + 100, seed=3)
+    dense = get_codec("topk", density=0.07)
+    y = dense.decode(dense.encode(x), x.numel())
+    assert int((y != 0).sum()) == 3 * 287 + 7
+    kept = y.view(-1)[: 4096].nonzero().flatten()
+    assert set(kept.tolist()) == set(x[:4096].abs().topk(287).indices.tolist())
+
+
+@pytest.mark.parametrize("bits", [3, 4])
+def test_topk_with_more_value_bits_has_more_levels_and_less_error(bits):
+    x = _x(4096 * 4, seed=5)
+    two, more = get_codec("topk", density=0.1), get_codec("topk", density=0.1, topk_bits=bits)
+    y2, y = two.decode(two.encode(x), x.numel()), more.decode(more.encode(x), x.numel())
+    assert torch.equal(y != 0, y2 != 0)  # the same positions
+    kept = y != 0
+    assert (torch.sign(y[kept]) == torch.sign(x[kept])).all()
+    for block in y.view(-1, 4096):
+        mags = block[block != 0].abs()
+        levels = mags.unique()
+        assert len(levels) == 2 ** (bits - 1)
+        # Equal-count groups: each level holds k / L values (k = 410, L levels).
+        counts = torch.stack([(mags == v).sum() for v in levels])
+        assert counts.max() - counts.min() <= 1
+    err = lambda y: float((y - x * kept).norm() / (x * kept).norm())  # noqa: E731
+    assert err(y) < err(y2)
+    k = 410
+    assert more.encoded_size(4096) == 4 * 2 ** (bits - 1) + 512 + (k * bits + 7) // 8
+
+
+def test_topk_bits_outside_two_to_eight_is_a_config_error():
+    with pytest.raises(ConfigError, match="wire.topk_bits must be in"):
+        get_codec("topk", topk_bits=9)
+
+
+def test_topk_bitmap_marking_the_wrong_count_is_value_error():
+    codec = get_codec("topk", density=0.25, topk_block=64)  # k=16: a bitmap of 8 bytes
+    payload = bytearray(codec.encode(_x(64)))
+    payload[8:16] = b"\xff" * 8  # every position marked: 64, not 16
+    with pytest.raises(ValueError, match="exactly 16 positions"):
+        codec.decode(bytes(payload), 64)
+
+
 def test_topk_position_out_of_range_is_value_error():
-    codec = get_codec("topk", density=0.1, topk_block=64)
+    codec = get_codec("topk", density=0.05, topk_block=64)
     payload = bytearray(codec.encode(_x(64)))
     payload[8:10] = (1000).to_bytes(2, "little")  # first kept position of the block
     with pytest.raises(ValueError, match="out of range"):
