@@ -313,6 +313,7 @@ def run_job(job: tuple[str, int, Setup]) -> JobResult:
         up, _, down = codecs.partition("/")
         cfg.wire.codec, cfg.wire.downlink_codec = up, down or up
         cfg.wire.error_feedback = cfg.wire.error_feedback or "ef" in flags
+        cfg.wire.topk_error_feedback = "noef" not in flags
         for flag in flags:
             if flag.startswith("decay"):
                 cfg.wire.feedback_decay = float(flag[5:])
@@ -322,6 +323,10 @@ def run_job(job: tuple[str, int, Setup]) -> JobResult:
                 cfg.wire.topk_bits = int(flag[1:])
             elif flag == "sgd":  # SparseLoCo: error feedback stands in for outer momentum
                 cfg.outer.lr, cfg.outer.momentum = 1.0, 0.0
+            elif flag.startswith("lr"):
+                cfg.outer.lr = float(flag[2:])
+            elif flag.startswith("m"):
+                cfg.outer.momentum = float(flag[1:])
     held_out = eval_batches(cfg.data, setup.eval_batches, setup.eval_batch_size)
     curve: list[tuple[int, float]] = []
     started = time.monotonic()
@@ -444,8 +449,11 @@ def codec_table(summary: dict[str, Summary]) -> list[str]:
         down = down or up
         for flag in flags:
             up += f" (density {flag[1:]})" if re.fullmatch(r"d[\d.]+", flag) else ""
-            down += {"ef": ", error feedback", "sgd": ", outer lr 1 no momentum"}.get(flag, "")
+            up += f" ({flag[1:]}-bit values)" if re.fullmatch(r"b\d", flag) else ""
+            down += {"ef": ", error feedback", "noef": ", no error feedback", "sgd": ", outer lr 1 no momentum"}.get(flag, "")
             down += f", feedback decay {flag[5:]}" if flag.startswith("decay") else ""
+            down += f", outer lr {flag[2:]}" if flag.startswith("lr") else ""
+            down += f", outer momentum {flag[1:]}" if re.fullmatch(r"m[\d.]+", flag) else ""
         cost = 100.0 * (s.mean - base.mean) / base.mean
         rows.append(
             f"| {up} / {down} | {s.mean:.4f} ± {s.std:.4f} | {', '.join(f'{v:.4f}' for v in s.per_seed)} | "
@@ -478,8 +486,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--methods", default=",".join(METHODS), help=f"subset of {','.join(METHODS)}")
     p.add_argument("--codecs", default="", metavar="UP[/DOWN],...",
                    help="also run DiLoCo with these codecs up (and down; default the same), e.g. e3m0+zstd,topk/int8; "
-                        "suffixes: @ef turns on the islands' error feedback (always on for topk), @dDENSITY sets the top-k "
-                        "density, @bBITS the top-k value bits, @decayD the error-feedback decay, @sgd outer lr 1 without momentum (SparseLoCo)")
+                        "suffixes: @ef turns on the islands' error feedback (on for topk unless @noef), @dDENSITY sets the top-k "
+                        "density, @bBITS the top-k value bits, @decayD the error-feedback decay, @lrLR / @mM the outer lr / momentum, @sgd outer lr 1 without momentum (SparseLoCo)")
     p.add_argument("--workers", type=int, default=2, help="worker processes (default 2)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="extra RunConfig override applied to every method (repeatable)")
@@ -523,9 +531,10 @@ def main(argv: list[str] | None = None) -> None:
     for spec in filter(None, args.codecs.split(",")):
         codecs, *flags = spec.split("@")
         for flag in flags:
-            if flag not in ("ef", "sgd") and not re.fullmatch(r"(d|decay)(0?\.\d+|1)|b[2-8]", flag):
+            if flag not in ("ef", "noef", "sgd") and not re.fullmatch(r"(d|decay|m)(0|0?\.\d+|1)|b[2-8]|lr\d*\.?\d+", flag):
                 raise SystemExit(f"convergence: error: --codecs {spec}: suffixes are @ef (error feedback on the islands), "
-                                 "@dDENSITY (top-k density, e.g. @d0.05), @bBITS (top-k value bits), @decayD (error-feedback decay) and "
+                                 "@noef (top-k without error feedback), @dDENSITY (top-k density, e.g. @d0.05), @bBITS (top-k value bits), @decayD (error-feedback decay), "
+                                 "@lrLR and @mMOMENTUM (outer optimizer) and "
                                  "@sgd (outer lr 1, no momentum, as SparseLoCo)")
         for name in codecs.split("/"):
             try:

@@ -98,8 +98,11 @@ class WireConfig:
     # Follow the codec with zstd.
     zstd: bool = False
     zstd_level: int = 3
-    # Island-side error feedback on the uplink; always on for topk.
+    # Island-side error feedback on the uplink, for any codec.
     error_feedback: bool = False
+    # Top-k keeps error feedback (SparseLoCo) unless this is false. With the default Nesterov
+    # outer optimizer it measured worse than none here (README: Codec loss cost).
+    topk_error_feedback: bool = True
     # e <- decay * e + pseudo_gradient before encoding (1.0: classic error feedback).
     feedback_decay: float = 1.0
     block_size: int = 256  # elements per scale block (int8, e3m0)

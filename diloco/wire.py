@@ -77,8 +77,9 @@ def downlink_codec(wire: WireConfig) -> Codec:
 
 
 def uses_error_feedback(wire: WireConfig) -> bool:
-    """Islands keep an error-feedback buffer when asked to, and always for top-k (with or without zstd)."""
-    return wire.error_feedback or wire.codec.partition("+")[0] == "topk"
+    """Islands keep an error-feedback buffer when asked to, and for top-k (with or without zstd) unless
+    wire.topk_error_feedback is false."""
+    return wire.error_feedback or (wire.codec.partition("+")[0] == "topk" and wire.topk_error_feedback)
 
 
 def encode_chunks(

@@ -216,6 +216,7 @@ def _shapes(cfg):
         (["wire.codec=topk", "wire.zstd=true"], True),
         (["wire.codec=int8+zstd"], False),
         (["wire.codec=int8", "wire.error_feedback=true"], True),
+        (["wire.codec=topk+zstd", "wire.topk_error_feedback=false"], False),
     ],
 )
 def test_islands_keep_error_feedback_for_topk_however_it_is_spelled(make_coordinator, overrides, expected):
