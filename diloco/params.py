@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Iterable, Mapping
 
 import torch
 import torch.nn as nn
+import xxhash
 
 
 def fp32_copy(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -15,13 +15,18 @@ def fp32_copy(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def checksum(tensors: Mapping[str, torch.Tensor]) -> str:
-    """Content hash of a parameter set (names, shapes and fp32 bytes); order-independent."""
-    h = hashlib.blake2b(digest_size=16)
+    """Content hash of a parameter set (names, shapes and fp32 bytes); order-independent.
+
+    XXH3-128: it guards against drift and corruption, not an adversary, and it runs
+    at ~15 GB/s on one core where blake2b ran at 0.75 (a 124M-parameter model is
+    hashed several times a round). The fp32 buffer is hashed in place, never copied.
+    """
+    h = xxhash.xxh3_128()
     for name in sorted(tensors):
         t = tensors[name].detach().to("cpu", torch.float32).contiguous()
         h.update(name.encode())
         h.update(str(tuple(t.shape)).encode())
-        h.update(t.numpy().tobytes())
+        h.update(t.numpy())
     return h.hexdigest()
 
 
@@ -36,7 +41,7 @@ def ranges_checksum(pieces: Iterable[tuple[str, int, torch.Tensor]]) -> str:
     the shard it holds: both see only those elements, so a rank can verify its
     shard without the rest of the model. Hashes the fp32 buffer in place (no copy).
     """
-    h = hashlib.blake2b(digest_size=16)
+    h = xxhash.xxh3_128()
     for name, offset, values in sorted(pieces, key=lambda p: (p[0], p[1])):
         t = values.detach().to("cpu", torch.float32).contiguous().view(-1)
         h.update(f"{name}@{offset}+{t.numel()};".encode())
