@@ -16,7 +16,8 @@ from diloco.v1 import diloco_pb2 as pb
 from diloco.v1 import diloco_pb2_grpc as pb_grpc
 from diloco.params import ranges_checksum
 from diloco.wire import (
-    PROTOCOL_VERSION, ChunkError, FlatRange, overlapping_chunks, range_values_chunks, ranges_from_proto, tensor_chunks,
+    PROTOCOL_VERSION, ChunkError, FlatRange, framed_size, overlapping_chunks, range_values_chunks, ranges_from_proto,
+    tensor_chunks,
 )
 
 log = logging.getLogger(__name__)
@@ -147,13 +148,11 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             else:
                 chunks = tensor_chunks(params, fp32, chunk_bytes) if ranges is None else range_values_chunks(params, ranges, fp32, chunk_bytes)
             for chunk in chunks:
-                message = pb.ResultMessage(chunk=chunk)
-                sent += message.ByteSize()
-                yield message
+                sent += framed_size(chunk)
+                yield pb.ResultMessage(chunk=chunk)
             for chunk in mean:
-                message = pb.ResultMessage(mean_chunk=chunk)
-                sent += message.ByteSize()
-                yield message
+                sent += framed_size(chunk)
+                yield pb.ResultMessage(mean_chunk=chunk)
         self.state.count_down(header.round, island_id, sent, fragment or 0)
 
     @_refusals

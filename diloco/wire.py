@@ -114,6 +114,17 @@ def tensor_chunks(
         yield from encode_chunks(name, t.detach().reshape(-1), codec, chunk_bytes, feedback=feedback)
 
 
+def framed_size(chunk: pb.TensorChunk) -> int:
+    """Bytes on the wire of a message holding only this chunk (PushMessage.chunk, ResultMessage.chunk
+    or .mean_chunk: field numbers below 16): a one-byte tag, the varint length, the chunk.
+
+    The same number as the wrapper's ByteSize(), which upb computes ~30x slower for a
+    1 MB chunk (2.7 ms against 0.09), every chunk of every round on both sides.
+    """
+    n = chunk.ByteSize()
+    return 1 + max(1, (n.bit_length() + 6) // 7) + n
+
+
 def check_chunk(chunk: pb.TensorChunk, manifest: Manifest) -> None:
     """Raises ChunkError naming what is wrong with the chunk's address."""
     if chunk.name not in manifest.shapes:

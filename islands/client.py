@@ -15,7 +15,7 @@ from diloco.codec import Codec, get_codec
 from diloco.params import checksum, ranges_checksum
 from diloco.v1 import diloco_pb2 as pb
 from diloco.v1 import diloco_pb2_grpc as pb_grpc
-from diloco.wire import PROTOCOL_VERSION, FlatRange, Manifest, apply_chunks, ranges_to_proto
+from diloco.wire import PROTOCOL_VERSION, FlatRange, Manifest, apply_chunks, framed_size, ranges_to_proto
 
 log = logging.getLogger(__name__)
 
@@ -189,10 +189,11 @@ class CoordinatorClient:
 
         def chunks():
             for message in stream:
-                self.bytes_received += message.ByteSize()
                 if message.HasField("mean_chunk"):
+                    self.bytes_received += framed_size(message.mean_chunk)
                     mean_chunks.append(message.mean_chunk)
                 else:
+                    self.bytes_received += framed_size(message.chunk)
                     yield message.chunk
 
         codec = self.codecs.get(header.codec)
@@ -271,9 +272,8 @@ class CoordinatorClient:
         def messages() -> Iterator[pb.PushMessage]:
             yield pb.PushMessage(header=header)
             for chunk in chunks.iter_from(start):
-                message = pb.PushMessage(chunk=chunk)
-                self.bytes_sent += message.ByteSize()
-                yield message
+                self.bytes_sent += framed_size(chunk)
+                yield pb.PushMessage(chunk=chunk)
 
         def attempt() -> pb.PushResponse:
             nonlocal start

@@ -230,3 +230,14 @@ def test_islands_keep_error_feedback_for_topk_however_it_is_spelled(make_coordin
     finally:
         client.close()
         world.shutdown()
+
+
+@pytest.mark.parametrize("payload", [0, 100, 20_000, 3_000_000])
+def test_framed_size_is_the_wrapping_messages_byte_size(payload):
+    from diloco.wire import framed_size
+
+    chunk = pb.TensorChunk(name="blocks.0.w", offset=12345, numel=payload // 4, payload=b"\x01" * payload, crc32=7)
+    expected = framed_size(chunk)
+    assert pb.PushMessage(chunk=chunk).ByteSize() == expected
+    assert pb.ResultMessage(chunk=chunk).ByteSize() == expected
+    assert pb.ResultMessage(mean_chunk=chunk).ByteSize() == expected
