@@ -17,7 +17,8 @@ from diloco.codec import Codec, ErrorFeedback, get_codec
 from diloco.config import WireConfig
 from diloco.v1 import diloco_pb2 as pb
 
-PROTOCOL_VERSION = 1
+# 2: top-k followed by zstd sends its positions as a bitmap above density 1/64.
+PROTOCOL_VERSION = 2
 
 
 class ChunkError(ValueError):

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from diloco.codec import CODECS, ErrorFeedback, get_codec
+from diloco.codec import CODECS, ErrorFeedback, TopKCodec, ZstdCodec, get_codec
 from diloco.config import ConfigError
 
 ALL = [c for base in CODECS for c in (base, f"{base}+zstd")]
@@ -138,6 +138,18 @@ def test_topk_with_more_value_bits_has_more_levels_and_less_error(bits):
 def test_topk_bits_outside_two_to_eight_is_a_config_error():
     with pytest.raises(ConfigError, match="wire.topk_bits must be in"):
         get_codec("topk", topk_bits=9)
+
+
+def test_topk_followed_by_zstd_picks_the_positions_encoding_that_compresses_smaller():
+    x = _x(4096 * 8, seed=7)
+    for density, bitmap in [(0.005, False), (0.01, False), (0.02, True), (0.05, True)]:
+        zstd, raw = get_codec("topk+zstd", density=density), get_codec("topk", density=density)
+        assert zstd.inner._bitmap(4096) == bitmap and not raw._bitmap(4096)
+        assert torch.equal(zstd.decode(zstd.encode(x), x.numel()), raw.decode(raw.encode(x), x.numel()))
+        other = ZstdCodec(TopKCodec(density, 4096, before_zstd=not bitmap))  # the other encoding, then zstd
+        other.inner._bitmap_factor = 2 if bitmap else 1 << 20  # force: uint16 where we chose a bitmap, and back
+        assert other.inner._bitmap(4096) != bitmap
+        assert len(zstd.encode(x)) < len(other.encode(x)), density
 
 
 def test_topk_bitmap_marking_the_wrong_count_is_value_error():
