@@ -16,7 +16,7 @@ from diloco.checkpoint import CheckpointError, CheckpointStore
 from diloco.codec import Fp32Codec
 from diloco.v1 import diloco_pb2 as pb
 from diloco.v1 import diloco_pb2_grpc as pb_grpc
-from diloco.wire import tensor_chunks
+from diloco.wire import PROTOCOL_VERSION, tensor_chunks
 
 
 @pytest.fixture
@@ -114,7 +114,7 @@ def test_coordinator_resumes_from_s3(s3, tmp_path):
     try:
         with grpc.insecure_channel(f"127.0.0.1:{first.port}") as channel:
             stub = pb_grpc.CoordinatorStub(channel)
-            island = stub.Join(pb.JoinRequest(protocol_version=1), timeout=5).island_id
+            island = stub.Join(pb.JoinRequest(protocol_version=PROTOCOL_VERSION), timeout=5).island_id
             for round_ in range(2):
                 pg = random_like(first.state.manifest.shapes, seed=round_)
                 messages = [pb.PushMessage(header=pb.PushHeader(island_id=island, round=round_, tokens=10, codec="fp32"))]

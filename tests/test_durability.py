@@ -14,7 +14,7 @@ from diloco.chaos import ChaosPlan, parse_chaos, run_chaos
 from diloco.codec import Fp32Codec
 from diloco.sim import Simulation, run_sim
 from diloco.v1 import diloco_pb2 as pb
-from diloco.wire import tensor_chunks
+from diloco.wire import PROTOCOL_VERSION, tensor_chunks
 
 
 def _sim_config(rounds: int, islands: int, *extra: str):
@@ -29,7 +29,7 @@ def test_coordinator_resume_restores_parameters_momentum_round_and_members(make_
     cfg = tiny_config("rounds.rounds=5", f"checkpoint.url='{tmp_path / 'ckpt'}'", "checkpoint.every_rounds=1")
     first = make_coordinator(cfg)
     stub = channel_to(first)
-    island = stub.Join(pb.JoinRequest(protocol_version=1), timeout=5).island_id
+    island = stub.Join(pb.JoinRequest(protocol_version=PROTOCOL_VERSION), timeout=5).island_id
     for round_ in range(2):
         pg = random_like(first.state.manifest.shapes, seed=round_)
         messages = [pb.PushMessage(header=pb.PushHeader(island_id=island, round=round_, tokens=10, codec="fp32"))]

@@ -27,7 +27,7 @@ from diloco.sim import RoundPrinter, Simulation
 from diloco.streaming import OuterReplica, eager_gradient, mix_, swap_estimate_
 from diloco.v1 import diloco_pb2 as pb
 from diloco.wan import WanLink
-from diloco.wire import Manifest, tensor_chunks
+from diloco.wire import PROTOCOL_VERSION, Manifest, tensor_chunks
 from islands.client import CoordinatorClient
 from islands.trainer import Island, join_and_run
 from islands.world import IslandWorld
@@ -153,7 +153,7 @@ def test_a_fragment_closes_its_rounds_while_another_fragment_waits(make_coordina
     cfg = _cfg("streaming.fragments=2", "rounds.deadline_s=60", "rounds.lease_s=60")
     coordinator = make_coordinator(cfg)
     stub = channel_to(coordinator)
-    a, b = (stub.Join(pb.JoinRequest(protocol_version=1), timeout=5) for _ in range(2))
+    a, b = (stub.Join(pb.JoinRequest(protocol_version=PROTOCOL_VERSION), timeout=5) for _ in range(2))
     assert [list(f.names) for f in a.fragments] == [list(f.names) for f in coordinator.state.layout]
     state = coordinator.state
     shapes = [state.fragments[f].manifest.shapes for f in range(2)]
