@@ -304,9 +304,9 @@ class TopKCodec(_Decoder):
     mean magnitude. Positions travel as k uint16 or as a bitmap of the block (one
     bit per element, LSB first), whichever is smaller: raw, the bitmap wins above
     density 1/16; when zstd follows (`before_zstd`), which squeezes a bitmap towards
-    its entropy but hardly compresses uint16 positions, it wins above 1/64 (measured
-    crossover ~1.3%; on a real pseudo-gradient 116.8x against 96.5x smaller than
-    fp32 at 2%, 65.3x against 40.9x at 5%).
+    its entropy but hardly compresses uint16 positions, it wins above 1/64 (crossover
+    ~1.3% on random data; `benchmarks/codecs.py` on a real pseudo-gradient: 2% went
+    from 93.6x to 112.6x smaller than fp32, 5% from 40.3x to 64.0x).
     """
 
     lossless = False
@@ -475,19 +475,18 @@ def get_codec(
     base, _, suffix = name.partition("+")
     if suffix and suffix != "zstd":
         raise ConfigError(f"unknown codec suffix {suffix!r} in {name!r}; only '+zstd' is known")
+    compressed = zstd or bool(suffix)
     builders = {
         "fp32": Fp32Codec,
         "bf16": Bf16Codec,
         "int8": lambda: Int8Codec(block_size),
         "e3m0": lambda: E3M0Codec(block_size),
-        "topk": lambda: TopKCodec(density, topk_block, topk_bits),
+        "topk": lambda: TopKCodec(density, topk_block, topk_bits, before_zstd=compressed),
     }
     if base not in builders:
         raise ConfigError(f"unknown codec {base!r}; available: {', '.join(CODECS)} (each may end in '+zstd')")
-    if base == "topk" and (zstd or suffix):
-        return ZstdCodec(TopKCodec(density, topk_block, topk_bits, before_zstd=True), zstd_level)
     codec = builders[base]()
-    return ZstdCodec(codec, zstd_level) if zstd or suffix else codec
+    return ZstdCodec(codec, zstd_level) if compressed else codec
 
 
 class ErrorFeedback:

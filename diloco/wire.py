@@ -119,8 +119,8 @@ def framed_size(chunk: pb.TensorChunk) -> int:
     """Bytes on the wire of a message holding only this chunk (PushMessage.chunk, ResultMessage.chunk
     or .mean_chunk: field numbers below 16): a one-byte tag, the varint length, the chunk.
 
-    The same number as the wrapper's ByteSize(), which upb computes ~30x slower for a
-    1 MB chunk (2.7 ms against 0.09), every chunk of every round on both sides.
+    The same number as the wrapper's ByteSize(), without having upb size the wrapper
+    around every chunk of every round on both sides.
     """
     n = chunk.ByteSize()
     return 1 + max(1, (n.bit_length() + 6) // 7) + n

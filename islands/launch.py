@@ -97,8 +97,8 @@ def gpu_placement(opts: LaunchOptions, env: dict[str, str], device_count: int) -
     if not cuda:
         return None
     visible = env.get("CUDA_VISIBLE_DEVICES")
-    gpus = [d.strip() for d in visible.split(",") if d.strip()] if visible is not None else [str(i) for i in range(device_count)]
-    gpus = gpus[:device_count] if visible is not None else gpus
+    listed = [d.strip() for d in visible.split(",") if d.strip()] if visible is not None else [str(i) for i in range(device_count)]
+    gpus = listed[:device_count]  # entries CUDA could not open are not GPUs
     need = opts.replica_groups * opts.nproc_per_node
     if need > len(gpus):
         raise LaunchError(
