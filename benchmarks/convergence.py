@@ -234,7 +234,7 @@ class Wire:
         self.codec = uplink_codec(cfg.wire)
         self.manifest = Manifest.of(outer_params)
         shapes = self.manifest.shapes
-        self.feedback = [ErrorFeedback(shapes, cfg.wire.feedback_decay) if uses_error_feedback(cfg.wire) else None
+        self.feedback = [ErrorFeedback(shapes, cfg.wire.feedback_decay, cfg.wire.feedback_in_model) if uses_error_feedback(cfg.wire) else None
                          for _ in range(islands)]
         self.publication = Publication(outer_params, downlink_codec(cfg.wire), cfg.wire.chunk_bytes)
         self.bytes_up = self.bytes_down = 0
@@ -281,7 +281,10 @@ def run_outer(
         accumulator.reset()
         round_losses = []
         for island, (model, optimizer, stream) in enumerate(zip(models, optimizers, streams)):
+            feedback = wire.feedback[island]
             load_params(model, global_params)  # theta_local <- theta_global; AdamW state kept
+            if feedback is not None and feedback.in_model:  # ... less what the codec did not send
+                feedback.keep_residual_(dict(model.named_parameters()))
             for i in range(h):
                 step = round_ * h + i
                 lr = inner_lr(step, setup.steps, cfg.inner)
@@ -321,6 +324,8 @@ def run_job(job: tuple[str, int, Setup]) -> JobResult:
                 cfg.wire.topk_density = float(flag[1:])
             elif flag.startswith("b"):
                 cfg.wire.topk_bits = int(flag[1:])
+            elif flag == "carry":
+                cfg.wire.feedback_in_model = True
             elif flag == "sgd":  # SparseLoCo: error feedback stands in for outer momentum
                 cfg.outer.lr, cfg.outer.momentum = 1.0, 0.0
             elif flag.startswith("lr"):
@@ -531,7 +536,7 @@ def main(argv: list[str] | None = None) -> None:
     for spec in filter(None, args.codecs.split(",")):
         codecs, *flags = spec.split("@")
         for flag in flags:
-            if flag not in ("ef", "noef", "sgd") and not re.fullmatch(r"(d|decay|m)(0|0?\.\d+|1)|b[2-8]|lr\d*\.?\d+", flag):
+            if flag not in ("ef", "noef", "sgd", "carry") and not re.fullmatch(r"(d|decay|m)(0|0?\.\d+|1)|b[2-8]|lr\d*\.?\d+", flag):
                 raise SystemExit(f"convergence: error: --codecs {spec}: suffixes are @ef (error feedback on the islands), "
                                  "@noef (top-k without error feedback), @dDENSITY (top-k density, e.g. @d0.05), @bBITS (top-k value bits), @decayD (error-feedback decay), "
                                  "@lrLR and @mMOMENTUM (outer optimizer) and "

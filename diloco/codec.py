@@ -495,20 +495,42 @@ class ErrorFeedback:
     Per element: e <- decay * e + x; send C(e); e <- e - D(C(e)). With decay 1
     this is classic error feedback (nothing is ever lost, only delayed);
     SparseLoCo decays it a little.
+
+    in_model (CSER's "error reset"): the residual is not added to the next
+    message; the island starts its next round from theta_global - decay * e
+    instead, so the unsent part stays in its local parameters, keeps training
+    there, and is measured again as part of the next pseudo-gradient. Classic
+    error feedback instead re-measures the same displacement from a global point
+    that did not move and sums the re-measurements, noise included.
     """
 
-    def __init__(self, shapes: Mapping[str, tuple[int, ...]], decay: float = 1.0):
+    def __init__(self, shapes: Mapping[str, tuple[int, ...]], decay: float = 1.0, in_model: bool = False):
         self.buffers = {n: torch.zeros(int(np.prod(s)) if s else 1, dtype=torch.float32) for n, s in shapes.items()}
         self.decay = decay
+        self.in_model = in_model
 
     def compress(self, name: str, offset: int, piece: torch.Tensor, codec: Codec) -> bytes:
         residual = self.buffers[name][offset : offset + piece.numel()]
-        if self.decay != 1.0:
-            residual.mul_(self.decay)
-        residual.add_(piece.detach().to("cpu", torch.float32).reshape(-1))
+        piece = piece.detach().to("cpu", torch.float32).reshape(-1)
+        if self.in_model:  # the pseudo-gradient already holds the last residual
+            residual.copy_(piece)
+        else:
+            if self.decay != 1.0:
+                residual.mul_(self.decay)
+            residual.add_(piece)
         payload = codec.encode(residual)
         residual.sub_(codec.decode(payload, residual.numel()))
         return payload
+
+    @torch.no_grad()
+    def keep_residual_(self, local: Mapping[str, torch.Tensor], weight: float = 1.0) -> None:
+        """local -= weight * decay * residual, in place (in_model, after local was set from theta_global).
+
+        local may be a subset of the parameters (a fragment) and may live on another device.
+        """
+        for name, p in local.items():
+            r = self.buffers[name].view(p.shape)
+            p.sub_((r * (weight * self.decay)).to(p.device, p.dtype))
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         return {n: t.clone() for n, t in self.buffers.items()}

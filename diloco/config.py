@@ -105,6 +105,9 @@ class WireConfig:
     topk_error_feedback: bool = True
     # e <- decay * e + pseudo_gradient before encoding (1.0: classic error feedback).
     feedback_decay: float = 1.0
+    # Keep the residual in the island's local parameters instead of adding it to the next
+    # message: each round starts from theta_global - decay * residual (CSER's error reset).
+    feedback_in_model: bool = False
     block_size: int = 256  # elements per scale block (int8, e3m0)
     topk_density: float = 0.02
     topk_block: int = 4096
@@ -214,6 +217,12 @@ class RunConfig:
             (0 <= self.outer.momentum < 1, "outer.momentum must be in [0, 1)"),
             (1024 <= self.wire.chunk_bytes <= 3 << 20, "wire.chunk_bytes must be in [1 KiB, 3 MiB]"),
             (0 < self.wire.feedback_decay <= 1, "wire.feedback_decay must be in (0, 1]"),
+            (not self.wire.feedback_in_model or self.wire.error_feedback
+             or (self.wire.codec.partition("+")[0] == "topk" and self.wire.topk_error_feedback),
+             "wire.feedback_in_model keeps the error-feedback residual in the model: it needs error feedback "
+             "(a topk codec, or wire.error_feedback = true)"),
+            (not (self.wire.feedback_in_model and self.streaming.eager),
+             "wire.feedback_in_model does not combine with streaming.eager; turn one of them off"),
             (self.checkpoint.every_rounds >= 1, "checkpoint.every_rounds must be >= 1"),
             (self.checkpoint.keep_last >= 1, "checkpoint.keep_last must be >= 1"),
         ]

@@ -44,13 +44,14 @@ class ShardFeedback:
     it writes the new residual to `pending`, which becomes the state only once the
     exchange committed. So a resent or taken-over push encodes the same bytes."""
 
-    def __init__(self, layout: ShardLayout, decay: float):
+    def __init__(self, layout: ShardLayout, decay: float, in_model: bool = False):
         self.decay = decay
+        self.in_model = in_model  # the residual stays in the local shard (see diloco.codec.ErrorFeedback)
         self.committed = layout.zeros()
         self.pending = layout.zeros()
 
     def encode(self, name: str, lo: int, hi: int, piece: torch.Tensor, codec) -> bytes:
-        residual = self.committed[name][lo:hi] * self.decay + piece
+        residual = piece.clone() if self.in_model else self.committed[name][lo:hi] * self.decay + piece
         payload = codec.encode(residual)
         self.pending[name][lo:hi].copy_(residual - codec.decode(payload, hi - lo))
         return payload
@@ -62,3 +63,9 @@ class ShardFeedback:
     def reset(self) -> None:
         for t in self.committed.values():
             t.zero_()
+
+    @torch.no_grad()
+    def keep_residual_(self, local: dict[str, torch.Tensor]) -> None:
+        """local -= decay * committed residual (in_model, right after local was set to theta_global)."""
+        for name, p in local.items():
+            p.sub_((self.committed[name].view(p.shape) * self.decay).to(p.device, p.dtype))

@@ -80,7 +80,9 @@ class ShardedIsland:
         slots = spec.groups * world.world_size
         slot = spec.group * world.world_size + world.rank
         self.data = StepIndexedStream(cfg.data, cfg.seed, joined.shard_index * slots + slot, cfg.data.shards * slots)
-        self.feedback = ShardFeedback(self.layout, cfg.wire.feedback_decay) if uses_error_feedback(cfg.wire) else None
+        self.feedback = (ShardFeedback(self.layout, cfg.wire.feedback_decay, cfg.wire.feedback_in_model)
+                         if uses_error_feedback(cfg.wire) else None)
+        self.carried = 0.0  # sum |residual| kept in the local shard at the last adoption (feedback_in_model)
         self.state = Position(joined.island_id, joined.round, stop_round=joined.total_rounds)
         self.replicas: Solo | Replicas = Solo()
         self.losses: list[float] = []
@@ -130,11 +132,18 @@ class ShardedIsland:
     # --- the coordinator: fetch, push, pull -----------------------------------------
 
     @torch.no_grad()
-    def _adopt(self, header: pb.ResultHeader) -> None:
-        """theta_local <- theta_global for this shard (the inner optimizer state is kept)."""
+    def _adopt(self, header: pb.ResultHeader, pushed: bool = False) -> None:
+        """theta_local <- theta_global for this shard (the inner optimizer state is kept); after our own
+        push with wire.feedback_in_model, less the residual, except when the run ends (the island ends
+        holding exactly theta_global)."""
         for name, t in self.global_shard.items():
             self.local[name].copy_(t)
         s = self.state
+        self.carried = 0.0
+        if pushed and self.feedback is not None and self.feedback.in_model and not (
+                header.run_finished or header.round >= s.stop_round):
+            self.feedback.keep_residual_(self.local)
+            self.carried = sum(t.abs().sum().item() for t in self.feedback.committed.values())
         self.state = Position(
             s.island_id, header.round, s.stop_round, checksum=header.checksum, ranges_checksum=header.ranges_checksum,
             finished=header.run_finished, rounds_done=s.rounds_done,
@@ -219,7 +228,7 @@ class ShardedIsland:
         if trouble or -lo != hi:
             self._resync(UNKNOWN if trouble == 2 else LOST)
             return
-        self._adopt(header)
+        self._adopt(header, pushed=True)
 
     def _resync(self, why: int) -> None:
         """The round went on without us (or our copy drifted): fetch the current values and train for that round."""
@@ -322,7 +331,7 @@ class ShardedIsland:
         self.losses.append(train_loss)
         if self.spec.measure_memory and meter.peak_bytes is not None:
             self.memory.append({"round": trained, "pusher": pusher, "peak_rss_bytes": meter.peak_bytes, "phases": meter.phases})
-        self.evidence.event("exchange", round=trained, pusher=pusher, outcome=outcome)
+        self.evidence.event("exchange", round=trained, pusher=pusher, outcome=outcome, carried=self.carried)
         log.info(
             "%s group %d rank %d round %d: train loss %.4f, exchange %.2fs (%s)",
             s.island_id, self.spec.group, self.world.rank, trained, train_loss, time.monotonic() - started,

@@ -98,7 +98,8 @@ class Island:
         self.data = train_stream(cfg.data, cfg.seed, joined.shard_index * world.world_size + world.rank, shards)
         # theta_global stays in fp32 on the CPU: the outer step never needs it on the GPU.
         self.global_params = {n: torch.zeros(s, dtype=torch.float32) for n, s in self.manifest.shapes.items()}
-        self.feedback = ErrorFeedback(self.manifest.shapes, cfg.wire.feedback_decay) if uses_error_feedback(cfg.wire) else None
+        self.feedback = (ErrorFeedback(self.manifest.shapes, cfg.wire.feedback_decay, cfg.wire.feedback_in_model)
+                         if uses_error_feedback(cfg.wire) else None)
         self.resyncs = 0
         # --- fragments (one without streaming) ---
         s = cfg.streaming
@@ -192,7 +193,7 @@ class Island:
             # Our training diverged: start the inner optimizer afresh from the global parameters.
             self.optimizer = build_inner_optimizer(self.model, self.cfg.inner)
             if self.feedback is not None:
-                self.feedback = ErrorFeedback(self.manifest.shapes, self.cfg.wire.feedback_decay)
+                self.feedback = ErrorFeedback(self.manifest.shapes, self.cfg.wire.feedback_decay, self.cfg.wire.feedback_in_model)
         elif code not in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.DATA_LOSS, None):
             raise error
         label = f"fragment {f} " if len(self.layout) > 1 else ""
@@ -264,6 +265,11 @@ class Island:
             swap_estimate_(self.local_f[f], self.global_f[f], ex.estimate, self.alpha)
         else:
             mix_(self.local_f[f], self.global_f[f], self.alpha)
+            if self.feedback is not None and self.feedback.in_model and kind == "result":
+                # What the codec did not send stays in this island's parameters (only the leader encoded it).
+                residual = self.layout.subset(f, self.feedback.buffers)
+                self.world.broadcast_tensors(residual)
+                self.feedback.keep_residual_(self.local_f[f], 1.0 - self.alpha)
         if eager is not None:
             if kind == "result" and ex.mean is not None and ex.mean.complete and round_tokens > 0:
                 eager.replica.advance(ex.mean.tensors)

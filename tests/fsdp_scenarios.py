@@ -195,8 +195,10 @@ def faults(workdir: Path) -> None:
 
 
 def torchrun(workdir: Path) -> None:
-    """An island started by a plain torchrun (no launcher): 1 replica group x 2 FSDP ranks."""
-    cfg = tiny_config("model.n_layers=2", "rounds.rounds=3", "rounds.heartbeat_s=0.5")
+    """An island started by a plain torchrun (no launcher): 1 replica group x 2 FSDP ranks, pushing
+    top-k with its residual kept in the local shards (wire.feedback_in_model)."""
+    cfg = tiny_config("model.n_layers=2", "rounds.rounds=3", "rounds.heartbeat_s=0.5", "wire.codec='topk'",
+                      "wire.topk_density=0.1", "wire.feedback_in_model=true", "wire.downlink_codec='int8'")
     run = Run(workdir, cfg, deadline_s=150)
     try:
         run.island("torchrun", "--device", "cpu", "--threads", "1", "--report-dir", str(workdir / "torchrun"),

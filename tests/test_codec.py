@@ -214,3 +214,32 @@ def test_error_feedback_state_round_trips():
     assert torch.equal(other.buffers["a"], fb.buffers["a"])
     with pytest.raises(ValueError, match="does not fit"):
         ErrorFeedback({"a": (2,)}).load_state_dict(fb.state_dict())
+
+
+@pytest.mark.parametrize("decay", [1.0, 0.5])
+def test_error_feedback_in_model_carries_each_residual_once(decay):
+    """in_model: the residual rides in the island's parameters, so the next pseudo-gradient holds it
+    already; compress must not add it a second time, and what was sent plus what the model still
+    owes equals everything trained (decay shrinks only the carried residual)."""
+    codec = get_codec("topk", density=0.1, topk_block=64)
+    feedback = ErrorFeedback({"w": (8, 32)}, decay=decay, in_model=True)
+    global_ = torch.zeros(256)  # theta_global stays put: only the island's own bookkeeping is checked
+    local = {"w": torch.zeros(8, 32)}
+    sent, trained, dropped = torch.zeros(256), torch.zeros(256), torch.zeros(256)
+    for round_ in range(5):
+        start = local["w"].reshape(-1).clone()
+        step = _x(256, seed=round_)  # what this round's inner steps moved the island by
+        local["w"] -= step.view(8, 32)
+        trained += step
+        pg = global_ - local["w"].reshape(-1)  # pseudo_gradient: theta_global - theta_local
+        torch.testing.assert_close(pg, step - start, rtol=0, atol=1e-6)
+        payload = feedback.compress("w", 0, pg, codec)
+        assert torch.equal(feedback.buffers["w"], pg - codec.decode(payload, 256))
+        sent += codec.decode(payload, 256)
+        dropped += (1 - decay) * feedback.buffers["w"]
+        local["w"].copy_(global_.view(8, 32))  # the round lands: theta_local <- theta_global ...
+        feedback.keep_residual_(local)  # ... less the residual
+        torch.testing.assert_close(local["w"].reshape(-1), -decay * feedback.buffers["w"], rtol=0, atol=0)
+    owed = -local["w"].reshape(-1)
+    torch.testing.assert_close(sent + owed + dropped, trained, rtol=0, atol=1e-5)
+    assert 0 < owed.norm() < trained.norm()

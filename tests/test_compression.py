@@ -241,3 +241,37 @@ def test_framed_size_is_the_wrapping_messages_byte_size(payload):
     assert pb.PushMessage(chunk=chunk).ByteSize() == expected
     assert pb.ResultMessage(chunk=chunk).ByteSize() == expected
     assert pb.ResultMessage(mean_chunk=chunk).ByteSize() == expected
+
+
+def test_island_keeps_the_topk_residual_in_its_parameters_and_ends_on_the_global_ones(make_coordinator):
+    """wire.feedback_in_model: after every landed round but the last, theta_local = theta_global - residual;
+    after the last, exactly theta_global; the global copies stay bit-identical throughout."""
+    cfg = tiny_config("rounds.rounds=3", "inner.steps_per_round=3", "wire.codec='topk'", "wire.topk_density=0.1",
+                      "wire.feedback_in_model=true", "wire.downlink_codec='int8'")
+    coordinator = make_coordinator(cfg)
+    world = IslandWorld.init("cpu")
+    client, joined = _client(coordinator, cfg)
+    seen: list[float] = []
+    try:
+        island = Island(cfg, world, client, joined)
+        assert island.feedback is not None and island.feedback.in_model
+        land = island._land
+
+        def check_after_landing(f):
+            land(f)
+            local = dict(island.model.named_parameters())
+            gap = max((island.global_params[n] - local[n].detach() - island.feedback.buffers[n].view(local[n].shape)).abs().max().item()
+                      for n in local)
+            carried = sum(island.feedback.buffers[n].abs().sum().item() for n in local)
+            if island.rounds_done < 3:
+                assert gap < 1e-6 and carried > 0, (island.rounds_done, gap, carried)
+            seen.append(carried)
+
+        island._land = check_after_landing
+        result = island.run()
+    finally:
+        client.close()
+        world.shutdown()
+    assert len(seen) == 3 and result.rounds == 3 and result.checksum_matches
+    assert checksum(island.global_params) == coordinator.state.checksum
+    assert checksum(dict(island.model.named_parameters())) == coordinator.state.checksum

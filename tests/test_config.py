@@ -45,6 +45,21 @@ def test_bad_values_are_config_errors(override, message):
         load_config(None, [override])
 
 
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["wire.codec='int8'", "wire.feedback_in_model=true"], "needs error feedback"),
+        (["wire.codec='topk'", "wire.topk_error_feedback=false", "wire.feedback_in_model=true"], "needs error feedback"),
+        (["wire.codec='topk'", "wire.feedback_in_model=true", "streaming.fragments=2", "streaming.tau=1",
+          "streaming.eager=true", "model.n_layers=2"], "streaming.eager"),
+    ],
+)
+def test_feedback_in_model_needs_error_feedback_and_no_eager_updates(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, overrides)
+    assert load_config(None, ["wire.codec='topk'", "wire.feedback_in_model=true"]).wire.feedback_in_model
+
+
 def test_shipped_configs_load():
     for path in sorted((ROOT / "configs").glob("*.toml")):
         load_config(path)

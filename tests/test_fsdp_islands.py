@@ -156,6 +156,10 @@ def test_island_started_by_a_plain_torchrun(tmp_path):
     _assert_every_round_whole(result, islands=1)
     assert set(result["islands"].values()) == {result["checksum"]}
     _assert_equals_coordinator(_assemble(tmp_path / "torchrun", 0, 0, 2), torch.load(tmp_path / "coordinator.pt"), "torchrun island")
+    # Every rank kept its top-k residual in its shard after rounds 0 and 1, and ended on theta_global.
+    for rank in (0, 1):
+        carried = [e["carried"] for e in _events(tmp_path / "torchrun", f"g0-r{rank}-a0") if e["event"] == "exchange"]
+        assert len(carried) == 3 and carried[0] > 0 and carried[1] > 0 and carried[2] == 0, carried
 
 
 def test_launcher_runs_each_replica_group_through_torchrun():

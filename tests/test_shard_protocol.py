@@ -156,3 +156,28 @@ def test_shard_error_feedback_encodes_purely_and_commits_like_error_feedback():
         shard.commit()
         for name, t in reference.buffers.items():
             assert torch.equal(shard.committed[name], t), name
+
+
+def test_shard_error_feedback_in_model_matches_error_feedback_in_model():
+    from diloco.codec import ErrorFeedback, get_codec
+    from islands.fsdp import ShardLayout
+    from islands.shard_state import ShardFeedback
+
+    codec = get_codec("topk", density=0.1, topk_block=64)
+    layout = ShardLayout([FlatRange("a", 0, 300), FlatRange("c", 5, 128)])
+    shard = ShardFeedback(layout, decay=0.5, in_model=True)
+    reference = ErrorFeedback({r.name: (r.numel,) for r in layout.ranges}, decay=0.5, in_model=True)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        pg = {r.name: torch.randn(r.numel, generator=g) for r in layout.ranges}
+        for r in layout.ranges:
+            first = shard.encode(r.name, 0, r.numel, pg[r.name], codec)
+            assert shard.encode(r.name, 0, r.numel, pg[r.name], codec) == first  # pure: nothing consumed
+            assert reference.compress(r.name, 0, pg[r.name], codec) == first
+        shard.commit()
+        local = {r.name: torch.ones(r.numel) for r in layout.ranges}
+        expected = {n: t.clone() for n, t in local.items()}
+        shard.keep_residual_(local)
+        reference.keep_residual_(expected)
+        for name in local:
+            assert torch.equal(local[name], expected[name]) and not torch.equal(local[name], torch.ones_like(local[name]))
