@@ -303,6 +303,52 @@ def tokens_processed(method: str, setup: Setup, seq_len: int) -> int:
     return setup.steps * per_step * seq_len
 
 
+CODEC_FLAGS = (
+    "@ef (error feedback on the islands), @noef (top-k without error feedback), @dDENSITY (top-k density, e.g. @d0.05), "
+    "@bBITS (top-k value bits), @decayD (error-feedback decay), @carry (error feedback kept in the model), "
+    "@lrLR and @mMOMENTUM (outer optimizer) and @sgd (outer lr 1, no momentum, as SparseLoCo)"
+)
+
+
+def apply_codec_spec(cfg: RunConfig, spec: str) -> None:
+    """Sets cfg for "UP[/DOWN][@FLAG...]"; raises ValueError naming a bad flag or codec."""
+    codecs, *flags = spec.split("@")
+    up, _, down = codecs.partition("/")
+    cfg.wire.codec, cfg.wire.downlink_codec = up, down or up
+    for flag in flags:
+        number = flag.lstrip("abcdefghijklmnopqrstuvwxyz")
+        name = flag[: len(flag) - len(number)]
+        try:
+            if (name, number) == ("ef", ""):
+                cfg.wire.error_feedback = True
+            elif (name, number) == ("noef", ""):
+                cfg.wire.topk_error_feedback = False
+            elif (name, number) == ("carry", ""):
+                cfg.wire.feedback_in_model = True
+            elif (name, number) == ("sgd", ""):  # SparseLoCo: error feedback stands in for outer momentum
+                cfg.outer.lr, cfg.outer.momentum = 1.0, 0.0
+            elif name == "decay":
+                cfg.wire.feedback_decay = float(number)
+            elif name == "d":
+                cfg.wire.topk_density = float(number)
+            elif name == "b":
+                cfg.wire.topk_bits = int(number)
+            elif name == "lr":
+                cfg.outer.lr = float(number)
+            elif name == "m":
+                cfg.outer.momentum = float(number)
+            else:
+                raise ValueError
+        except ValueError:
+            raise ValueError(f"bad suffix @{flag}; suffixes are {CODEC_FLAGS}") from None
+    try:
+        for name in (up, down or up):
+            get_codec(name, density=cfg.wire.topk_density, topk_bits=cfg.wire.topk_bits)
+        cfg.validate()
+    except ConfigError as e:
+        raise ValueError(str(e)) from None
+
+
 def run_job(job: tuple[str, int, Setup]) -> JobResult:
     """One (method, seed) run in a worker process."""
     method, seed, setup = job
@@ -311,27 +357,8 @@ def run_job(job: tuple[str, int, Setup]) -> JobResult:
     if base in OUTER:
         lr, momentum = OUTER[base]
         cfg.outer.lr, cfg.outer.momentum, cfg.outer.nesterov = lr, momentum, True
-    if codecs:  # "diloco:UP[/DOWN][@ef][@dDENSITY]"
-        codecs, *flags = codecs.split("@")
-        up, _, down = codecs.partition("/")
-        cfg.wire.codec, cfg.wire.downlink_codec = up, down or up
-        cfg.wire.error_feedback = cfg.wire.error_feedback or "ef" in flags
-        cfg.wire.topk_error_feedback = "noef" not in flags
-        for flag in flags:
-            if flag.startswith("decay"):
-                cfg.wire.feedback_decay = float(flag[5:])
-            elif flag.startswith("d"):
-                cfg.wire.topk_density = float(flag[1:])
-            elif flag.startswith("b"):
-                cfg.wire.topk_bits = int(flag[1:])
-            elif flag == "carry":
-                cfg.wire.feedback_in_model = True
-            elif flag == "sgd":  # SparseLoCo: error feedback stands in for outer momentum
-                cfg.outer.lr, cfg.outer.momentum = 1.0, 0.0
-            elif flag.startswith("lr"):
-                cfg.outer.lr = float(flag[2:])
-            elif flag.startswith("m"):
-                cfg.outer.momentum = float(flag[1:])
+    if codecs:
+        apply_codec_spec(cfg, codecs)
     held_out = eval_batches(cfg.data, setup.eval_batches, setup.eval_batch_size)
     curve: list[tuple[int, float]] = []
     started = time.monotonic()
@@ -455,7 +482,8 @@ def codec_table(summary: dict[str, Summary]) -> list[str]:
         for flag in flags:
             up += f" (density {flag[1:]})" if re.fullmatch(r"d[\d.]+", flag) else ""
             up += f" ({flag[1:]}-bit values)" if re.fullmatch(r"b\d", flag) else ""
-            down += {"ef": ", error feedback", "noef": ", no error feedback", "sgd": ", outer lr 1 no momentum"}.get(flag, "")
+            down += {"ef": ", error feedback", "noef": ", no error feedback", "sgd": ", outer lr 1 no momentum",
+                     "carry": ", error feedback kept in the model"}.get(flag, "")
             down += f", feedback decay {flag[5:]}" if flag.startswith("decay") else ""
             down += f", outer lr {flag[2:]}" if flag.startswith("lr") else ""
             down += f", outer momentum {flag[1:]}" if re.fullmatch(r"m[\d.]+", flag) else ""
@@ -492,7 +520,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--codecs", default="", metavar="UP[/DOWN],...",
                    help="also run DiLoCo with these codecs up (and down; default the same), e.g. e3m0+zstd,topk/int8; "
                         "suffixes: @ef turns on the islands' error feedback (on for topk unless @noef), @dDENSITY sets the top-k "
-                        "density, @bBITS the top-k value bits, @decayD the error-feedback decay, @lrLR / @mM the outer lr / momentum, @sgd outer lr 1 without momentum (SparseLoCo)")
+                        "density, @bBITS the top-k value bits, @decayD the error-feedback decay, @carry keeps the residual in the island's "
+                        "model (wire.feedback_in_model), @lrLR / @mM the outer lr / momentum, @sgd outer lr 1 without momentum (SparseLoCo)")
     p.add_argument("--workers", type=int, default=2, help="worker processes (default 2)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="extra RunConfig override applied to every method (repeatable)")
@@ -533,21 +562,13 @@ def main(argv: list[str] | None = None) -> None:
     if unknown or not seeds:
         raise SystemExit(f"convergence: error: unknown methods {unknown} or no seeds")
     methods = [m for m in METHODS if m in methods]
-    for spec in filter(None, args.codecs.split(",")):
-        codecs, *flags = spec.split("@")
-        for flag in flags:
-            if flag not in ("ef", "noef", "sgd", "carry") and not re.fullmatch(r"(d|decay|m)(0|0?\.\d+|1)|b[2-8]|lr\d*\.?\d+", flag):
-                raise SystemExit(f"convergence: error: --codecs {spec}: suffixes are @ef (error feedback on the islands), "
-                                 "@noef (top-k without error feedback), @dDENSITY (top-k density, e.g. @d0.05), @bBITS (top-k value bits), @decayD (error-feedback decay), "
-                                 "@lrLR and @mMOMENTUM (outer optimizer) and "
-                                 "@sgd (outer lr 1, no momentum, as SparseLoCo)")
-        for name in codecs.split("/"):
-            try:
-                get_codec(name)
-            except ConfigError as e:
-                raise SystemExit(f"convergence: error: --codecs {spec}: {e}") from None
-        methods.append(f"diloco:{spec}")
     setup = build_setup(args)
+    for spec in filter(None, args.codecs.split(",")):
+        try:
+            apply_codec_spec(setup.config(seeds[0]), spec)
+        except ValueError as e:
+            raise SystemExit(f"convergence: error: --codecs {spec}: {e}") from None
+        methods.append(f"diloco:{spec}")
     cfg = setup.config(seeds[0])
     log.info("convergence: %s x seeds %s, T=%d, B=%d, M=%d, H=%d, %d workers",
              ",".join(methods), seeds, setup.steps, setup.batch, setup.islands, cfg.inner.steps_per_round, args.workers)
