@@ -141,7 +141,7 @@ def throughput(names: list[str], sizes: list[int], repeat: int) -> list[str]:
                 r_enc, r_dec = map(min, zip(*(chunked(ref_enc, ref_into, x, step, out) for _ in range(repeat))))
                 ref_text = f"{mb / (r_enc + r_dec):,.0f}"
                 speedup = f"{(r_enc + r_dec) / (enc + dec):.1f}x"
-            size = codec.encoded_size(step) / step
+            size = len(codec.encode(x[:step])) / step  # entropy-coded top-k: what this input took
             rows.append(
                 f"| {name} | {n / 2**20:.0f}M | {mb / enc:,.0f} | {mb / dec:,.0f} | {mb / (enc + dec):,.0f} | {ref_text} | {speedup} | {size:.3f} |"
             )

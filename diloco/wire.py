@@ -17,8 +17,9 @@ from diloco.codec import Codec, ErrorFeedback, get_codec
 from diloco.config import WireConfig
 from diloco.v1 import diloco_pb2 as pb
 
-# 2: top-k followed by zstd sends its positions as a bitmap above density 1/64.
-PROTOCOL_VERSION = 2
+# 2: top-k followed by zstd sent its positions as a bitmap above density 1/64.
+# 3: top-k positions travel Golomb-Rice coded, after all levels and codes.
+PROTOCOL_VERSION = 3
 
 
 class ChunkError(ValueError):
