@@ -234,7 +234,7 @@ class Wire:
         self.codec = uplink_codec(cfg.wire)
         self.manifest = Manifest.of(outer_params)
         shapes = self.manifest.shapes
-        self.feedback = [ErrorFeedback(shapes, cfg.wire.feedback_decay, cfg.wire.feedback_in_model) if uses_error_feedback(cfg.wire) else None
+        self.feedback = [ErrorFeedback(shapes, cfg.wire.decay, cfg.wire.feedback_in_model) if uses_error_feedback(cfg.wire) else None
                          for _ in range(islands)]
         self.publication = Publication(outer_params, downlink_codec(cfg.wire), cfg.wire.chunk_bytes)
         self.bytes_up = self.bytes_down = 0

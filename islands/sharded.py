@@ -80,7 +80,7 @@ class ShardedIsland:
         slots = spec.groups * world.world_size
         slot = spec.group * world.world_size + world.rank
         self.data = StepIndexedStream(cfg.data, cfg.seed, joined.shard_index * slots + slot, cfg.data.shards * slots)
-        self.feedback = (ShardFeedback(self.layout, cfg.wire.feedback_decay, cfg.wire.feedback_in_model)
+        self.feedback = (ShardFeedback(self.layout, cfg.wire.decay, cfg.wire.feedback_in_model)
                          if uses_error_feedback(cfg.wire) else None)
         self.carried = 0.0  # sum |residual| kept in the local shard at the last adoption (feedback_in_model)
         self.state = Position(joined.island_id, joined.round, stop_round=joined.total_rounds)

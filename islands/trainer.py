@@ -98,7 +98,7 @@ class Island:
         self.data = train_stream(cfg.data, cfg.seed, joined.shard_index * world.world_size + world.rank, shards)
         # theta_global stays in fp32 on the CPU: the outer step never needs it on the GPU.
         self.global_params = {n: torch.zeros(s, dtype=torch.float32) for n, s in self.manifest.shapes.items()}
-        self.feedback = (ErrorFeedback(self.manifest.shapes, cfg.wire.feedback_decay, cfg.wire.feedback_in_model)
+        self.feedback = (ErrorFeedback(self.manifest.shapes, cfg.wire.decay, cfg.wire.feedback_in_model)
                          if uses_error_feedback(cfg.wire) else None)
         self.resyncs = 0
         # --- fragments (one without streaming) ---
@@ -193,7 +193,7 @@ class Island:
             # Our training diverged: start the inner optimizer afresh from the global parameters.
             self.optimizer = build_inner_optimizer(self.model, self.cfg.inner)
             if self.feedback is not None:
-                self.feedback = ErrorFeedback(self.manifest.shapes, self.cfg.wire.feedback_decay, self.cfg.wire.feedback_in_model)
+                self.feedback = ErrorFeedback(self.manifest.shapes, self.cfg.wire.decay, self.cfg.wire.feedback_in_model)
         elif code not in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.DATA_LOSS, None):
             raise error
         label = f"fragment {f} " if len(self.layout) > 1 else ""

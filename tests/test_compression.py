@@ -227,6 +227,8 @@ def test_islands_keep_error_feedback_for_topk_however_it_is_spelled(make_coordin
     try:
         island = Island(cfg, world, client, client.join(cfg.digest(), uplink_codec(cfg.wire).name))
         assert (island.feedback is not None) == expected
+        if expected:  # feedback_decay's auto default
+            assert island.feedback.decay == (0.25 if "topk" in overrides[0] else 1.0)
     finally:
         client.close()
         world.shutdown()

@@ -63,3 +63,11 @@ def test_feedback_in_model_needs_error_feedback_and_no_eager_updates(overrides, 
 def test_shipped_configs_load():
     for path in sorted((ROOT / "configs").glob("*.toml")):
         load_config(path)
+
+
+def test_feedback_decay_defaults_to_a_quarter_for_topk_and_one_otherwise():
+    assert load_config(None, ["wire.codec='topk+zstd'"]).wire.decay == 0.25
+    assert load_config(None, ["wire.codec='int8'", "wire.error_feedback=true"]).wire.decay == 1.0
+    assert load_config(None, ["wire.codec='topk'", "wire.feedback_decay=0.9"]).wire.decay == 0.9
+    with pytest.raises(ConfigError, match="feedback_decay"):
+        load_config(None, ["wire.feedback_decay=0"])
