@@ -104,7 +104,8 @@ class WireConfig:
     # outer optimizer it measured worse than none here (README: Codec loss cost).
     topk_error_feedback: bool = True
     # e <- decay * e + pseudo_gradient before encoding (1.0: classic error feedback).
-    # -1 (auto): 0.25 for topk, 1.0 for the others. Top-k's residual is mostly noise here
+    # -1 (auto): 0.25 for topk, 1.0 for the others and with feedback_in_model (as measured).
+    # Top-k's residual is mostly noise here
     # (README: Codec loss cost: decay 1 cost +6.1%, 0.25 +1.8% at 15% density).
     feedback_decay: float = -1.0
     # Keep the residual in the island's local parameters instead of adding it to the next
@@ -120,7 +121,7 @@ class WireConfig:
         """The effective feedback_decay."""
         if self.feedback_decay != -1.0:
             return self.feedback_decay
-        return 0.25 if self.codec.partition("+")[0] == "topk" else 1.0
+        return 0.25 if self.codec.partition("+")[0] == "topk" and not self.feedback_in_model else 1.0
     # Payload bytes per chunk; far under gRPC's 4 MB default message limit.
     chunk_bytes: int = 1 << 20
 

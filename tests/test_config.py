@@ -69,5 +69,6 @@ def test_feedback_decay_defaults_to_a_quarter_for_topk_and_one_otherwise():
     assert load_config(None, ["wire.codec='topk+zstd'"]).wire.decay == 0.25
     assert load_config(None, ["wire.codec='int8'", "wire.error_feedback=true"]).wire.decay == 1.0
     assert load_config(None, ["wire.codec='topk'", "wire.feedback_decay=0.9"]).wire.decay == 0.9
+    assert load_config(None, ["wire.codec='topk'", "wire.feedback_in_model=true"]).wire.decay == 1.0
     with pytest.raises(ConfigError, match="feedback_decay"):
         load_config(None, ["wire.feedback_decay=0"])
