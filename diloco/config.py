@@ -100,13 +100,12 @@ class WireConfig:
     zstd_level: int = 3
     # Island-side error feedback on the uplink, for any codec.
     error_feedback: bool = False
-    # Top-k keeps error feedback (SparseLoCo) unless this is false. With the default Nesterov
-    # outer optimizer it measured worse than none here (README: Codec loss cost).
+    # Top-k keeps error feedback (SparseLoCo) unless this is false.
     topk_error_feedback: bool = True
     # e <- decay * e + pseudo_gradient before encoding (1.0: classic error feedback).
     # -1 (auto): 0.25 for topk, 1.0 for the others and with feedback_in_model (as measured).
-    # Top-k's residual is mostly noise here
-    # (README: Codec loss cost: decay 1 cost +6.1%, 0.25 +1.8% at 15% density).
+    # Top-k's residual is mostly noise here (README: Codec loss cost: at 15% density decay 1
+    # cost +6.1%, 0.25 +1.8%).
     feedback_decay: float = -1.0
     # Keep the residual in the island's local parameters instead of adding it to the next
     # message: each round starts from theta_global - decay * residual (CSER's error reset).
