@@ -323,3 +323,36 @@ def test_sharded_islands_refuse_streaming_with_one_line(capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert exit_.value.code == 2 and len(err) == 1
     assert "sharded islands do not support Streaming DiLoCo yet" in err[0] and "streaming.fragments=1" in err[0]
+
+
+def test_streaming_fragments_keep_their_topk_residual_in_the_model(make_coordinator):
+    """feedback_in_model with 2 fragments, tau 1 and alpha 0.5: each landing sets the fragment to
+    alpha * local + (1 - alpha) * (global - residual); the island ends on exactly theta_global."""
+    cfg = _cfg("streaming.fragments=2", "streaming.tau=1", "streaming.alpha=0.5", "rounds.min_islands=1", "data.shards=1",
+               "wire.codec='topk'", "wire.topk_density=0.1", "wire.feedback_in_model=true", "wire.downlink_codec='int8'")
+    coordinator = make_coordinator(cfg)
+    world = IslandWorld.init("cpu")
+    client = CoordinatorClient(f"127.0.0.1:{coordinator.port}", connect_timeout_s=10)
+    checked = []
+    try:
+        island = Island(cfg, world, client, client.join(cfg.digest(), "topk"))
+        land = island._land
+
+        def check(f):
+            before = {n: t.detach().clone() for n, t in island.local_f[f].items()}
+            land(f)
+            if island.rounds[f] >= island.total_rounds:
+                return
+            for n, t in island.local_f[f].items():
+                r = island.feedback.buffers[n].view(t.shape)
+                expected = 0.5 * before[n] + 0.5 * (island.global_f[f][n] - r)
+                torch.testing.assert_close(t.detach(), expected, rtol=0, atol=1e-6)
+            checked.append(f)
+
+        island._land = check
+        result = island.run()
+    finally:
+        client.close()
+        world.shutdown()
+    assert sorted(set(checked)) == [0, 1] and result.checksum_matches
+    assert checksum(dict(island.model.named_parameters())) == coordinator.state.checksum
