@@ -114,6 +114,8 @@ class WireConfig:
     topk_density: float = 0.02
     topk_block: int = 4096
     topk_bits: int = 2  # per kept value: a sign bit and bits-1 bits choosing one of 2^(bits-1) magnitude levels
+    # Payload bytes per chunk; far under gRPC's 4 MB default message limit.
+    chunk_bytes: int = 1 << 20
 
     @property
     def decay(self) -> float:
@@ -121,8 +123,6 @@ class WireConfig:
         if self.feedback_decay != -1.0:
             return self.feedback_decay
         return 0.25 if self.codec.partition("+")[0] == "topk" and not self.feedback_in_model else 1.0
-    # Payload bytes per chunk; far under gRPC's 4 MB default message limit.
-    chunk_bytes: int = 1 << 20
 
 
 @dataclass
