@@ -14,19 +14,22 @@ def fp32_copy(model: nn.Module) -> dict[str, torch.Tensor]:
     return {n: p.detach().to("cpu", torch.float32).clone() for n, p in model.named_parameters()}
 
 
+def _hash_fp32(h: "xxhash.xxh3_128", header: str, t: torch.Tensor) -> None:
+    """Feeds header, then the tensor's fp32 bytes (hashed in place when already fp32 on the CPU)."""
+    h.update(header.encode())
+    h.update(t.detach().to("cpu", torch.float32).contiguous().numpy())
+
+
 def checksum(tensors: Mapping[str, torch.Tensor]) -> str:
     """Content hash of a parameter set (names, shapes and fp32 bytes); order-independent.
 
-    XXH3-128: it guards against drift and corruption, not an adversary, and it runs
-    at ~15 GB/s on one core where blake2b ran at 0.75 (a 124M-parameter model is
-    hashed several times a round). The fp32 buffer is hashed in place, never copied.
+    XXH3-128: it guards against drift and corruption, not an adversary, and is many
+    times faster than a cryptographic hash (a 124M-parameter model is hashed several
+    times a round).
     """
     h = xxhash.xxh3_128()
     for name in sorted(tensors):
-        t = tensors[name].detach().to("cpu", torch.float32).contiguous()
-        h.update(name.encode())
-        h.update(str(tuple(t.shape)).encode())
-        h.update(t.numpy())
+        _hash_fp32(h, name + str(tuple(tensors[name].shape)), tensors[name])
     return h.hexdigest()
 
 
@@ -39,11 +42,9 @@ def ranges_checksum(pieces: Iterable[tuple[str, int, torch.Tensor]]) -> str:
 
     The coordinator computes it over the ranges a rank asked for, the rank over
     the shard it holds: both see only those elements, so a rank can verify its
-    shard without the rest of the model. Hashes the fp32 buffer in place (no copy).
+    shard without the rest of the model.
     """
     h = xxhash.xxh3_128()
     for name, offset, values in sorted(pieces, key=lambda p: (p[0], p[1])):
-        t = values.detach().to("cpu", torch.float32).contiguous().view(-1)
-        h.update(f"{name}@{offset}+{t.numel()};".encode())
-        h.update(t.numpy())
+        _hash_fp32(h, f"{name}@{offset}+{values.numel()};", values.reshape(-1))
     return h.hexdigest()
