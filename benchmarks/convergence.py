@@ -61,7 +61,7 @@ from diloco.model import Transformer
 from diloco.outer import OuterOptimizer, PseudoGradientAccumulator, pseudo_gradient
 from diloco.params import fp32_copy
 from diloco.v1 import diloco_pb2 as pb
-from diloco.wire import Manifest, decode_chunk, downlink_codec, tensor_chunks, uplink_codec, uses_error_feedback
+from diloco.wire import Manifest, decode_chunk, downlink_codec, tensor_chunks, uplink_codec
 
 log = logging.getLogger("convergence")
 
@@ -234,7 +234,7 @@ class Wire:
         self.codec = uplink_codec(cfg.wire)
         self.manifest = Manifest.of(outer_params)
         shapes = self.manifest.shapes
-        self.feedback = [ErrorFeedback(shapes, cfg.wire.decay, cfg.wire.feedback_in_model) if uses_error_feedback(cfg.wire) else None
+        self.feedback = [ErrorFeedback(shapes, cfg.wire.decay, cfg.wire.feedback_in_model) if cfg.wire.uses_error_feedback else None
                          for _ in range(islands)]
         self.publication = Publication(outer_params, downlink_codec(cfg.wire), cfg.wire.chunk_bytes)
         self.bytes_up = self.bytes_down = 0

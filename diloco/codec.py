@@ -189,19 +189,17 @@ def _e3m0_decode(packed, scales, block, out):  # pragma: no cover - compiled
 
 
 @numba.njit(cache=True, nogil=True)
-def _rice_encode(idx, length, out):  # pragma: no cover - compiled
+def _rice_encode(idx, top, out):  # pragma: no cover - compiled
     """Ascending positions per row -> Golomb-Rice codes of the gaps, each row byte-aligned: one byte r,
     then per position the gap's high part in unary (zeros, a one) and its r low bits, LSB first.
-    r is the row's cheapest; out must be zeroed and big enough. Returns the bytes written."""
+    r is the row's cheapest of top-3..top (_rice_bound_r); out must be zeroed and big enough.
+    Returns the bytes written."""
     pos = 0
     k = idx.shape[1]
-    top = 0  # the r at which (length - k) <= k * 2^r: k * (top + 2) bits at most (TopKCodec's bound)
-    while length - k > k << top:
-        top += 1
     for b in range(idx.shape[0]):
         row = idx[b]
         best_r, best_bits = 0, np.int64(1) << 62
-        for r in range(max(0, top - 3), top + 1):  # the cheapest is at most 3 below (~log2 of the mean gap)
+        for r in range(max(0, top - 3), top + 1):  # the cheapest is near log2 of the mean gap, at most 3 below top
             bits = np.int64(k * (r + 1))
             prev = -1
             for i in range(k):
@@ -282,6 +280,15 @@ def _topk_fill(levels, codes, bits, idx, out):  # pragma: no cover - compiled
                 pos += 1
             v = lv[c >> 1]
             row[idx[b, i]] = -v if c & 1 else v
+
+
+def _rice_bound_r(length: int, k: int) -> int:
+    """The r with (length - k) <= k * 2^r: at it, k gaps summing to at most length - k cost at most
+    k * (r + 2) bits, so the encoder (which tries it) never needs more."""
+    r = 0
+    while length - k > k << r:
+        r += 1
+    return r
 
 
 # --- codecs ----------------------------------------------------------------------------
@@ -429,15 +436,11 @@ class TopKCodec(_Decoder):
         return 4 * self.levels + (self._k(length) * self.bits + 7) // 8
 
     def _max_position_bytes(self, length: int) -> int:
-        """Rice codes at the r with (length - k) <= k * 2^r cost at most k * (r + 2) bits; the encoder's
-        choice is never worse. One byte more for r."""
+        """At most k * (r + 2) bits of Rice codes (_rice_bound_r), and one byte for r."""
         k = self._k(length)
         if k == length:
             return 0  # every position is kept: nothing to say
-        r = 0
-        while (length - k) > k << r:
-            r += 1
-        return 1 + (k * (r + 2) + 7) // 8
+        return 1 + (k * (_rice_bound_r(length, k) + 2) + 7) // 8
 
     def _groups(self, numel: int) -> list[tuple[int, int]]:
         """(blocks, length) of the full blocks and of the tail, in payload order."""
@@ -475,7 +478,7 @@ class TopKCodec(_Decoder):
         bits = ((codes.unsqueeze(-1) >> torch.arange(self.bits)) & 1).to(torch.uint8).reshape(n, k * self.bits)
         packed = np.packbits(bits.numpy(), axis=1, bitorder="little")
         stream = np.zeros(n * self._max_position_bytes(rows.shape[1]), dtype=np.uint8)
-        used = _rice_encode(idx.numpy(), rows.shape[1], stream) if k < rows.shape[1] else 0
+        used = _rice_encode(idx.numpy(), _rice_bound_r(rows.shape[1], k), stream) if k < rows.shape[1] else 0
         return np.concatenate([levels.view(np.uint8), packed], axis=1).reshape(-1), stream[:used]
 
     def encode(self, flat: torch.Tensor) -> bytes:
@@ -579,7 +582,6 @@ def get_codec(
     base, _, suffix = name.partition("+")
     if suffix and suffix != "zstd":
         raise ConfigError(f"unknown codec suffix {suffix!r} in {name!r}; only '+zstd' is known")
-    compressed = zstd or bool(suffix)
     builders = {
         "fp32": Fp32Codec,
         "bf16": Bf16Codec,
@@ -590,7 +592,15 @@ def get_codec(
     if base not in builders:
         raise ConfigError(f"unknown codec {base!r}; available: {', '.join(CODECS)} (each may end in '+zstd')")
     codec = builders[base]()
-    return ZstdCodec(codec, zstd_level) if compressed else codec
+    return ZstdCodec(codec, zstd_level) if zstd or suffix else codec
+
+
+@torch.no_grad()
+def subtract_residual_(local: Mapping[str, torch.Tensor], residuals: Mapping[str, torch.Tensor], scale: float) -> None:
+    """local[name] -= scale * residuals[name], in place; local may be a subset of the names (a fragment
+    or a shard's views) and may live on another device."""
+    for name, p in local.items():
+        p.sub_((residuals[name].view(p.shape) * scale).to(p.device, p.dtype))
 
 
 class ErrorFeedback:
@@ -626,15 +636,9 @@ class ErrorFeedback:
         residual.sub_(codec.decode(payload, residual.numel()))
         return payload
 
-    @torch.no_grad()
     def keep_residual_(self, local: Mapping[str, torch.Tensor], weight: float = 1.0) -> None:
-        """local -= weight * decay * residual, in place (in_model, after local was set from theta_global).
-
-        local may be a subset of the parameters (a fragment) and may live on another device.
-        """
-        for name, p in local.items():
-            r = self.buffers[name].view(p.shape)
-            p.sub_((r * (weight * self.decay)).to(p.device, p.dtype))
+        """local -= weight * decay * residual (in_model, after local was set from theta_global)."""
+        subtract_residual_(local, self.buffers, weight * self.decay)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         return {n: t.clone() for n, t in self.buffers.items()}

@@ -118,11 +118,21 @@ class WireConfig:
     chunk_bytes: int = 1 << 20
 
     @property
+    def uses_error_feedback(self) -> bool:
+        """Islands keep an error-feedback buffer when asked to, and for top-k (with or without zstd)
+        unless topk_error_feedback is false."""
+        return self.error_feedback or (self._topk_uplink and self.topk_error_feedback)
+
+    @property
     def decay(self) -> float:
         """The effective feedback_decay."""
         if self.feedback_decay != -1.0:
             return self.feedback_decay
-        return 0.25 if self.codec.partition("+")[0] == "topk" and not self.feedback_in_model else 1.0
+        return 0.25 if self._topk_uplink and not self.feedback_in_model else 1.0
+
+    @property
+    def _topk_uplink(self) -> bool:
+        return self.codec.partition("+")[0] == "topk"
 
 
 @dataclass
@@ -227,8 +237,7 @@ class RunConfig:
             (1024 <= self.wire.chunk_bytes <= 3 << 20, "wire.chunk_bytes must be in [1 KiB, 3 MiB]"),
             (self.wire.feedback_decay == -1 or 0 < self.wire.feedback_decay <= 1,
              "wire.feedback_decay must be in (0, 1], or -1 (auto)"),
-            (not self.wire.feedback_in_model or self.wire.error_feedback
-             or (self.wire.codec.partition("+")[0] == "topk" and self.wire.topk_error_feedback),
+            (not self.wire.feedback_in_model or self.wire.uses_error_feedback,
              "wire.feedback_in_model keeps the error-feedback residual in the model: it needs error feedback "
              "(a topk codec, or wire.error_feedback = true)"),
             (not (self.wire.feedback_in_model and self.streaming.eager),

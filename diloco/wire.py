@@ -78,12 +78,6 @@ def downlink_codec(wire: WireConfig) -> Codec:
     return get_codec(wire.downlink_codec or wire.codec, **_codec_options(wire))
 
 
-def uses_error_feedback(wire: WireConfig) -> bool:
-    """Islands keep an error-feedback buffer when asked to, and for top-k (with or without zstd) unless
-    wire.topk_error_feedback is false."""
-    return wire.error_feedback or (wire.codec.partition("+")[0] == "topk" and wire.topk_error_feedback)
-
-
 def encode_chunks(
     name: str,
     flat: torch.Tensor,

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from diloco.codec import subtract_residual_
 from islands.fsdp import ShardLayout
 from islands.replicas import FtConfig
 
@@ -64,8 +65,6 @@ class ShardFeedback:
         for t in self.committed.values():
             t.zero_()
 
-    @torch.no_grad()
     def keep_residual_(self, local: dict[str, torch.Tensor]) -> None:
         """local -= decay * committed residual (in_model, right after local was set to theta_global)."""
-        for name, p in local.items():
-            p.sub_((self.committed[name].view(p.shape) * self.decay).to(p.device, p.dtype))
+        subtract_residual_(local, self.committed, self.decay)

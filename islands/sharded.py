@@ -43,7 +43,7 @@ from diloco.data import StepIndexedStream
 from diloco.inner import build_inner_optimizer, inner_lr
 from diloco.params import ranges_checksum
 from diloco.v1 import diloco_pb2 as pb
-from diloco.wire import Manifest, downlink_codec, uplink_codec, uses_error_feedback
+from diloco.wire import Manifest, downlink_codec, uplink_codec
 from islands.client import CoordinatorClient, RegeneratingChunks
 from islands.evidence import Evidence, digest, maybe_fault
 from islands.fsdp import (
@@ -81,7 +81,7 @@ class ShardedIsland:
         slot = spec.group * world.world_size + world.rank
         self.data = StepIndexedStream(cfg.data, cfg.seed, joined.shard_index * slots + slot, cfg.data.shards * slots)
         self.feedback = (ShardFeedback(self.layout, cfg.wire.decay, cfg.wire.feedback_in_model)
-                         if uses_error_feedback(cfg.wire) else None)
+                         if cfg.wire.uses_error_feedback else None)
         self.carried = 0.0  # sum |residual| kept in the local shard at the last adoption (feedback_in_model)
         self.state = Position(joined.island_id, joined.round, stop_round=joined.total_rounds)
         self.replicas: Solo | Replicas = Solo()
@@ -143,7 +143,7 @@ class ShardedIsland:
         if pushed and self.feedback is not None and self.feedback.in_model and not (
                 header.run_finished or header.round >= s.stop_round):
             self.feedback.keep_residual_(self.local)
-            self.carried = sum(t.abs().sum().item() for t in self.feedback.committed.values())
+            self.carried = torch.stack([t.abs().sum() for t in self.feedback.committed.values()]).sum().item()
         self.state = Position(
             s.island_id, header.round, s.stop_round, checksum=header.checksum, ranges_checksum=header.ranges_checksum,
             finished=header.run_finished, rounds_done=s.rounds_done,

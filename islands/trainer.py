@@ -39,7 +39,7 @@ from diloco.outer import pseudo_gradient
 from diloco.params import checksum, module_checksum
 from diloco.streaming import eager_gradient, mix_, swap_estimate_
 from diloco.v1 import diloco_pb2 as pb
-from diloco.wire import Manifest, downlink_codec, tensor_chunks, uplink_codec, uses_error_feedback
+from diloco.wire import Manifest, downlink_codec, tensor_chunks, uplink_codec
 from islands import durable
 from islands.client import CoordinatorClient, MeanBuffer, ReplayableChunks
 from islands.exchange import EagerState, Exchange, push_and_pull
@@ -99,7 +99,7 @@ class Island:
         # theta_global stays in fp32 on the CPU: the outer step never needs it on the GPU.
         self.global_params = {n: torch.zeros(s, dtype=torch.float32) for n, s in self.manifest.shapes.items()}
         self.feedback = (ErrorFeedback(self.manifest.shapes, cfg.wire.decay, cfg.wire.feedback_in_model)
-                         if uses_error_feedback(cfg.wire) else None)
+                         if cfg.wire.uses_error_feedback else None)
         self.resyncs = 0
         # --- fragments (one without streaming) ---
         s = cfg.streaming

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import json
+from contextlib import contextmanager
 import shlex
 import subprocess
 import sys
@@ -19,6 +20,24 @@ from diloco.config import load_config
 from diloco.v1 import diloco_pb2 as pb
 from diloco.v1 import diloco_pb2_grpc as pb_grpc
 from diloco.wire import PROTOCOL_VERSION
+
+
+@contextmanager
+def island_on(coordinator, cfg):
+    """A one-rank CPU island joined to coordinator with cfg's codec; its client and world closed after."""
+    from islands.client import CoordinatorClient
+    from islands.trainer import Island
+    from islands.world import IslandWorld
+
+    from diloco.wire import uplink_codec
+
+    world = IslandWorld.init("cpu")
+    client = CoordinatorClient(f"127.0.0.1:{coordinator.port}", connect_timeout_s=10)
+    try:
+        yield Island(cfg, world, client, client.join(cfg.digest(), uplink_codec(cfg.wire).name))
+    finally:
+        client.close()
+        world.shutdown()
 
 
 def tiny_config(*overrides: str):

@@ -15,7 +15,7 @@ import grpc
 import pytest
 import torch
 
-from conftest import kill_all_and_resume, random_like, tiny_config, wait_for_round
+from conftest import island_on, kill_all_and_resume, random_like, tiny_config, wait_for_round
 from diloco.codec import Fp32Codec
 from diloco.config import RunConfig
 from diloco.data import train_stream
@@ -331,11 +331,8 @@ def test_streaming_fragments_keep_their_topk_residual_in_the_model(make_coordina
     cfg = _cfg("streaming.fragments=2", "streaming.tau=1", "streaming.alpha=0.5", "rounds.min_islands=1", "data.shards=1",
                "wire.codec='topk'", "wire.topk_density=0.1", "wire.feedback_in_model=true", "wire.downlink_codec='int8'")
     coordinator = make_coordinator(cfg)
-    world = IslandWorld.init("cpu")
-    client = CoordinatorClient(f"127.0.0.1:{coordinator.port}", connect_timeout_s=10)
     checked = []
-    try:
-        island = Island(cfg, world, client, client.join(cfg.digest(), "topk"))
+    with island_on(coordinator, cfg) as island:
         land = island._land
 
         def check(f):
@@ -351,8 +348,5 @@ def test_streaming_fragments_keep_their_topk_residual_in_the_model(make_coordina
 
         island._land = check
         result = island.run()
-    finally:
-        client.close()
-        world.shutdown()
     assert sorted(set(checked)) == [0, 1] and result.checksum_matches
     assert checksum(dict(island.model.named_parameters())) == coordinator.state.checksum
