@@ -13,7 +13,7 @@ import grpc
 import pytest
 import torch
 
-from conftest import random_like, tiny_config, wait_for_round
+from conftest import island_on, random_like, tiny_config, wait_for_round
 from diloco.codec import get_codec
 from diloco.params import checksum
 from diloco.sim import run_sim
@@ -151,8 +151,12 @@ def test_non_finite_pseudo_gradient_drops_its_island_and_never_reaches_the_aggre
         good.close()
 
 
-def test_checksum_mismatch_resyncs_the_island_with_a_warning(make_coordinator, caplog):
-    cfg = tiny_config("rounds.rounds=4", "wire.codec='int8'", "wire.downlink_codec='int8'")
+@pytest.mark.parametrize("uplink", [["wire.codec='int8'"], ["wire.codec='topk'", "wire.feedback_in_model=true"]],
+                         ids=["int8", "topk-residual-in-model"])
+def test_checksum_mismatch_resyncs_the_island_with_a_warning(make_coordinator, caplog, uplink):
+    """Also with the residual kept in the model: the resync starts the island from the fetched global
+    parameters, and it still ends holding exactly the coordinator's."""
+    cfg = tiny_config("rounds.rounds=4", *uplink, "wire.downlink_codec='int8'")
     coordinator = make_coordinator(cfg)
     world = IslandWorld.init("cpu")
     client, joined = _client(coordinator, cfg)
@@ -175,6 +179,7 @@ def test_checksum_mismatch_resyncs_the_island_with_a_warning(make_coordinator, c
     assert any("differ from the coordinator's" in r.message for r in caplog.records)
     assert result.rounds == 4 and result.checksum_matches
     assert checksum(island.global_params) == coordinator.state.checksum
+    assert checksum(dict(island.model.named_parameters())) == coordinator.state.checksum
 
 
 def test_sim_with_4bit_uplink_and_compressed_downlink(tmp_path):
@@ -251,11 +256,8 @@ def test_island_keeps_the_topk_residual_in_its_parameters_and_ends_on_the_global
     cfg = tiny_config("rounds.rounds=3", "inner.steps_per_round=3", "wire.codec='topk'", "wire.topk_density=0.1",
                       "wire.feedback_in_model=true", "wire.downlink_codec='int8'")
     coordinator = make_coordinator(cfg)
-    world = IslandWorld.init("cpu")
-    client, joined = _client(coordinator, cfg)
     seen: list[float] = []
-    try:
-        island = Island(cfg, world, client, joined)
+    with island_on(coordinator, cfg) as island:
         assert island.feedback is not None and island.feedback.in_model
         land = island._land
 
@@ -271,9 +273,6 @@ def test_island_keeps_the_topk_residual_in_its_parameters_and_ends_on_the_global
 
         island._land = check_after_landing
         result = island.run()
-    finally:
-        client.close()
-        world.shutdown()
     assert len(seen) == 3 and result.rounds == 3 and result.checksum_matches
     assert checksum(island.global_params) == coordinator.state.checksum
     assert checksum(dict(island.model.named_parameters())) == coordinator.state.checksum
