@@ -562,13 +562,13 @@ def main(argv: list[str] | None = None) -> None:
     if unknown or not seeds:
         raise SystemExit(f"convergence: error: unknown methods {unknown} or no seeds")
     methods = [m for m in METHODS if m in methods]
-    setup = build_setup(args)
     for spec in filter(None, args.codecs.split(",")):
-        try:
-            apply_codec_spec(setup.config(seeds[0]), spec)
+        try:  # before the data is looked for: a bad spec is the user's first error to hear about
+            apply_codec_spec(load_config(None, args.overrides), spec)
         except ValueError as e:
             raise SystemExit(f"convergence: error: --codecs {spec}: {e}") from None
         methods.append(f"diloco:{spec}")
+    setup = build_setup(args)
     cfg = setup.config(seeds[0])
     log.info("convergence: %s x seeds %s, T=%d, B=%d, M=%d, H=%d, %d workers",
              ",".join(methods), seeds, setup.steps, setup.batch, setup.islands, cfg.inner.steps_per_round, args.workers)
