@@ -13,14 +13,13 @@ island can pick the checkpoint that matches the coordinator's.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 
 import torch
 from google.protobuf import json_format
 
-from coordinator.state import CoordinatorState, Events, Island, Phase
+from coordinator.state import CoordinatorState
 from diloco.checkpoint import CheckpointStore
 from diloco.v1 import diloco_pb2 as pb
 
@@ -31,26 +30,22 @@ def snapshot(state: CoordinatorState) -> tuple[dict, dict]:
     """(tensors, meta) at round boundaries. Caller holds every fragment's read lock."""
     whole = state.whole_checksum_locked()
     with state.cond:
+        fragments = [f.state_dict() for f in state.fragments]
         tensors = {
             "outer_params": {n: t.clone() for n, t in state.outer_params.items()},
-            "published": {n: t for f in state.fragments for n, t in f.publication.state_dict().items()},
-            "outer_optimizers": [f.outer.state_dict() for f in state.fragments],
+            "published": {n: t for f in fragments for n, t in f["published"].items()},
+            "outer_optimizers": [f["outer"] for f in fragments],
         }
         meta = {
             "step": state.total_rounds_closed(),
             "round": state.round,
-            "fragment_rounds": [f.round for f in state.fragments],
+            "fragment_rounds": [f["round"] for f in fragments],
             "fragment_checksums": [f.checksum for f in state.fragments],
-            "fragment_last": [[f.last_islands, f.last_tokens] for f in state.fragments],
+            "fragment_last": [f["last"] for f in fragments],
             "finished": state.finished,
-            "joined": state.joined,
-            "islands": [
-                {"island_id": i.island_id, "hostname": i.hostname, "shard": i.shard, "key": i.key} for i in state.islands.values()
-            ],
-            "departed": [dataclasses.asdict(i) for i in state.departed],
+            **state.members.state_dict(),
             "summaries": [json_format.MessageToDict(s) for s in state.summaries],
             "initial_eval_loss": state.initial_eval_loss,
-            "events": dataclasses.asdict(state.events),
             "config_digest": state.cfg.digest(),
             "checksum": whole,
             "wall_time": time.time(),
@@ -79,7 +74,6 @@ def restore(state: CoordinatorState, store: CheckpointStore) -> bool:
             f"checkpoint at {store.url} is for config {meta['config_digest']}, not {state.cfg.digest()}; "
             "resume with the config the run started with"
         )
-    now = state.clock()
     fragments = state.fragments
     optimizers = tensors.get("outer_optimizers") or [tensors["outer_optimizer"]]
     rounds = meta.get("fragment_rounds") or [meta["round"]]
@@ -90,29 +84,16 @@ def restore(state: CoordinatorState, store: CheckpointStore) -> bool:
         for name, t in tensors["outer_params"].items():
             outer_params[name].copy_(t)
     last = meta.get("fragment_last") or [[0, 0]] * len(fragments)
-    for f, optimizer, round_, (islands, tokens) in zip(fragments, optimizers, rounds, last):
-        f.outer.load_state_dict(optimizer)
-        f.publication.load_state_dict({n: t for n, t in tensors["published"].items() if n in f.manifest.shapes})
-        with state.cond:
-            f.round = round_
-            f.phase = Phase.FINISHED if meta["finished"] or round_ >= state.cfg.rounds.rounds else Phase.OPEN
-            f.round_opened_at = now
-            f.restored_round = round_
-            f.restored_at = now
-            f.last_islands, f.last_tokens = islands, tokens
+    for f, optimizer, round_, islands_tokens in zip(fragments, optimizers, rounds, last):
+        published = {n: t for n, t in tensors["published"].items() if n in f.manifest.shapes}
+        f.load_state_dict({"round": round_, "last": list(islands_tokens), "outer": optimizer, "published": published},
+                          finished=meta["finished"])
     if state.checksum != meta["checksum"]:
         raise ValueError(f"checkpoint at {store.url} round {meta['round']} does not reproduce its own checksum")
+    state.members.load_state_dict(meta)
     with state.cond:
-        state.joined = meta["joined"]
-        # Islands get a fresh lease: they are reconnecting right now.
-        state.islands = {
-            i["island_id"]: Island(i["island_id"], i["hostname"], i["shard"], now, key=i.get("key", "")) for i in meta["islands"]
-        }
-        state.departed = [Island(**i) for i in meta["departed"]]
         state.summaries = [json_format.ParseDict(s, pb.RoundSummary()) for s in meta["summaries"]]
         state.initial_eval_loss = meta["initial_eval_loss"]
-        state.events = Events(**meta["events"])
-        state.events.restarts += 1
     log.info("resumed from %s at round %s with %d islands", store.url,
              state.round if len(fragments) == 1 else f"s {rounds} (per fragment)", len(state.islands))
     return True

@@ -1,57 +1,64 @@
-"""One fragment's round sequence: pushes spooled then folded, the outer step, publication.
+"""One fragment's round sequence: pushes spooled, then at close folded, stepped and published.
 
-Without streaming the whole model is one fragment and this is the round state
-machine of plain DiLoCo. With Streaming DiLoCo every fragment has its own:
-accumulator, outer optimizer (momentum for its parameters), publication (the
-downlink's error feedback), round counter, deadline and close condition, and
-its own driver thread; so a fragment whose islands are slow never holds
-another back. Membership (islands and their leases) is shared, in
-CoordinatorState, and so is the condition variable every wait uses.
+Without streaming the whole model is one fragment: plain DiLoCo's round state
+machine. With Streaming DiLoCo each fragment has its own accumulator, outer
+optimizer, publication, round counter, deadline and driver thread, so a slow
+fragment never holds another back. What fragments share reaches them through
+FragmentContext, a narrow seam (the condition variable, the clock, membership);
+a fragment never sees the coordinator's state.
 
-A round is OPEN while islands push; the driver moves it to CLOSING when its
-close condition holds (every live island has contributed or was dropped,
-max_islands have contributed, or the deadline passed with at least
-min_islands), waits for folds in flight, applies the outer step, publishes the
-result and opens the next round. After the last round the fragment is
-FINISHED; the run is finished when every fragment is.
+OPEN: pushes are spooled until an island's contribution is whole. close():
+CLOSING once every live island contributed (or was dropped), max_islands did,
+or the deadline passed with min_islands. apply(): folds the contributions in
+canonical island order (the aggregate does not depend on arrival order), takes
+the outer step, publishes, opens the next round; FINISHED after the last.
 """
 
 from __future__ import annotations
 
+import copy
 import logging
-import math
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from pathlib import Path
 
-import grpc
 import torch
 
 from coordinator.locks import ReadWriteLock
+from coordinator.membership import Membership, canonical_order
 from coordinator.publish import Publication
-from coordinator.records import ACCEPTED_CHUNKS_KEY, Closed, Contribution, Phase, Refused
+from coordinator.records import Closing, Contribution, Phase, Reason, Refused, round_summary
 from coordinator.spool import Spool
+from diloco.codec import Codec
+from diloco.config import RunConfig
 from diloco.outer import OuterOptimizer, PseudoGradientAccumulator
 from diloco.v1 import diloco_pb2 as pb
 from diloco.wire import ChunkCorrupt, ChunkError, Coverage, Manifest, decode_chunk, downlink_codec, tensor_chunks
 
-__all__ = ["ACCEPTED_CHUNKS_KEY", "Closed", "FragmentRounds", "Phase", "Refused"]
-
-if TYPE_CHECKING:
-    from coordinator.state import CoordinatorState
-
 log = logging.getLogger(__name__)
 
+
+@dataclass
+class FragmentContext:
+    """What a fragment's round machine shares with the rest of the coordinator."""
+
+    cfg: RunConfig
+    codec: Codec
+    cond: threading.Condition
+    clock: Callable[[], float]
+    spool_dir: Path
+    members: Membership
+    run_finished: Callable[[], bool] = lambda: False  # every fragment finished (read holding cond)
+    fragment_of: Callable[[str], int | None] = lambda name: None  # for messages about another fragment's parameter
+
+
 class FragmentRounds:
-    def __init__(self, owner: "CoordinatorState", index: int, params: dict[str, torch.Tensor]):
-        cfg = owner.cfg
-        self.owner = owner
-        self.index = index
-        self.cfg = cfg
-        self.codec = owner.codec
-        self.cond = owner.cond
-        self.clock = owner.clock
+    def __init__(self, ctx: FragmentContext, index: int, params: dict[str, torch.Tensor]):
+        cfg = ctx.cfg
+        self.ctx, self.cfg, self.index = ctx, cfg, index
+        self.codec, self.cond, self.clock, self.members = ctx.codec, ctx.cond, ctx.clock, ctx.members
         # Messages name the fragment only when there is more than one.
         self.label = f"fragment {index} " if cfg.streaming.fragments > 1 else ""
         self.manifest = Manifest.of(params)
@@ -59,13 +66,11 @@ class FragmentRounds:
         self.publication = Publication(params, downlink_codec(cfg.wire), cfg.wire.chunk_bytes)
         self.accumulator = PseudoGradientAccumulator(self.manifest.shapes)
         self.param_lock = ReadWriteLock()
-        self.fold_lock = threading.Lock()
         self.phase = Phase.OPEN
         self.round = 0
         self.round_opened_at = self.clock()
         self.contributions: dict[str, Contribution] = {}
         self.dropped: set[str] = set()
-        self.elements_folded = 0
         self.traffic: dict[tuple[int, str], list[int]] = {}  # (round, island) -> [up, down]
         # The last closed round: islands and tokens in it, and (eager updates) its mean pseudo-gradient.
         self.last_islands = 0
@@ -85,59 +90,54 @@ class FragmentRounds:
 
     def begin_push(self, header: pb.PushHeader) -> None:
         """Checks a push's header before any chunk is read."""
-        self.owner.touch(header.island_id)
+        self.members.touch(header.island_id)
         with self.cond:
             self.max_round_seen = max(self.max_round_seen, header.round)
             if self.phase is Phase.FINISHED:
-                raise Refused(grpc.StatusCode.FAILED_PRECONDITION, f"the run has finished{' for ' + self.label.strip() if self.label else ''}")
+                raise Refused(Reason.RUN_FINISHED, f"the run has finished{' for ' + self.label.strip() if self.label else ''}")
             if header.round != self.round or self.phase is not Phase.OPEN:
-                self.owner.events.late_pushes += 1
+                self.members.events.late_pushes += 1
                 raise Refused(
-                    grpc.StatusCode.FAILED_PRECONDITION,
+                    Reason.ROUND_CLOSED,
                     f"{self.label}round {header.round} is closed (current round {self.round}); "
-                    "fetch the global parameters and train for the current round",
+                    "fetch the global parameters and train for the current round", current_round=self.round,
                 )
             if header.island_id in self.dropped:
-                raise Refused(grpc.StatusCode.FAILED_PRECONDITION, f"{header.island_id} was dropped from {self.label}round {self.round}")
+                raise Refused(Reason.DROPPED, f"{header.island_id} was dropped from {self.label}round {self.round}")
             if header.codec != self.codec.name:
-                raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"codec {header.codec!r} does not match the run's {self.codec.name!r}")
+                raise Refused(Reason.CODEC_MISMATCH, f"codec {header.codec!r} does not match the run's {self.codec.name!r}")
             if header.tokens <= 0:
-                raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"tokens must be positive, got {header.tokens}")
+                raise Refused(Reason.BAD_REQUEST, f"tokens must be positive, got {header.tokens}")
             if header.global_checksum and header.global_checksum != self.checksum:
-                self.owner.events.checksum_resyncs += 1
+                self.members.events.checksum_resyncs += 1
                 log.warning(
                     "%s trained %sround %d from global parameters with checksum %s, not the coordinator's %s; "
                     "it must resync", header.island_id, self.label, self.round, header.global_checksum[:12], self.checksum[:12],
                 )
                 raise Refused(
-                    grpc.StatusCode.FAILED_PRECONDITION,
+                    Reason.CHECKSUM_MISMATCH,
                     "your global parameters differ from the coordinator's (checksum mismatch); fetch them again",
                 )
             existing = self.contributions.get(header.island_id)
             if existing is not None and existing.state != "pending":
-                raise Refused(grpc.StatusCode.ALREADY_EXISTS, f"{header.island_id} already contributed to {self.label}round {self.round}")
+                raise Refused(Reason.DUPLICATE, f"{header.island_id} already contributed to {self.label}round {self.round}")
             if existing is not None and existing.tokens != header.tokens:
-                raise Refused(
-                    grpc.StatusCode.INVALID_ARGUMENT,
-                    f"tokens {header.tokens} differ from {existing.tokens} sent earlier for this round",
-                )
+                raise Refused(Reason.BAD_REQUEST, f"tokens {header.tokens} differ from {existing.tokens} sent earlier for this round")
 
     def _decode(self, chunk: pb.TensorChunk) -> torch.Tensor:
-        if chunk.name not in self.manifest.shapes and chunk.name in self.owner.manifest.shapes:
-            raise ChunkError(
-                f"{chunk.name} belongs to fragment {self.owner.layout.fragment_of(chunk.name)}, not to fragment {self.index}"
-            )
+        if chunk.name not in self.manifest.shapes and (owner := self.ctx.fragment_of(chunk.name)) is not None:
+            raise ChunkError(f"{chunk.name} belongs to fragment {owner}, not to fragment {self.index}")
         return decode_chunk(chunk, self.manifest, self.codec)
 
     def receive(self, header: pb.PushHeader, chunks: Iterator[pb.TensorChunk]) -> pb.PushResponse:
-        """Spools one push stream; folds the contribution into the aggregate once it is whole.
+        """Spools one push stream; the contribution is complete once every element arrived exactly once.
 
         A broken stream or a bad chunk discards this stream's spool, so the
         aggregate never sees part of a contribution. A corrupt chunk keeps the
         chunks before it and tells the island how many to skip when it resends.
         """
         self.begin_push(header)
-        spool: Spool | None = Spool(self.owner.spool_dir)
+        spool: Spool | None = Spool(self.ctx.spool_dir)
         ranges: list[tuple[str, int, int]] = []
         try:
             for chunk in chunks:
@@ -146,12 +146,9 @@ class FragmentRounds:
                 except ChunkCorrupt as e:
                     self._attach(header, spool, ranges)
                     spool = None  # the contribution owns the chunks kept so far
-                    raise Refused(
-                        grpc.StatusCode.DATA_LOSS, f"{e}; resend from chunk {len(ranges)}",
-                        trailing=((ACCEPTED_CHUNKS_KEY, str(len(ranges))),),
-                    ) from e
+                    raise Refused(Reason.CORRUPT_CHUNK, f"{e}; resend from chunk {len(ranges)}", resend_from_chunk=len(ranges)) from e
                 except ChunkError as e:
-                    raise Refused(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from e
+                    raise Refused(Reason.BAD_CHUNK, str(e)) from e
                 if not torch.isfinite(values).all():
                     self._drop_nonfinite(header, chunk)
                 spool.write(chunk)
@@ -165,17 +162,17 @@ class FragmentRounds:
 
     def _drop_nonfinite(self, header: pb.PushHeader, chunk: pb.TensorChunk) -> None:
         with self.cond:
-            if header.island_id in self.contributions:
+            if self.phase is Phase.OPEN and header.island_id in self.contributions:
                 self.drop(header.island_id)
             self.dropped.add(header.island_id)
-            self.owner.events.dropped_nonfinite += 1
+            self.members.events.dropped_nonfinite += 1
             self.cond.notify_all()
         log.error(
             "%s pushed a pseudo-gradient with NaN/Inf in %s (elements %d..%d); dropped from %sround %d",
             header.island_id, chunk.name, chunk.offset, chunk.offset + chunk.numel, self.label, header.round,
         )
         raise Refused(
-            grpc.StatusCode.INVALID_ARGUMENT,
+            Reason.NOT_FINITE,
             f"pseudo-gradient is not finite in {chunk.name}; dropped from {self.label}round {header.round}: resync and go on",
         )
 
@@ -183,9 +180,10 @@ class FragmentRounds:
         spool.close()
         with self.cond:
             if header.round != self.round or self.phase is not Phase.OPEN:
-                raise Refused(grpc.StatusCode.FAILED_PRECONDITION, f"{self.label}round {header.round} closed while the push was in flight")
-            if header.island_id not in self.owner.islands or header.island_id in self.dropped:
-                raise Refused(grpc.StatusCode.FAILED_PRECONDITION, f"{header.island_id} left {self.label}round {header.round} while pushing")
+                raise Refused(Reason.ROUND_CLOSED, f"{self.label}round {header.round} closed while the push was in flight",
+                              current_round=self.round)
+            if not self.members.is_member(header.island_id) or header.island_id in self.dropped:
+                raise Refused(Reason.DROPPED, f"{header.island_id} left {self.label}round {header.round} while pushing")
             contribution = self.contributions.get(header.island_id)
             if contribution is None:
                 contribution = Contribution(header.tokens, header.train_loss, Coverage(self.manifest))
@@ -193,35 +191,17 @@ class FragmentRounds:
             trial = contribution.coverage.copy()
             for name, offset, numel in ranges:
                 trial.add(name, offset, numel)
-            problem = trial.problem()
-            if problem and "more than once" in problem:
-                raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"push overlaps data already received: {problem}")
+            if trial.overlaps():
+                raise Refused(Reason.DUPLICATE, f"push overlaps data already received: {trial.problem()}")
             contribution.coverage = trial
             contribution.spools.append(spool)
-            if problem:  # more streams of this island's contribution are still to come
-                return pb.PushResponse(accepted=True, elements=sum(r[2] for r in ranges))
-            contribution.state = "folding"
-        self._fold(contribution)
-        with self.cond:
-            contribution.state = "committed"
+            elements = sum(r[2] for r in ranges)
+            if trial.problem():  # more streams of this island's contribution are still to come
+                return pb.PushResponse(accepted=True, elements=elements)
+            contribution.state = "complete"
             log.info("%sround %d: %s contributed %d tokens", self.label, header.round, header.island_id, header.tokens)
             self.cond.notify_all()
-        return pb.PushResponse(accepted=True, elements=sum(r[2] for r in ranges), contribution_complete=True)
-
-    def _fold(self, contribution: Contribution) -> None:
-        with self.fold_lock:
-            scale = self.accumulator.scale_for(contribution.tokens)
-            folded = 0
-            for spool in contribution.spools:
-                for chunk in spool.read():
-                    values = decode_chunk(chunk, self.manifest, self.codec)
-                    self.accumulator.add_chunk(chunk.name, chunk.offset, values, scale)
-                    folded += chunk.numel
-                spool.discard()
-            # Coverage proved exactly-once already; this is the invariant the summary reports.
-            assert folded == self.manifest.total_numel(), (folded, self.manifest.total_numel())
-            self.accumulator.commit(contribution.tokens)
-            self.elements_folded += folded
+        return pb.PushResponse(accepted=True, elements=elements, contribution_complete=True)
 
     def drop(self, island_id: str) -> None:
         """Forgets an island's contribution to this round. Caller holds cond."""
@@ -232,7 +212,7 @@ class FragmentRounds:
     def drop_pending(self, island_id: str) -> None:
         """An island left: its half-pushed contribution goes. Caller holds cond."""
         contribution = self.contributions.get(island_id)
-        if contribution is not None and contribution.state == "pending":
+        if contribution is not None and contribution.state == "pending" and self.phase is Phase.OPEN:
             self.drop(island_id)
 
     def _count(self, round_: int, island_id: str, up: int = 0, down: int = 0) -> None:
@@ -252,18 +232,19 @@ class FragmentRounds:
             self.max_round_seen = max(self.max_round_seen, round_)
             if round_ > self.round:
                 raise Refused(
-                    grpc.StatusCode.FAILED_PRECONDITION,
+                    Reason.ROUND_AHEAD,
                     f"{self.label}round {round_} is ahead of the coordinator's round {self.round} "
-                    "(it restarted from a checkpoint); resync",
+                    "(it restarted from a checkpoint); resync", current_round=self.round,
                 )
             if self.round == round_ and self.phase is Phase.OPEN and island_id not in self.contributions:
                 raise Refused(
-                    grpc.StatusCode.FAILED_PRECONDITION,
+                    Reason.PUSH_AGAIN,
                     f"no contribution from {island_id} in {self.label}round {round_} (the coordinator may have restarted); push again",
+                    current_round=self.round,
                 )
             started = self.clock()
             if not self.cond.wait_for(lambda: self.round > round_ or self.phase is Phase.FINISHED, timeout_s):
-                raise Refused(grpc.StatusCode.DEADLINE_EXCEEDED, f"{self.label}round {round_} still open after {timeout_s:.0f}s")
+                raise Refused(Reason.STILL_OPEN, f"{self.label}round {round_} still open after {timeout_s:.0f}s", current_round=self.round)
             return self.clock() - started
 
     def state_proto(self) -> pb.FragmentState:
@@ -282,13 +263,8 @@ class FragmentRounds:
         try:
             with self.cond:
                 header = pb.ResultHeader(
-                    round=self.round,
-                    checksum=self.checksum,
-                    run_finished=self.owner.finished,
-                    islands=self.last_islands,
-                    mode=pb.ResultHeader.VALUES,
-                    codec="fp32",
-                    fragment=self.index,
+                    round=self.round, checksum=self.checksum, run_finished=self.ctx.run_finished(),
+                    islands=self.last_islands, mode=pb.ResultHeader.VALUES, codec="fp32", fragment=self.index,
                     tokens=self.last_tokens,
                 )
                 pub = self.publication
@@ -301,18 +277,18 @@ class FragmentRounds:
         finally:
             self.param_lock.release_read()
 
-    # --- the round driver -----------------------------------------------------------
+    # --- closing a round: close, then apply ------------------------------------------------
 
     def close_reason(self) -> str | None:
         """Why the current round may close now, or None. Caller holds cond."""
-        self.owner.expire_leases()
+        live = self.members.live()
         r = self.cfg.rounds
-        done = [i for i, c in self.contributions.items() if c.state == "committed"]
+        done = [i for i, c in self.contributions.items() if c.state == "complete"]
         if not done:
             return None
         if len(done) >= r.max_islands:
             return "max_islands reached"
-        if len(done) >= r.min_islands and all(i in done or i in self.dropped for i in self.owner.islands):
+        if len(done) >= r.min_islands and all(i in done or i in self.dropped for i in live):
             return "every live island contributed"
         overdue = self.clock() - self.round_opened_at > r.deadline_s
         if overdue and len(done) >= r.min_islands:
@@ -325,24 +301,47 @@ class FragmentRounds:
             )
         return None
 
-    def step_round(self, poll_s: float = 0.2) -> Closed | None:
-        """Waits (up to poll_s) for the round to close; if it does, applies the outer step."""
-        owner = self.owner
+    def close(self, poll_s: float = 0.2) -> Closing | None:
+        """Waits up to poll_s for the close condition; when it holds, stops taking pushes and returns what to fold."""
         with self.cond:
-            if self.phase is Phase.FINISHED:
+            if self.phase is not Phase.OPEN:
                 return None
             reason = self.close_reason()
             if reason is None:
                 self.cond.wait(poll_s)
-                return None
+                reason = self.close_reason()
+                if reason is None:
+                    return None
             self.phase = Phase.CLOSING
-            self.cond.wait_for(lambda: all(c.state != "folding" for c in self.contributions.values()))
-            committed = {i: c for i, c in self.contributions.items() if c.state == "committed"}
             for island_id in [i for i, c in self.contributions.items() if c.state == "pending"]:
                 log.warning("%sround %d: %s's contribution was incomplete; dropped", self.label, self.round, island_id)
                 self.drop(island_id)
-            owner.appends_pending += 1
-        summary = self._summary(committed)
+            complete = [(i, self.contributions[i]) for i in canonical_order(self.contributions)]
+            self.contributions.clear()
+            return Closing(reason, complete)
+
+    def _fold(self, contributions: list[tuple[str, Contribution]]) -> int:
+        """Folds every contribution into the accumulator in the given (canonical) order; returns elements folded."""
+        folded = 0
+        for _, contribution in contributions:
+            scale = self.accumulator.scale_for(contribution.tokens)
+            elements = 0
+            for spool in contribution.spools:
+                for chunk in spool.read():
+                    values = decode_chunk(chunk, self.manifest, self.codec)
+                    self.accumulator.add_chunk(chunk.name, chunk.offset, values, scale)
+                    elements += chunk.numel
+                spool.discard()
+            # Coverage proved exactly-once already; this is the invariant the summary reports.
+            assert elements == self.manifest.total_numel(), (elements, self.manifest.total_numel())
+            self.accumulator.commit(contribution.tokens)
+            folded += elements
+        return folded
+
+    def apply(self, closing: Closing) -> pb.RoundSummary:
+        """Folds, takes the outer step, publishes the result and opens the next round; returns the round's summary."""
+        summary = round_summary(self.round, self.index, closing.contributions, self.manifest.total_numel(), self.cfg)
+        folded = self._fold(closing.contributions)
         # Step, publication and round change happen under the write lock, so no
         # reader ever sees new parameters under an old round number or the reverse.
         self.param_lock.acquire_write()
@@ -354,61 +353,62 @@ class FragmentRounds:
                 self.mean_chunks = list(tensor_chunks(mean, self.publication.codec, self.cfg.wire.chunk_bytes))
             self.publication.publish()
             with self.cond:
+                self._traffic_into(summary)
                 summary.checksum = self.checksum
                 summary.seconds = self.clock() - self.round_opened_at
-                for (round_, island_id), (up, down) in sorted(self.traffic.items()):
-                    if round_ == self.round:
-                        summary.traffic.add(island_id=island_id, bytes_up=up, bytes_down=down)
-                        summary.bytes_up += up
-                        summary.bytes_down += down
-                self.traffic = {k: v for k, v in self.traffic.items() if k[0] > self.round}
                 summary.dropped.extend(sorted(self.dropped))
-                summary.elements_folded = self.elements_folded
-                summary.elements_expected = self.manifest.total_numel() * len(committed)
-                self.elements_folded = 0
-                if self.restored_round is not None:
-                    # First round closed since a restart: count what the restart cost.
-                    owner.events.rounds_lost += max(0, self.max_round_seen - self.restored_round)
-                    owner.events.recovery_s += self.clock() - self.restored_at
-                    self.restored_round = None
-                self.last_islands, self.last_tokens = len(committed), summary.tokens
+                summary.elements_folded = folded
+                summary.elements_expected = self.manifest.total_numel() * len(closing.contributions)
+                self._count_restart_cost()
+                self.last_islands, self.last_tokens = len(closing.contributions), summary.tokens
                 self.accumulator.reset()
-                self.contributions.clear()
                 self.dropped.clear()
                 self.round += 1
                 self.round_opened_at = self.clock()
                 self.phase = Phase.FINISHED if self.round >= self.cfg.rounds.rounds else Phase.OPEN
-                finisher = owner.finished
-                total = owner.total_rounds_closed()
+                # Decided with the phase change, so exactly one fragment's summary finishes the run.
+                summary.run_finished = self.ctx.run_finished()
                 self.cond.notify_all()
         finally:
             self.param_lock.release_write()
-        log.info("%sround %d closed (%s) with %d islands", self.label, summary.round, reason, len(committed))
-        # Evaluated once per wave, after fragment 0 (the last of a wave to sync), and at the end.
-        if owner.evaluate and (finisher or (self.index == 0 and summary.round % self.cfg.eval.every_rounds == 0)):
-            with owner.reading_all():
-                summary.eval_loss = owner.evaluate(owner.params)
-        with self.cond:
-            if finisher:  # the run's last summary goes last, after every other fragment's
-                self.cond.wait_for(lambda: owner.appends_pending == 1)
-            summary.run_finished = finisher
-            owner.summaries.append(summary)
-            owner.appends_pending -= 1
-            self.cond.notify_all()
-        return Closed(summary, total, finisher)
+        log.info("%sround %d closed (%s) with %d islands", self.label, summary.round, closing.reason, len(closing.contributions))
+        return summary
 
-    def _summary(self, committed: dict[str, Contribution]) -> pb.RoundSummary:
-        tokens = sum(c.tokens for c in committed.values())
-        n = len(committed)
-        return pb.RoundSummary(
-            round=self.round,
-            islands=sorted(committed),
-            tokens=tokens,
-            train_loss=sum(c.train_loss * c.tokens for c in committed.values()) / tokens,
-            eval_loss=math.nan,
-            initial_eval_loss=self.owner.initial_eval_loss,
-            # A ring all-reduce of fp32 gradients every inner step over the same islands (this fragment's share).
-            ddp_bytes=2.0 * (n - 1) * 4 * self.manifest.total_numel() * self.cfg.inner.steps_per_round,
-            fragment=self.index,
-            fragments=self.cfg.streaming.fragments,
-        )
+    def _traffic_into(self, summary: pb.RoundSummary) -> None:
+        """Moves the round's per-island byte counts into its summary. Caller holds cond."""
+        for (round_, island_id), (up, down) in sorted(self.traffic.items()):
+            if round_ == self.round:
+                summary.traffic.add(island_id=island_id, bytes_up=up, bytes_down=down)
+                summary.bytes_up += up
+                summary.bytes_down += down
+        self.traffic = {k: v for k, v in self.traffic.items() if k[0] > self.round}
+
+    def _count_restart_cost(self) -> None:
+        """The first round closed since a restart: count what the restart cost. Caller holds cond."""
+        if self.restored_round is not None:
+            events = self.members.events
+            events.rounds_lost += max(0, self.max_round_seen - self.restored_round)
+            events.recovery_s += self.clock() - self.restored_at
+            self.restored_round = None
+
+    # --- checkpoints ----------------------------------------------------------------------------
+
+    def state_dict(self) -> dict:
+        """The fragment's round and outer state (its parameters are saved by the caller, whole-model)."""
+        return {
+            # Copied: another fragment's driver may step while the checkpoint is written.
+            "round": self.round, "last": [self.last_islands, self.last_tokens], "outer": copy.deepcopy(self.outer.state_dict()),
+            "published": self.publication.state_dict(),
+        }
+
+    def load_state_dict(self, state: dict, finished: bool) -> None:
+        """Restores a checkpoint's round (its outer parameters already copied in); the round reopens now."""
+        self.outer.load_state_dict(state["outer"])
+        self.publication.load_state_dict(state["published"])
+        with self.cond:
+            now = self.clock()
+            self.round = state["round"]
+            self.phase = Phase.FINISHED if finished or self.round >= self.cfg.rounds.rounds else Phase.OPEN
+            self.round_opened_at = self.restored_at = now
+            self.restored_round = self.round
+            self.last_islands, self.last_tokens = state["last"]

@@ -5,22 +5,30 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-import grpc
+import math
 
 from coordinator.spool import Spool
+from diloco.config import RunConfig
+from diloco.refusal import Reason, status_of, trailing_metadata
 from diloco.v1 import diloco_pb2 as pb
 from diloco.wire import Coverage
 
-ACCEPTED_CHUNKS_KEY = "diloco-accepted-chunks"
-
 
 class Refused(Exception):
-    """A call the coordinator turns down; code is the gRPC status to return."""
+    """A call the coordinator turns down: a typed reason (which fixes the gRPC status) and a message for people."""
 
-    def __init__(self, code: grpc.StatusCode, message: str, trailing: tuple = ()):
+    def __init__(self, reason: int, message: str, resend_from_chunk: int = 0, current_round: int = 0):
         super().__init__(message)
-        self.code = code
-        self.trailing = trailing
+        self.reason = reason
+        self.refusal = pb.Refusal(reason=reason, resend_from_chunk=resend_from_chunk, current_round=current_round)
+        self.code = status_of(reason)
+
+    @property
+    def trailing(self) -> tuple:
+        return trailing_metadata(self.refusal)
+
+
+__all__ = ["Closed", "Closing", "Contribution", "Phase", "Reason", "Refused", "round_summary"]
 
 
 class Phase(enum.Enum):
@@ -41,9 +49,34 @@ class Contribution:
 
 
 @dataclass
+class Closing:
+    """A round that stopped taking pushes: why, and the contributions to fold, in canonical order."""
+
+    reason: str
+    contributions: list[tuple[str, Contribution]]
+
+
+@dataclass
 class Closed:
     """What the driver learns when a round closed."""
 
     summary: pb.RoundSummary
     total_rounds: int  # rounds closed so far over every fragment (the checkpoint step)
     run_finished: bool
+
+
+def round_summary(round_: int, fragment: int, contributions: list, numel: int, cfg: RunConfig) -> pb.RoundSummary:
+    """What a closing round is made of: its islands (contributions: (island_id, Contribution)), tokens, loss."""
+    tokens = sum(c.tokens for _, c in contributions)
+    n = len(contributions)
+    return pb.RoundSummary(
+        round=round_,
+        islands=sorted(i for i, _ in contributions),
+        tokens=tokens,
+        train_loss=sum(c.train_loss * c.tokens for _, c in contributions) / tokens,
+        eval_loss=math.nan,
+        # A ring all-reduce of fp32 gradients every inner step over the same islands (this fragment's share).
+        ddp_bytes=2.0 * (n - 1) * 4 * numel * cfg.inner.steps_per_round,
+        fragment=fragment,
+        fragments=cfg.streaming.fragments,
+    )

@@ -10,7 +10,8 @@ from contextlib import contextmanager
 
 import grpc
 
-from coordinator.state import CoordinatorState, Refused
+from coordinator.records import Reason, Refused
+from coordinator.state import CoordinatorState
 from diloco.codec import get_codec
 from diloco.v1 import diloco_pb2 as pb
 from diloco.v1 import diloco_pb2_grpc as pb_grpc
@@ -24,13 +25,13 @@ log = logging.getLogger(__name__)
 
 
 def _abort(context: grpc.ServicerContext, e: Refused):
-    if e.trailing:
-        context.set_trailing_metadata(e.trailing)
+    """The refusal's status and message, with its typed reason in the trailing metadata."""
+    context.set_trailing_metadata(e.trailing)
     context.abort(e.code, str(e))
 
 
 def _refusals(method):
-    """Maps Refused to the gRPC status it names, with its message (streams too)."""
+    """Maps Refused to its gRPC status, message and typed reason (streams too)."""
 
     @functools.wraps(method)
     def wrapper(self, request, context):
@@ -62,18 +63,18 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         state, cfg = self.state, self.state.cfg
         if request.protocol_version != PROTOCOL_VERSION:
             raise Refused(
-                grpc.StatusCode.FAILED_PRECONDITION,
+                Reason.PROTOCOL_MISMATCH,
                 f"protocol version {request.protocol_version} is not {PROTOCOL_VERSION}; run the same diloco release everywhere",
             )
         if request.codec and request.codec != state.codec.name:
             raise Refused(
-                grpc.StatusCode.FAILED_PRECONDITION,
+                Reason.CODEC_MISMATCH,
                 f"codec mismatch: the island is configured for {request.codec!r} but the run uses {state.codec.name!r}; "
                 "use the coordinator's config (or omit --config to adopt it)",
             )
         if request.config_digest and request.config_digest != cfg.digest():
             raise Refused(
-                grpc.StatusCode.FAILED_PRECONDITION,
+                Reason.CONFIG_MISMATCH,
                 f"config mismatch: the island's config digest is {request.config_digest}, the coordinator's is "
                 f"{cfg.digest()}; start the island with the coordinator's config file, or without --config to adopt it",
             )
@@ -107,7 +108,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         try:
             return ranges_from_proto(requested, manifest)
         except ChunkError as e:
-            raise Refused(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from e
+            raise Refused(Reason.BAD_REQUEST, str(e)) from e
 
     @contextmanager
     def _reading(self, fragment: int | None, delta_from_round: int | None, want_mean: bool):
@@ -168,12 +169,12 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
     def PushPseudoGradient(self, request_iterator: Iterator[pb.PushMessage], context) -> pb.PushResponse:
         first = next(request_iterator, None)
         if first is None or not first.HasField("header"):
-            raise Refused(grpc.StatusCode.INVALID_ARGUMENT, "a push must start with a PushHeader")
+            raise Refused(Reason.BAD_REQUEST, "a push must start with a PushHeader")
 
         def chunks() -> Iterator[pb.TensorChunk]:
             for message in request_iterator:
                 if not message.HasField("chunk"):
-                    raise Refused(grpc.StatusCode.INVALID_ARGUMENT, "only chunks may follow the PushHeader")
+                    raise Refused(Reason.BAD_REQUEST, "only chunks may follow the PushHeader")
                 yield message.chunk
 
         return self.state.receive(first.header, chunks())

@@ -1,16 +1,14 @@
 """The coordinator's state: membership, the fragments' round machines, the run's history.
 
 Networking lives in service.py; this module takes calls and raises Refused with
-the gRPC status a caller should see.
+a typed reason (coordinator/records.py).
 
 The model's parameters are split into fragments (diloco/fragments.py; one
 fragment holding everything without streaming), each with its own round
-sequence in coordinator/fragment.py. What is shared lives here: the islands
-and their leases, the condition variable every wait uses, the failure counts
-and the round summaries. The run is FINISHED when every fragment is.
-
-Without streaming, the attributes of the one fragment are also reachable
-here (round, phase, outer, publication, accumulator, contributions, ...).
+sequence in coordinator/fragment.py. What is shared lives here: membership
+(coordinator/membership.py), the condition variable every wait uses, the round
+summaries and the evaluation of the global parameters. The run is FINISHED when
+every fragment is.
 """
 
 from __future__ import annotations
@@ -21,13 +19,14 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
-import grpc
 import torch
 
-from coordinator.fragment import ACCEPTED_CHUNKS_KEY, Closed, FragmentRounds, Phase, Refused
+from coordinator.fragment import FragmentContext, FragmentRounds
+from coordinator.membership import Events, Island, Membership
+from coordinator.records import Closed, Phase, Reason, Refused
 from diloco.config import RunConfig
 from diloco.fragments import layout_for
 from diloco.params import checksum
@@ -36,35 +35,14 @@ from diloco.wire import Manifest, uplink_codec
 
 log = logging.getLogger(__name__)
 
-__all__ = ["ACCEPTED_CHUNKS_KEY", "Closed", "CoordinatorState", "Events", "Island", "Phase", "Refused"]
+__all__ = ["Closed", "CoordinatorState", "Events", "Island", "Phase", "Refused"]
 
 
 @dataclass
-class Island:
-    island_id: str
-    hostname: str
-    shard: int
-    last_seen: float
-    final_checksum: str = ""
-    # The replica groups of one island join under one key (empty: a one-group island).
-    key: str = ""
-    # What the island reported when it left: compute_s, wait_s, wall_s, inner_steps.
-    stats: dict = field(default_factory=dict)
+class _Wave:
+    """Orders the round summaries: the run's last one is appended after every other fragment's."""
 
-
-@dataclass
-class Events:
-    """Failures seen during the run, for the end-of-run summary."""
-
-    leases_expired: int = 0
-    dropped_nonfinite: int = 0
-    checksum_resyncs: int = 0
-    late_pushes: int = 0
-    restarts: int = 0  # of the coordinator
-    rounds_lost: int = 0
-    recovery_s: float = 0.0  # coordinator restarts: from restore to the first round closed again
-    island_restarts: int = 0  # an island came back under its own id (e.g. `join --resume`) while still a member
-    island_silent_s: float = 0.0  # those islands' silence before they came back: last heartbeat to rejoin
+    pending: int = 0  # rounds closed whose summary is not in summaries yet
 
 
 class CoordinatorState:
@@ -84,19 +62,54 @@ class CoordinatorState:
         self.evaluate = evaluate
         self.clock = clock
         self.cond = threading.Condition()
-        self.islands: dict[str, Island] = {}
-        self.departed: list[Island] = []
-        self.joined = 0
+        r = cfg.rounds
+        self.members = Membership(r.max_islands, cfg.data.shards, r.lease_s, self.cond, clock, on_leave=self._drop_pending)
         self.summaries: list[pb.RoundSummary] = []
-        self.appends_pending = 0  # rounds closed whose summary is not in summaries yet
-        self.events = Events()
-        self.fragments = [FragmentRounds(self, f.index, self.layout.subset(f.index, params)) for f in self.layout]
+        self._wave = _Wave()
+        ctx = FragmentContext(
+            cfg, self.codec, self.cond, clock, spool_dir, self.members,
+            run_finished=lambda: self.finished, fragment_of=self._fragment_of,
+        )
+        self.fragments = [FragmentRounds(ctx, f.index, self.layout.subset(f.index, params)) for f in self.layout]
         # The published parameters of every fragment, in manifest order (the same tensors).
         self._params = {n: self.fragments[self.layout.fragment_of(n)].publication.params[n] for n in self.manifest.shapes}
         self._whole: tuple[tuple[str, ...], str] | None = None
         if len(self.fragments) > 1:
             log.info("streaming: %s", self.layout.describe())
         self.initial_eval_loss = evaluate(self.params) if evaluate else math.nan
+
+    def _fragment_of(self, name: str) -> int | None:
+        return self.layout.fragment_of(name) if name in self.manifest.shapes else None
+
+    def _drop_pending(self, island_id: str) -> None:
+        for f in self.fragments:
+            f.drop_pending(island_id)
+
+    # --- membership (coordinator/membership.py) ----------------------------------------------
+
+    @property
+    def islands(self) -> dict[str, Island]:
+        return self.members.islands
+
+    @property
+    def departed(self) -> list[Island]:
+        return self.members.departed
+
+    @property
+    def events(self) -> Events:
+        return self.members.events
+
+    def join(self, hostname: str, island_id: str = "", key: str = "") -> Island:
+        """Admits an island into the current round; a known island_id rejoins as itself."""
+        return self.members.join(hostname, island_id, key, run_finished=self.finished, round_=self.round)
+
+    def touch(self, island_id: str) -> Island:
+        return self.members.touch(island_id)
+
+    def leave(self, island_id: str, island_checksum: str, stats: dict | None = None) -> bool:
+        matches = island_checksum == self.checksum  # outside cond: it may take the fragments' read locks
+        self.members.leave(island_id, island_checksum, stats, matches)
+        return matches
 
     # --- the run as a whole ---------------------------------------------------------
 
@@ -142,15 +155,17 @@ class CoordinatorState:
         """Fragment 0's round (the run's round without streaming)."""
         return self.fragments[0].round
 
+    @property
+    def publication(self):
+        """Fragment 0's publication (its downlink codec is the run's)."""
+        return self.fragments[0].publication
+
     def total_rounds_closed(self) -> int:
         return sum(f.round for f in self.fragments)
 
     def fragment(self, index: int) -> FragmentRounds:
         if not 0 <= index < len(self.fragments):
-            raise Refused(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"fragment {index} does not exist: the run has {len(self.fragments)} (streaming.fragments)",
-            )
+            raise Refused(Reason.BAD_REQUEST, f"fragment {index} does not exist: the run has {len(self.fragments)} (streaming.fragments)")
         return self.fragments[index]
 
     @contextmanager
@@ -180,96 +195,6 @@ class CoordinatorState:
                 )
             yield header
 
-    # --- without streaming: the one fragment's state, as before --------------------------
-
-    @property
-    def outer(self):
-        return self.fragments[0].outer
-
-    @property
-    def publication(self):
-        return self.fragments[0].publication
-
-    @property
-    def accumulator(self):
-        return self.fragments[0].accumulator
-
-    @property
-    def contributions(self):
-        return self.fragments[0].contributions
-
-    @property
-    def traffic(self):
-        return self.fragments[0].traffic
-
-    # --- membership -------------------------------------------------------------
-
-    def join(self, hostname: str, island_id: str = "", key: str = "") -> Island:
-        """Admits an island into the current round; a known island_id rejoins as itself.
-
-        With a key, a live island that joined under the same key is returned
-        (another replica group of it, or one that restarted).
-        """
-        with self.cond:
-            if self.finished:
-                raise Refused(grpc.StatusCode.FAILED_PRECONDITION, "the run has finished; nothing to join")
-            self.expire_leases()
-            explicit_id = bool(island_id) and island_id in self.islands
-            if key and not (island_id and island_id in self.islands):
-                island_id = next((i.island_id for i in self.islands.values() if i.key == key), island_id)
-            if island_id and island_id in self.islands:
-                island = self.islands[island_id]
-                if explicit_id:  # a restarted island presenting its own id, not another replica group by key
-                    self.events.island_restarts += 1
-                    self.events.island_silent_s += self.clock() - island.last_seen
-                island.last_seen = self.clock()
-                log.info("%s rejoined from %s at round %d", island_id, hostname, self.round)
-                return island
-            if len(self.islands) >= self.cfg.rounds.max_islands:
-                raise Refused(
-                    grpc.StatusCode.RESOURCE_EXHAUSTED,
-                    f"run is full: {len(self.islands)} islands (rounds.max_islands={self.cfg.rounds.max_islands})",
-                )
-            island = Island(f"island-{self.joined}", hostname, self.joined % self.cfg.data.shards, self.clock(), key=key)
-            self.joined += 1
-            self.islands[island.island_id] = island
-            log.info("%s joined from %s at round %d (shard %d)", island.island_id, hostname, self.round, island.shard)
-            self.cond.notify_all()
-            return island
-
-    def touch(self, island_id: str) -> Island:
-        with self.cond:
-            island = self.islands.get(island_id)
-            if island is None:
-                raise Refused(grpc.StatusCode.NOT_FOUND, f"unknown island {island_id!r} (lease expired?); join again")
-            island.last_seen = self.clock()
-            return island
-
-    def leave(self, island_id: str, island_checksum: str, stats: dict | None = None) -> bool:
-        matches = island_checksum == self.checksum  # outside cond: it may take the fragments' read locks
-        with self.cond:
-            island = self.islands.pop(island_id, None)
-            if island is not None:
-                island.final_checksum = island_checksum
-                island.stats = dict(stats or {})
-                self.departed.append(island)
-                log.info("%s left; checksum %s", island_id, "matches" if matches else "DIFFERS")
-                for f in self.fragments:
-                    f.drop_pending(island_id)
-            self.cond.notify_all()
-            return matches
-
-    def expire_leases(self) -> None:
-        """Removes islands whose lease ran out (and their half-pushed contributions). Caller holds cond."""
-        now = self.clock()
-        for island_id, island in list(self.islands.items()):
-            if now - island.last_seen > self.cfg.rounds.lease_s:
-                log.warning("%s missed its %.1fs lease; removed from the run", island_id, self.cfg.rounds.lease_s)
-                self.events.leases_expired += 1
-                del self.islands[island_id]
-                for f in self.fragments:
-                    f.drop_pending(island_id)
-
     # --- calls for one fragment (fragment 0 without streaming) ---------------------------
 
     def receive(self, header: pb.PushHeader, chunks: Iterator[pb.TensorChunk]) -> pb.PushResponse:
@@ -281,9 +206,36 @@ class CoordinatorState:
     def count_down(self, round_: int, island_id: str, n: int, fragment: int = 0) -> None:
         self.fragment(fragment).count_down(round_, island_id, n)
 
+    # --- the round driver: close, outer step and publication, summary --------------------
+
     def step_round(self, poll_s: float = 0.2, fragment: int = 0) -> Closed | None:
-        """One fragment's driver step (see FragmentRounds.step_round)."""
-        return self.fragments[fragment].step_round(poll_s)
+        """One driver step of a fragment: if its round closes within poll_s, applies it and records its summary."""
+        f = self.fragments[fragment]
+        closing = f.close(poll_s)
+        if closing is None:
+            return None
+        with self.cond:
+            self._wave.pending += 1
+        summary = f.apply(closing)
+        return self._record(f, summary)
+
+    def _record(self, f: FragmentRounds, summary: pb.RoundSummary) -> Closed:
+        """Evaluates where due and appends the summary (the run's last one after every other)."""
+        finisher = summary.run_finished
+        with self.cond:
+            total = self.total_rounds_closed()
+        summary.initial_eval_loss = self.initial_eval_loss
+        # Evaluated once per wave, after fragment 0 (the last of a wave to sync), and at the end.
+        if self.evaluate and (finisher or (f.index == 0 and summary.round % self.cfg.eval.every_rounds == 0)):
+            with self.reading_all():
+                summary.eval_loss = self.evaluate(self.params)
+        with self.cond:
+            if finisher:
+                self.cond.wait_for(lambda: self._wave.pending == 1)
+            self.summaries.append(summary)
+            self._wave.pending -= 1
+            self.cond.notify_all()
+        return Closed(summary, total, finisher)
 
     # --- watching -------------------------------------------------------------------
 

@@ -19,7 +19,8 @@ from diloco.v1 import diloco_pb2 as pb
 
 # 2: top-k followed by zstd sent its positions as a bitmap above density 1/64.
 # 3: top-k positions travel Golomb-Rice coded, after all levels and codes.
-PROTOCOL_VERSION = 3
+# 4: every refusal carries a typed Refusal (diloco/refusal.py) in its trailing metadata.
+PROTOCOL_VERSION = 4
 
 
 class ChunkError(ValueError):
@@ -253,6 +254,16 @@ class Coverage:
 
     def add(self, name: str, offset: int, numel: int) -> None:
         self.ranges.setdefault(name, []).append((offset, offset + numel))
+
+    def overlaps(self) -> bool:
+        """Whether some element arrived more than once."""
+        for spans in self.ranges.values():
+            end = 0
+            for lo, hi in sorted(spans):
+                if lo < end:
+                    return True
+                end = max(end, hi)
+        return False
 
     def problem(self) -> str | None:
         """None when every element of every parameter arrived exactly once, else what is off."""

@@ -129,13 +129,13 @@ def main(argv: list[str] | None = None) -> None:
                 args.coordinator, cfg, world, spec, args.max_rounds, args.connect_timeout,
                 args.checkpoint, args.checkpoint_every, args.resume,
             )
-            if result is None:
-                return
         else:
             result = join_and_run(
                 args.coordinator, cfg, world, args.max_rounds, args.connect_timeout,
                 args.checkpoint, args.checkpoint_every, args.resume, args.compile,
             )
+        if result is None:  # the run had finished before we joined
+            return
         log.info(
             "%s finished at round %d after %d rounds; parameters checksum %s (%s the coordinator's)",
             result.island_id, result.final_round, result.rounds, result.checksum,

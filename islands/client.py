@@ -13,15 +13,15 @@ import torch
 
 from diloco.codec import Codec, get_codec
 from diloco.params import checksum, ranges_checksum
+from diloco.refusal import Reason, is_transport_failure, refusal_of, status_of
 from diloco.v1 import diloco_pb2 as pb
 from diloco.v1 import diloco_pb2_grpc as pb_grpc
 from diloco.wire import PROTOCOL_VERSION, FlatRange, Manifest, apply_chunks, framed_size, ranges_to_proto
 
 log = logging.getLogger(__name__)
 
-# Transient failures worth another try; anything else is the caller's problem.
-RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DATA_LOSS}
-ACCEPTED_CHUNKS_KEY = "diloco-accepted-chunks"
+# Broken streams found on our side that a fetch (values overwrite) may simply try again.
+_LOCAL_RETRYABLE = {Reason.BAD_CHUNK, Reason.CHECKSUM_MISMATCH}
 
 
 class CoordinatorUnreachable(ConnectionError):
@@ -122,18 +122,24 @@ class CoordinatorClient:
     def _retry(self, what: str, call, retry_local: bool = True):
         """Retries transient failures with backoff for up to reconnect_s (a coordinator restart).
 
-        retry_local=False: a failure found on our side (checksum mismatch, short
-        stream) is raised at once. A pull needs that: it may have added part or
-        all of a delta already, and adding it again only moves further away.
+        Transient: the coordinator unreachable, a chunk corrupted on the way (the
+        push resends from where the coordinator stopped keeping), and with
+        retry_local a broken stream found on our side. A pull passes
+        retry_local=False: it may have added part or all of a delta already, and
+        adding it again only moves further away.
         """
         delay, deadline = 0.2, time.monotonic() + self.reconnect_s
         while True:
             try:
                 return call()
             except grpc.RpcError as e:
-                if not retry_local and isinstance(e, _LocalRpcError):
-                    raise
-                if e.code() not in RETRYABLE or time.monotonic() + delay > deadline:
+                reason = refusal_of(e).reason
+                local = isinstance(e, LocalRefusal)
+                transient = (
+                    is_transport_failure(e) or (reason == Reason.CORRUPT_CHUNK and not local)
+                    or (retry_local and local and reason in _LOCAL_RETRYABLE)
+                )
+                if not transient or time.monotonic() + delay > deadline:
                     raise
                 log.warning("%s failed (%s: %s); retrying in %.1fs", what, e.code().name, e.details(), delay)
                 time.sleep(delay)
@@ -178,12 +184,12 @@ class CoordinatorClient:
         """
         first = next(stream, None)
         if first is None or not first.HasField("header"):
-            raise grpc_error(grpc.StatusCode.DATA_LOSS, "result stream without a header")
+            raise LocalRefusal(Reason.BAD_CHUNK, "result stream without a header")
         header = first.header
         self.bytes_received += first.ByteSize()
         delta = header.mode == pb.ResultHeader.DELTA
         if delta and header.base_checksum != held:
-            raise grpc_error(grpc.StatusCode.FAILED_PRECONDITION, "delta is for other parameters than ours; fetch values")
+            raise LocalRefusal(Reason.CHECKSUM_MISMATCH, "delta is for other parameters than ours; fetch values")
 
         mean_chunks: list[pb.TensorChunk] = []
 
@@ -198,7 +204,7 @@ class CoordinatorClient:
 
         codec = self.codecs.get(header.codec)
         if codec is None:
-            raise grpc_error(grpc.StatusCode.FAILED_PRECONDITION, f"result codec {header.codec!r} is not this run's")
+            raise LocalRefusal(Reason.CODEC_MISMATCH, f"result codec {header.codec!r} is not this run's")
         bases = {r.name: r.offset for r in ranges} if ranges is not None else None
         expected = sum(r.numel for r in ranges) if ranges is not None else manifest.total_numel()
         # Values overwrite, so a broken stream can simply be fetched again. A delta
@@ -207,7 +213,7 @@ class CoordinatorClient:
         incoming = list(chunks()) if delta else chunks()
         written = apply_chunks(incoming, targets, manifest, codec, add=delta, bases=bases)
         if written != expected:
-            raise grpc_error(grpc.StatusCode.DATA_LOSS, f"parameter stream ended early ({written} of {expected} elements)")
+            raise LocalRefusal(Reason.BAD_CHUNK, f"parameter stream ended early ({written} of {expected} elements)")
         if ranges is not None:
             matches = ranges_checksum((r.name, r.offset, targets[r.name]) for r in ranges) == header.ranges_checksum
         else:
@@ -219,7 +225,7 @@ class CoordinatorClient:
                 header.round - 1, " in our shard" if ranges is not None else "",
             )
             what = "shard does not match the coordinator's ranges checksum" if ranges is not None else "parameters do not match the coordinator's checksum"
-            raise grpc_error(grpc.StatusCode.DATA_LOSS, f"received {what}; fetch values")
+            raise LocalRefusal(Reason.CHECKSUM_MISMATCH, f"received {what}; fetch values")
         if mean is not None:
             mean.take(mean_chunks)
         return header
@@ -280,9 +286,9 @@ class CoordinatorClient:
             try:
                 return self.stub.PushPseudoGradient(messages(), timeout=600)
             except grpc.RpcError as e:
-                if e.code() == grpc.StatusCode.DATA_LOSS:
-                    kept = dict(e.trailing_metadata() or ()).get(ACCEPTED_CHUNKS_KEY)
-                    start += int(kept or 0)
+                refusal = refusal_of(e)
+                if refusal.reason == Reason.CORRUPT_CHUNK:
+                    start += refusal.resend_from_chunk
                 raise
 
         return self._retry("push", attempt)
@@ -298,9 +304,12 @@ class CoordinatorClient:
             return False
 
 
-class _LocalRpcError(grpc.RpcError):
-    def __init__(self, code: grpc.StatusCode, details: str):
-        self._code, self._details = code, details
+class LocalRefusal(grpc.RpcError):
+    """A broken result stream found on our side, typed like the coordinator's own refusals."""
+
+    def __init__(self, reason: int, details: str):
+        self.refusal = pb.Refusal(reason=reason)
+        self._code, self._details = status_of(reason), details
 
     def code(self) -> grpc.StatusCode:
         return self._code
@@ -308,10 +317,8 @@ class _LocalRpcError(grpc.RpcError):
     def details(self) -> str:
         return self._details
 
+    def trailing_metadata(self):
+        return ()
+
     def __str__(self) -> str:
         return f"{self._code.name}: {self._details}"
-
-
-def grpc_error(code: grpc.StatusCode, details: str) -> grpc.RpcError:
-    """An RpcError raised on our side (a bad stream), handled like the server's own."""
-    return _LocalRpcError(code, details)

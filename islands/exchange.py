@@ -25,7 +25,9 @@ from diloco.config import OuterConfig
 from diloco.streaming import OuterReplica
 from diloco.v1 import diloco_pb2 as pb
 from diloco.wire import Manifest
-from islands.client import CoordinatorClient, MeanBuffer, ReplayableChunks, grpc_error
+from diloco.refusal import Reason
+from islands.client import CoordinatorClient, LocalRefusal, MeanBuffer, ReplayableChunks
+from islands.outcome import Next, next_step
 
 log = logging.getLogger(__name__)
 
@@ -115,20 +117,24 @@ def push_and_pull(
     restart); any other refusal is raised for the training thread to resync.
     """
     for _ in range(3):
-        client.push(header, chunks)
+        try:
+            client.push(header, chunks)
+        except grpc.RpcError as e:
+            if next_step(e) is not Next.DELIVERED:  # a retried push whose first try arrived after all
+                raise
         while True:
             try:
                 return client.pull(
                     header.island_id, header.round, targets, manifest, held, timeout_s, fragment=header.fragment, mean=mean
                 )
             except grpc.RpcError as e:
-                details = e.details() or ""
-                if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED and "still open" in details:
+                step = next_step(e)
+                if step is Next.WAIT:
                     # The round waits for more islands (below rounds.min_islands): so do we.
-                    log.info("%s: %s; waiting on", header.island_id, details)
+                    log.info("%s: %s; waiting on", header.island_id, e.details())
                     continue
-                if e.code() == grpc.StatusCode.FAILED_PRECONDITION and "push again" in details:
-                    log.warning("%s: %s", header.island_id, details)
+                if step is Next.PUSH_AGAIN:
+                    log.warning("%s: %s", header.island_id, e.details())
                     break  # resend the same chunks (re-encoding would consume the error feedback again)
                 raise
-    raise grpc_error(grpc.StatusCode.FAILED_PRECONDITION, "contribution lost repeatedly")
+    raise LocalRefusal(Reason.ROUND_CLOSED, "contribution lost repeatedly; resyncing")

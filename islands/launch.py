@@ -26,13 +26,11 @@ import sys
 import uuid
 from dataclasses import dataclass
 
-import grpc
 import torch
 
-from diloco.config import RunConfig, config_from_toml
-from diloco.v1 import diloco_pb2 as pb
-from diloco.wire import uplink_codec
+from diloco.config import RunConfig
 from islands.client import CoordinatorClient
+from islands.joining import join_run
 from islands.replicas import FT_HOST_ENV, LIGHTHOUSE_ENV, FtConfig, start_lighthouse
 from islands.shard_checkpoint import ShardCheckpoint
 from islands.shard_state import ReplicaSpec
@@ -212,22 +210,10 @@ def run_sharded(
     previous = ckpt.choose() if ckpt is not None and resume else None
     client = CoordinatorClient(address, connect_timeout_s, receive_window_bytes=spec.receive_window_bytes)
     try:
-        reply: bytes | str | None = None
-        if world.is_leader:
-            codec = uplink_codec(cfg.wire).name if cfg is not None else ""
-            island_id = previous[1]["island_id"] if previous else ""
-            try:
-                reply = client.join(cfg.digest() if cfg is not None else "", codec, island_id, spec.key).SerializeToString()
-            except grpc.RpcError as e:
-                reply = f"{e.code().name}: {e.details()}"
-        reply = world.broadcast_object(reply)
-        if isinstance(reply, str):
-            if "has finished" in reply:
-                log.info("the run has finished; nothing to do")
-                return None
-            raise LaunchError(f"coordinator refused the join: {reply}")
-        joined = pb.JoinResponse.FromString(reply)
-        run_cfg = cfg if cfg is not None else config_from_toml(joined.config_toml)
+        joined = join_run(client, world, cfg, previous[1]["island_id"] if previous else "", spec.key)
+        if joined is None:
+            return None
+        joined, run_cfg = joined
         refuse_streaming(run_cfg)
         torch.manual_seed(run_cfg.seed + 1000 * world.rank)
         island = ShardedIsland(run_cfg, world, spec, client, joined)

@@ -49,7 +49,9 @@ from islands.evidence import Evidence, digest, maybe_fault
 from islands.fsdp import (
     ShardLayout, build_sharded_model, local_grads, local_views, optimizer_state_from_local, optimizer_state_to_local,
 )
+from islands.joining import check_join_reply
 from islands.memwatch import PeakRss
+from islands.outcome import Next, next_step, reason_name
 from islands.replicas import Replicas, Solo
 from islands.shard_state import Position, ReplicaSpec, ShardFeedback
 from islands.world import IslandWorld
@@ -65,14 +67,11 @@ class ShardedIsland:
         self.cfg, self.world, self.spec, self.client = cfg, world, spec, client
         self.manifest = Manifest.from_proto(joined.parameters)
         self.codec = uplink_codec(cfg.wire)
-        if self.codec.name != joined.codec:
-            raise RuntimeError(f"this island's codec {self.codec.name!r} is not the run's {joined.codec!r}")
         client.codecs[downlink_codec(cfg.wire).name] = downlink_codec(cfg.wire)
         self.chunk_bytes = joined.max_chunk_bytes
         self.total_rounds = joined.total_rounds
         self.model, _ = build_sharded_model(cfg.model, world.device, world.world_size)
-        if Manifest.of(dict(self.model.named_parameters())) != self.manifest:
-            raise RuntimeError("the coordinator's parameter manifest does not match this island's model; check model config")
+        check_join_reply(joined, cfg, Manifest.of(dict(self.model.named_parameters())))
         self.layout = ShardLayout.of(self.model)
         self.local = local_views(self.model)
         self.global_shard = self.layout.zeros()  # this rank's part of theta_global, fp32 on the CPU
@@ -191,18 +190,18 @@ class ShardedIsland:
             self.client.push(header, RegeneratingChunks(self._chunks))
             return PUSHED
         except grpc.RpcError as e:
-            details = e.details() or ""
-            if e.code() == grpc.StatusCode.ALREADY_EXISTS or "overlaps data already received" in details:
+            step = next_step(e)
+            if step is Next.DELIVERED:
                 log.info("group %d rank %d: shard already delivered by another group; taking over the rest", self.spec.group, self.world.rank)
                 self.takeovers += 1
                 self.evidence.event("takeover", round=s.round)
                 return PUSHED
-            if e.code() == grpc.StatusCode.INVALID_ARGUMENT and "not finite" in details:
+            if step is Next.RESET:
                 return DIVERGED
-            if e.code() == grpc.StatusCode.NOT_FOUND:
+            if step is Next.REJOIN:
                 return UNKNOWN
-            if e.code() in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.DATA_LOSS):
-                log.warning("%s: push for round %d refused: %s", s.island_id, s.round, details)
+            if step in (Next.RESYNC, Next.PUSH_AGAIN, Next.FINISHED):
+                log.warning("%s: push for round %d refused: %s: %s", s.island_id, s.round, reason_name(e), e.details())
                 return LOST
             raise
 
@@ -217,12 +216,13 @@ class ShardedIsland:
                     timeout_s=self.cfg.rounds.deadline_s + 60, ranges=self.layout.ranges,
                 )
             except grpc.RpcError as e:
-                if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED and "still open" in (e.details() or ""):
+                step = next_step(e)
+                if step is Next.WAIT:
                     continue  # the round waits for slower islands: so do we
-                if e.code() not in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.DATA_LOSS, grpc.StatusCode.NOT_FOUND):
+                if step not in (Next.RESYNC, Next.PUSH_AGAIN, Next.REJOIN, Next.FINISHED):
                     raise
-                log.warning("%s rank %d: pull of round %d failed (%s: %s)", s.island_id, self.world.rank, s.round, e.code().name, e.details())
-                trouble = 2 if e.code() == grpc.StatusCode.NOT_FOUND else 1
+                log.warning("%s rank %d: pull of round %d failed (%s: %s)", s.island_id, self.world.rank, s.round, reason_name(e), e.details())
+                trouble = 2 if step is Next.REJOIN else 1
         got = header.round if header is not None else -1
         trouble, lo, hi = self._group_reduce([trouble, -got, got], dist.ReduceOp.MAX)
         if trouble or -lo != hi:

@@ -30,9 +30,8 @@ import torch
 
 from diloco.checkpoint import CheckpointStore
 from diloco.codec import ErrorFeedback
-from diloco.config import RunConfig, config_from_toml
+from diloco.config import RunConfig
 from diloco.data import train_stream
-from diloco.fragments import layout_for
 from diloco.inner import build_inner_optimizer, inner_lr, train_step
 from diloco.model import Transformer
 from diloco.outer import pseudo_gradient
@@ -42,7 +41,9 @@ from diloco.v1 import diloco_pb2 as pb
 from diloco.wire import Manifest, downlink_codec, tensor_chunks, uplink_codec
 from islands import durable
 from islands.client import CoordinatorClient, MeanBuffer, ReplayableChunks
+from islands.joining import check_join_reply, join_run
 from islands.exchange import EagerState, Exchange, push_and_pull
+from islands.outcome import Next, next_step, reason_name
 from islands.world import IslandWorld
 
 log = logging.getLogger(__name__)
@@ -79,16 +80,13 @@ class Island:
         self.island_id = joined.island_id
         self.manifest = Manifest.from_proto(joined.parameters)
         self.codec = uplink_codec(cfg.wire)
-        if self.codec.name != joined.codec:
-            raise RuntimeError(f"this island's codec {self.codec.name!r} is not the run's {joined.codec!r}")
         self.down = downlink_codec(cfg.wire)
         if client is not None:
             client.codecs[self.down.name] = self.down
         self.chunk_bytes = joined.max_chunk_bytes
         self.total_rounds = joined.total_rounds
         self.model = Transformer(cfg.model).to(world.device)
-        if Manifest.of(dict(self.model.named_parameters())) != self.manifest:
-            raise RuntimeError("the coordinator's parameter manifest does not match this island's model; check model config")
+        self.layout = check_join_reply(joined, cfg, Manifest.of(dict(self.model.named_parameters())))
         if compile_model:
             # In place (nn.Module.compile): parameter names, and so the manifest and checkpoints, stay as they are.
             self.model.compile()
@@ -103,9 +101,6 @@ class Island:
         self.resyncs = 0
         # --- fragments (one without streaming) ---
         s = cfg.streaming
-        self.layout = layout_for(self.manifest.shapes, cfg)
-        if joined.fragments and [tuple(f.names) for f in joined.fragments] != [f.names for f in self.layout]:
-            raise RuntimeError("the coordinator's fragment layout differs from this island's; use the coordinator's config")
         self.tau, self.alpha = s.overlap, s.alpha
         if world.world_size > 1 and (len(self.layout) > 1 or self.tau > 0 or s.eager):
             raise ValueError("streaming (fragments > 1, tau > 0 or eager) needs one-rank islands")
@@ -182,20 +177,20 @@ class Island:
             self.cfg.rounds.deadline_s + 60, ex.mean,
         )
 
-    def _resync(self, f: int, error: grpc.RpcError | None) -> None:
+    def _resync(self, f: int, error: grpc.RpcError) -> None:
         """Fragment f's round went on without us: fetch its current global parameters and carry on from there."""
-        code = error.code() if error is not None else None
-        details = error.details() if error is not None else "contribution lost repeatedly"
-        if code == grpc.StatusCode.NOT_FOUND:
+        step = next_step(error)
+        if step is Next.REJOIN:
             joined = self.client.join(self.cfg.digest(), self.codec.name, self.island_id)
             self.island_id = joined.island_id
-        elif code == grpc.StatusCode.INVALID_ARGUMENT and "not finite" in details:
+        elif step is Next.RESET:
             # Our training diverged: start the inner optimizer afresh from the global parameters.
             self.optimizer = build_inner_optimizer(self.model, self.cfg.inner)
             if self.feedback is not None:
                 self.feedback = ErrorFeedback(self.manifest.shapes, self.cfg.wire.decay, self.cfg.wire.feedback_in_model)
-        elif code not in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.DATA_LOSS, None):
+        elif step not in (Next.RESYNC, Next.FINISHED, Next.PUSH_AGAIN):
             raise error
+        details = f"{reason_name(error)}: {error.details()}"
         label = f"fragment {f} " if len(self.layout) > 1 else ""
         log.warning("%s resyncs %safter round %d: %s", self.island_id, label, self.rounds[f], details)
         self.resyncs += 1
@@ -392,8 +387,9 @@ def join_and_run(
     checkpoint_every: int = 1,
     resume: bool = False,
     compile_model: bool = False,
-) -> IslandResult:
-    """Joins the coordinator at address (config None: adopt the coordinator's) and trains to the end.
+) -> IslandResult | None:
+    """Joins the coordinator at address (config None: adopt the coordinator's) and trains to the end;
+    None if the run had already finished.
 
     With checkpoint_url the island checkpoints every checkpoint_every rounds;
     with resume it first restores the newest checkpoint there and rejoins as
@@ -406,17 +402,13 @@ def join_and_run(
     elif resume:
         raise ValueError("--resume needs --checkpoint URL")
     previous = durable.peek(store) if resume and store is not None else None
-    client = None
-    joined = None
-    if world.is_leader:
-        client = CoordinatorClient(address, connect_timeout_s)
-        codec = uplink_codec(cfg.wire).name if cfg is not None else ""
-        joined = client.join(cfg.digest() if cfg is not None else "", codec, previous["island_id"] if previous else "")
-    joined_bytes = world.broadcast_object(joined.SerializeToString() if joined else None)
-    joined = pb.JoinResponse.FromString(joined_bytes)
-    run_cfg = cfg if cfg is not None else config_from_toml(joined.config_toml)
-    torch.manual_seed(run_cfg.seed + 1000 * world.rank)
+    client = CoordinatorClient(address, connect_timeout_s) if world.is_leader else None
     try:
+        joined = join_run(client, world, cfg, previous["island_id"] if previous else "")
+        if joined is None:
+            return None
+        joined, run_cfg = joined
+        torch.manual_seed(run_cfg.seed + 1000 * world.rank)
         island = Island(run_cfg, world, client, joined, compile_model)
         if previous is not None:
             durable.restore(island, store, prefer_step=sum(joined.fragment_rounds) if joined.fragment_rounds else joined.round)

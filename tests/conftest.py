@@ -89,10 +89,14 @@ def random_like(shapes, seed: int, scale: float = 1e-2) -> dict[str, torch.Tenso
 
 
 def wait_for_round(coordinator, round_: int, timeout_s: float = 10.0) -> None:
-    """Blocks until the coordinator has moved past round_."""
+    """Blocks until the coordinator has moved past round_ and recorded its summary."""
     state = coordinator.state
+
+    def closed() -> bool:
+        return state.round > round_ and any(s.round == round_ and s.fragment == 0 for s in state.summaries)
+
     with state.cond:
-        assert state.cond.wait_for(lambda: state.round > round_, timeout_s), f"round {round_} did not close"
+        assert state.cond.wait_for(closed, timeout_s), f"round {round_} did not close"
 
 
 ROOT = Path(__file__).resolve().parents[1]

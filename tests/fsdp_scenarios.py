@@ -173,8 +173,8 @@ def faults(workdir: Path) -> None:
         for round_ in range(cfg.rounds.rounds):
             def contributed():
                 with state.cond:
-                    c = state.contributions.get(sharded_id)
-                    return state.round == round_ and c is not None and c.state == "committed"
+                    c = state.fragments[0].contributions.get(sharded_id)
+                    return state.round == round_ and c is not None and c.state == "complete"
 
             wait_until(run, f"the sharded island's contribution to round {round_}", contributed)
             if round_ == 1:

@@ -126,12 +126,12 @@ def test_coordinator_resumes_from_s3(s3, tmp_path):
         while store.latest() != 2 and time.monotonic() < deadline:
             time.sleep(0.05)
         assert store.latest() == 2
-        params = {n: t.clone() for n, t in first.state.outer.params.items()}
+        params = {n: t.clone() for n, t in first.state.fragments[0].outer.params.items()}
     finally:
         first.stop(0.5)
     second = start_coordinator(cfg, "127.0.0.1", 0, spool_dir=str(tmp_path / "spool2"), resume=True)
     try:
         assert second.state.round == 2 and list(second.state.islands) == [island]
-        assert all(torch.equal(second.state.outer.params[n], t) for n, t in params.items())
+        assert all(torch.equal(second.state.fragments[0].outer.params[n], t) for n, t in params.items())
     finally:
         second.stop(0.5)

@@ -74,8 +74,8 @@ def test_lossy_downlink_keeps_island_and_coordinator_bit_identical(make_coordina
             # The downlink really was compressed.
             assert client.bytes_received - before < 4 * manifest.total_numel() * 0.6
         # The outer optimizer keeps full precision; the gap is the downlink's error feedback, carried forward.
-        gap = max(float((state.outer.params[n] - state.params[n]).abs().max()) for n in theta)
-        moved = max(float((state.outer.params[n] - theta0[n]).abs().max()) for n in theta)
+        gap = max(float((state.fragments[0].outer.params[n] - state.params[n]).abs().max()) for n in theta)
+        moved = max(float((state.fragments[0].outer.params[n] - theta0[n]).abs().max()) for n in theta)
         assert 0 < gap < (1.0 if down == "topk" else 0.25) * moved, (gap, moved)
     finally:
         client.close()

@@ -13,6 +13,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from conftest import join, random_like, tiny_config, wait_for_round
 from diloco.codec import Fp32Codec
+from diloco.refusal import Reason, reason_of, refusal_of
 from diloco.v1 import diloco_pb2 as pb
 from diloco.wire import Manifest, tensor_chunks
 
@@ -79,9 +80,9 @@ def test_bad_chunk_is_invalid_argument_and_aggregate_unaffected(run, bad_chunk, 
 
     with pytest.raises(grpc.RpcError) as err:
         stub.PushPseudoGradient(messages(), timeout=10)
-    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and reason_of(err.value) == Reason.BAD_CHUNK
     assert expect in err.value.details()
-    assert coordinator.state.accumulator.contributions == 0
+    assert not coordinator.state.fragments[0].contributions
     assert not list(coordinator.state.spool_dir.iterdir()), "a refused push left spool files behind"
     _finish_round_and_check(cfg, coordinator, stub, [a, b], manifest, theta0)
 
@@ -93,6 +94,7 @@ def test_payload_that_does_not_match_numel_is_refused(run):
     with pytest.raises(grpc.RpcError) as err:
         stub.PushPseudoGradient(iter([_header(a), lying]), timeout=10)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "payload is 12 bytes" in err.value.details()
+    assert reason_of(err.value) == Reason.BAD_CHUNK
 
 
 def test_corrupt_chunk_is_data_loss(run):
@@ -100,8 +102,10 @@ def test_corrupt_chunk_is_data_loss(run):
     good = _chunk("norm.weight", 0, torch.ones(32))
     good.chunk.crc32 ^= 1
     with pytest.raises(grpc.RpcError) as err:
-        stub.PushPseudoGradient(iter([_header(a), good]), timeout=10)
+        stub.PushPseudoGradient(iter([_header(a), _chunk("blocks.0.attn_norm.weight", 0, torch.ones(32)), good]), timeout=10)
     assert err.value.code() == grpc.StatusCode.DATA_LOSS
+    refusal = refusal_of(err.value)
+    assert refusal.reason == Reason.CORRUPT_CHUNK and refusal.resend_from_chunk == 1
 
 
 def test_disconnect_mid_push_leaves_no_partial_contribution(run):
@@ -116,7 +120,7 @@ def test_disconnect_mid_push_leaves_no_partial_contribution(run):
 
     call = stub.PushPseudoGradient.future(half_then_hang())
     deadline = time.monotonic() + 10
-    received = lambda: coordinator.state.traffic.get((0, a), [0, 0])[0]  # noqa: E731
+    received = lambda: coordinator.state.fragments[0].traffic.get((0, a), [0, 0])[0]  # noqa: E731
     while received() == 0 and time.monotonic() < deadline:
         time.sleep(0.01)
     assert received() > 0, "the server never saw the first half"
@@ -126,8 +130,7 @@ def test_disconnect_mid_push_leaves_no_partial_contribution(run):
     while list(coordinator.state.spool_dir.iterdir()) and time.monotonic() < deadline:
         time.sleep(0.01)
     assert not list(coordinator.state.spool_dir.iterdir()), "the broken push left a spool behind"
-    assert coordinator.state.accumulator.contributions == 0
-    assert a not in coordinator.state.contributions
+    assert a not in coordinator.state.fragments[0].contributions
     # Both islands now push in full; the huge half-pushed values must not show up.
     _finish_round_and_check(cfg, coordinator, stub, [a, b], manifest, theta0)
 
@@ -137,14 +140,15 @@ def test_push_that_ends_early_is_not_aggregated(run):
     messages = list(_messages(a, random_like(manifest.shapes, seed=5, scale=100.0), cfg.wire.chunk_bytes))
     reply = stub.PushPseudoGradient(iter(messages[:-1]), timeout=10)
     assert reply.accepted and not reply.contribution_complete
-    assert coordinator.state.accumulator.contributions == 0
+    assert coordinator.state.fragments[0].contributions[a].state == "pending"
     # The rest arrives in a second stream (as from another rank): only then is it whole.
     with pytest.raises(grpc.RpcError) as err:
         stub.PushPseudoGradient(iter([messages[0], messages[1]]), timeout=10)
-    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "more than once" in err.value.details()
+    assert err.value.code() == grpc.StatusCode.ALREADY_EXISTS and reason_of(err.value) == Reason.DUPLICATE
+    assert "more than once" in err.value.details()
     reply = stub.PushPseudoGradient(iter([messages[0], messages[-1]]), timeout=10)
     assert reply.contribution_complete
-    assert coordinator.state.accumulator.contributions == 1
+    assert coordinator.state.fragments[0].contributions[a].state == "complete"
 
 
 def test_push_for_a_closed_round_is_failed_precondition(run):
@@ -153,6 +157,8 @@ def test_push_for_a_closed_round_is_failed_precondition(run):
     with pytest.raises(grpc.RpcError) as err:
         stub.PushPseudoGradient(_messages(a, random_like(manifest.shapes, seed=1), cfg.wire.chunk_bytes, round_=0), timeout=10)
     assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "round 0 is closed" in err.value.details()
+    refusal = refusal_of(err.value)
+    assert refusal.reason == Reason.ROUND_CLOSED and refusal.current_round == 1
 
 
 def test_second_contribution_in_a_round_is_already_exists(run):
@@ -161,17 +167,18 @@ def test_second_contribution_in_a_round_is_already_exists(run):
     stub.PushPseudoGradient(_messages(a, pg, cfg.wire.chunk_bytes), timeout=10)
     with pytest.raises(grpc.RpcError) as err:
         stub.PushPseudoGradient(_messages(a, pg, cfg.wire.chunk_bytes), timeout=10)
-    assert err.value.code() == grpc.StatusCode.ALREADY_EXISTS
+    assert err.value.code() == grpc.StatusCode.ALREADY_EXISTS and reason_of(err.value) == Reason.DUPLICATE
 
 
 def test_unknown_island_and_config_mismatch_are_refused(run, channel_to):
     cfg, coordinator, stub, a, b, manifest, theta0 = run
     with pytest.raises(grpc.RpcError) as err:
         stub.Heartbeat(pb.HeartbeatRequest(island_id="island-404"), timeout=5)
-    assert err.value.code() == grpc.StatusCode.NOT_FOUND
+    assert err.value.code() == grpc.StatusCode.NOT_FOUND and reason_of(err.value) == Reason.NOT_A_MEMBER
     with pytest.raises(grpc.RpcError) as err:
         join(stub, digest="0000")
     assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "config mismatch" in err.value.details()
+    assert reason_of(err.value) == Reason.CONFIG_MISMATCH
 
 
 def test_health_service_reports_serving(run, channel_to):

@@ -40,8 +40,8 @@ def test_coordinator_resume_restores_parameters_momentum_round_and_members(make_
     while first.state.summaries[-1].round < 1 and time.monotonic() < deadline:
         time.sleep(0.05)
     time.sleep(0.5)  # the checkpoint is written right after the round closes
-    params = {n: t.clone() for n, t in first.state.outer.params.items()}
-    momentum = [s["momentum_buffer"].clone() for s in first.state.outer.optimizer.state.values()]
+    params = {n: t.clone() for n, t in first.state.fragments[0].outer.params.items()}
+    momentum = [s["momentum_buffer"].clone() for s in first.state.fragments[0].outer.optimizer.state.values()]
     first.stop(0.5)
 
     from coordinator.server import start_coordinator
@@ -51,8 +51,8 @@ def test_coordinator_resume_restores_parameters_momentum_round_and_members(make_
         s = second.state
         assert s.round == 2 and list(s.islands) == [island] and s.events.restarts == 1
         for name, t in params.items():
-            assert torch.equal(s.outer.params[name], t)
-        assert all(torch.equal(a["momentum_buffer"], b) for a, b in zip(s.outer.optimizer.state.values(), momentum))
+            assert torch.equal(s.fragments[0].outer.params[name], t)
+        assert all(torch.equal(a["momentum_buffer"], b) for a, b in zip(s.fragments[0].outer.optimizer.state.values(), momentum))
         assert [r.round for r in s.summaries] == [0, 1]
     finally:
         second.stop(0.5)

@@ -7,6 +7,54 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class Refusal(_message.Message):
+    __slots__ = ("reason", "resend_from_chunk", "current_round")
+    class Reason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        REASON_UNSPECIFIED: _ClassVar[Refusal.Reason]
+        PROTOCOL_MISMATCH: _ClassVar[Refusal.Reason]
+        CONFIG_MISMATCH: _ClassVar[Refusal.Reason]
+        CODEC_MISMATCH: _ClassVar[Refusal.Reason]
+        RUN_FINISHED: _ClassVar[Refusal.Reason]
+        RUN_FULL: _ClassVar[Refusal.Reason]
+        NOT_A_MEMBER: _ClassVar[Refusal.Reason]
+        ROUND_CLOSED: _ClassVar[Refusal.Reason]
+        ROUND_AHEAD: _ClassVar[Refusal.Reason]
+        PUSH_AGAIN: _ClassVar[Refusal.Reason]
+        DUPLICATE: _ClassVar[Refusal.Reason]
+        CHECKSUM_MISMATCH: _ClassVar[Refusal.Reason]
+        BAD_CHUNK: _ClassVar[Refusal.Reason]
+        CORRUPT_CHUNK: _ClassVar[Refusal.Reason]
+        NOT_FINITE: _ClassVar[Refusal.Reason]
+        DROPPED: _ClassVar[Refusal.Reason]
+        STILL_OPEN: _ClassVar[Refusal.Reason]
+        BAD_REQUEST: _ClassVar[Refusal.Reason]
+    REASON_UNSPECIFIED: Refusal.Reason
+    PROTOCOL_MISMATCH: Refusal.Reason
+    CONFIG_MISMATCH: Refusal.Reason
+    CODEC_MISMATCH: Refusal.Reason
+    RUN_FINISHED: Refusal.Reason
+    RUN_FULL: Refusal.Reason
+    NOT_A_MEMBER: Refusal.Reason
+    ROUND_CLOSED: Refusal.Reason
+    ROUND_AHEAD: Refusal.Reason
+    PUSH_AGAIN: Refusal.Reason
+    DUPLICATE: Refusal.Reason
+    CHECKSUM_MISMATCH: Refusal.Reason
+    BAD_CHUNK: Refusal.Reason
+    CORRUPT_CHUNK: Refusal.Reason
+    NOT_FINITE: Refusal.Reason
+    DROPPED: Refusal.Reason
+    STILL_OPEN: Refusal.Reason
+    BAD_REQUEST: Refusal.Reason
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    RESEND_FROM_CHUNK_FIELD_NUMBER: _ClassVar[int]
+    CURRENT_ROUND_FIELD_NUMBER: _ClassVar[int]
+    reason: Refusal.Reason
+    resend_from_chunk: int
+    current_round: int
+    def __init__(self, reason: _Optional[_Union[Refusal.Reason, str]] = ..., resend_from_chunk: _Optional[int] = ..., current_round: _Optional[int] = ...) -> None: ...
+
 class ParameterSpec(_message.Message):
     __slots__ = ("name", "shape")
     NAME_FIELD_NUMBER: _ClassVar[int]

@@ -1,0 +1,154 @@
+"""Who takes part in the run: islands, their leases, and the failures seen along the way.
+
+Shared by every fragment's round machine through a narrow seam (touch, live,
+is_member, events): a fragment never reaches into the coordinator's state.
+All methods that read or change membership expect the caller to hold `cond`,
+except join, touch and leave, which take it themselves.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import re
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from coordinator.records import Reason, Refused
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Island:
+    island_id: str
+    hostname: str
+    shard: int
+    last_seen: float
+    final_checksum: str = ""
+    # The replica groups of one island join under one key (empty: a one-group island).
+    key: str = ""
+    # What the island reported when it left: compute_s, wait_s, wall_s, inner_steps.
+    stats: dict = field(default_factory=dict)
+
+
+@dataclass
+class Events:
+    """Failures seen during the run, for the end-of-run summary."""
+
+    leases_expired: int = 0
+    dropped_nonfinite: int = 0
+    checksum_resyncs: int = 0
+    late_pushes: int = 0
+    restarts: int = 0  # of the coordinator
+    rounds_lost: int = 0
+    recovery_s: float = 0.0  # coordinator restarts: from restore to the first round closed again
+    island_restarts: int = 0  # an island came back under its own id (e.g. `join --resume`) while still a member
+    island_silent_s: float = 0.0  # those islands' silence before they came back: last heartbeat to rejoin
+
+
+def canonical_order(island_ids) -> list[str]:
+    """Island ids in admission order ("island-2" before "island-10"): the order contributions are folded in."""
+    return sorted(island_ids, key=lambda i: [int(p) if p.isdigit() else p for p in re.split(r"(\d+)", i)])
+
+
+class Membership:
+    def __init__(self, max_islands: int, shards: int, lease_s: float, cond: threading.Condition,
+                 clock: Callable[[], float], on_leave: Callable[[str], None] = lambda island_id: None):
+        self.max_islands, self.shards, self.lease_s = max_islands, shards, lease_s
+        self.cond, self.clock = cond, clock
+        self.on_leave = on_leave  # drops the island's half-pushed contributions; called holding cond
+        self.islands: dict[str, Island] = {}
+        self.departed: list[Island] = []
+        self.joined = 0
+        self.events = Events()
+
+    # --- the seam the round machines use ---------------------------------------------------
+
+    def touch(self, island_id: str) -> Island:
+        with self.cond:
+            island = self.islands.get(island_id)
+            if island is None:
+                raise Refused(Reason.NOT_A_MEMBER, f"unknown island {island_id!r} (lease expired?); join again")
+            island.last_seen = self.clock()
+            return island
+
+    def live(self) -> list[str]:
+        """The members whose lease holds, after removing those whose lease ran out. Caller holds cond."""
+        self.expire_leases()
+        return list(self.islands)
+
+    def is_member(self, island_id: str) -> bool:
+        return island_id in self.islands
+
+    # --- joining and leaving --------------------------------------------------------------
+
+    def join(self, hostname: str, island_id: str = "", key: str = "", run_finished: bool = False, round_: int = 0) -> Island:
+        """Admits an island; a known island_id rejoins as itself, a known key gets its island (another replica group)."""
+        with self.cond:
+            if run_finished:
+                raise Refused(Reason.RUN_FINISHED, "the run has finished; nothing to join")
+            self.expire_leases()
+            explicit_id = bool(island_id) and island_id in self.islands
+            if key and not explicit_id:
+                island_id = next((i.island_id for i in self.islands.values() if i.key == key), island_id)
+            if island_id and island_id in self.islands:
+                island = self.islands[island_id]
+                if explicit_id:  # a restarted island presenting its own id, not another replica group by key
+                    self.events.island_restarts += 1
+                    self.events.island_silent_s += self.clock() - island.last_seen
+                island.last_seen = self.clock()
+                log.info("%s rejoined from %s at round %d", island_id, hostname, round_)
+                return island
+            if len(self.islands) >= self.max_islands:
+                raise Refused(Reason.RUN_FULL, f"run is full: {len(self.islands)} islands (rounds.max_islands={self.max_islands})")
+            island = Island(f"island-{self.joined}", hostname, self.joined % self.shards, self.clock(), key=key)
+            self.joined += 1
+            self.islands[island.island_id] = island
+            log.info("%s joined from %s at round %d (shard %d)", island.island_id, hostname, round_, island.shard)
+            self.cond.notify_all()
+            return island
+
+    def leave(self, island_id: str, final_checksum: str, stats: dict | None, matches: bool) -> None:
+        with self.cond:
+            island = self.islands.pop(island_id, None)
+            if island is not None:
+                island.final_checksum = final_checksum
+                island.stats = dict(stats or {})
+                self.departed.append(island)
+                log.info("%s left; checksum %s", island_id, "matches" if matches else "DIFFERS")
+                self.on_leave(island_id)
+            self.cond.notify_all()
+
+    def expire_leases(self) -> None:
+        """Removes islands whose lease ran out (and their half-pushed contributions). Caller holds cond."""
+        now = self.clock()
+        for island_id, island in list(self.islands.items()):
+            if now - island.last_seen > self.lease_s:
+                log.warning("%s missed its %.1fs lease; removed from the run", island_id, self.lease_s)
+                self.events.leases_expired += 1
+                del self.islands[island_id]
+                self.on_leave(island_id)
+
+    # --- checkpoints -------------------------------------------------------------------------
+
+    def state_dict(self) -> dict:
+        return {
+            "joined": self.joined,
+            "islands": [{"island_id": i.island_id, "hostname": i.hostname, "shard": i.shard, "key": i.key}
+                        for i in self.islands.values()],
+            "departed": [dataclasses.asdict(i) for i in self.departed],
+            "events": dataclasses.asdict(self.events),
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """Members get a fresh lease (they are reconnecting now); counts a coordinator restart."""
+        with self.cond:
+            now = self.clock()
+            self.joined = state["joined"]
+            self.islands = {i["island_id"]: Island(i["island_id"], i["hostname"], i["shard"], now, key=i.get("key", ""))
+                            for i in state["islands"]}
+            self.departed = [Island(**i) for i in state["departed"]]
+            self.events = Events(**state["events"])
+            self.events.restarts += 1

@@ -1,0 +1,75 @@
+"""Typed refusals: why the coordinator turned a call down, as data both sides read the same way.
+
+The coordinator attaches a `Refusal` (protos/) to every non-OK status, in the
+binary trailing metadata entry REFUSAL_KEY; islands branch on its reason and
+never on the status message, which is for people. Each reason has exactly one
+gRPC status code (STATUS below), so a generic gRPC client still sees a
+sensible status.
+"""
+
+from __future__ import annotations
+
+import grpc
+
+from diloco.v1 import diloco_pb2 as pb
+
+Reason = pb.Refusal.Reason
+REFUSAL_KEY = "diloco-refusal-bin"
+
+_C = grpc.StatusCode
+STATUS: dict[int, grpc.StatusCode] = {
+    Reason.PROTOCOL_MISMATCH: _C.FAILED_PRECONDITION,
+    Reason.CONFIG_MISMATCH: _C.FAILED_PRECONDITION,
+    Reason.CODEC_MISMATCH: _C.FAILED_PRECONDITION,
+    Reason.RUN_FINISHED: _C.FAILED_PRECONDITION,
+    Reason.RUN_FULL: _C.RESOURCE_EXHAUSTED,
+    Reason.NOT_A_MEMBER: _C.NOT_FOUND,
+    Reason.ROUND_CLOSED: _C.FAILED_PRECONDITION,
+    Reason.ROUND_AHEAD: _C.FAILED_PRECONDITION,
+    Reason.PUSH_AGAIN: _C.FAILED_PRECONDITION,
+    Reason.DUPLICATE: _C.ALREADY_EXISTS,
+    Reason.CHECKSUM_MISMATCH: _C.FAILED_PRECONDITION,
+    Reason.BAD_CHUNK: _C.INVALID_ARGUMENT,
+    Reason.CORRUPT_CHUNK: _C.DATA_LOSS,
+    Reason.NOT_FINITE: _C.INVALID_ARGUMENT,
+    Reason.DROPPED: _C.FAILED_PRECONDITION,
+    Reason.STILL_OPEN: _C.DEADLINE_EXCEEDED,
+    Reason.BAD_REQUEST: _C.INVALID_ARGUMENT,
+}
+assert set(STATUS) == set(Reason.values()) - {Reason.REASON_UNSPECIFIED}, "every reason needs its status code"
+
+
+def name(reason: int) -> str:
+    return Reason.Name(reason)
+
+
+def status_of(reason: int) -> grpc.StatusCode:
+    return STATUS[reason]
+
+
+def trailing_metadata(refusal: pb.Refusal) -> tuple[tuple[str, bytes], ...]:
+    return ((REFUSAL_KEY, refusal.SerializeToString()),)
+
+
+def refusal_of(error: grpc.RpcError) -> pb.Refusal:
+    """The Refusal an error carries; REASON_UNSPECIFIED when it carries none (a transport failure)."""
+    carried = getattr(error, "refusal", None)
+    if isinstance(carried, pb.Refusal):
+        return carried
+    metadata = error.trailing_metadata() if hasattr(error, "trailing_metadata") else None
+    for key, value in metadata or ():
+        if key == REFUSAL_KEY:
+            try:
+                return pb.Refusal.FromString(value)
+            except Exception:  # a malformed entry is no refusal at all
+                break
+    return pb.Refusal()
+
+
+def reason_of(error: grpc.RpcError) -> int:
+    return refusal_of(error).reason
+
+
+def is_transport_failure(error: grpc.RpcError) -> bool:
+    """No refusal, and the status says the coordinator could not be reached (restarting, network)."""
+    return reason_of(error) == Reason.REASON_UNSPECIFIED and error.code() == grpc.StatusCode.UNAVAILABLE

@@ -1,0 +1,64 @@
+"""Joining a run, for every kind of island: rank 0 joins, every rank gets the reply and checks it.
+
+One place for the join and the validation of its reply, whichever loop trains
+afterwards (islands/trainer.py, islands/sharded.py).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import grpc
+
+from diloco.config import RunConfig, config_from_toml
+from diloco.fragments import FragmentLayout, layout_for
+from diloco.v1 import diloco_pb2 as pb
+from diloco.wire import Manifest, uplink_codec
+from islands.client import CoordinatorClient
+from islands.outcome import Next, next_step, reason_name
+from islands.world import IslandWorld
+
+log = logging.getLogger(__name__)
+
+
+class JoinRefused(ValueError):
+    """The coordinator will not have this island (another config, codec or release; a full run)."""
+
+
+def join_run(
+    client: CoordinatorClient | None, world: IslandWorld, cfg: RunConfig | None, island_id: str = "", key: str = "",
+) -> tuple[pb.JoinResponse, RunConfig] | None:
+    """Rank 0 joins (cfg None: adopt the coordinator's config); every rank gets the reply and the run's config.
+
+    None when the run has already finished (nothing to do); JoinRefused with the
+    coordinator's reason and message when it will not have us.
+    """
+    reply: bytes | tuple[str, str] | None = None
+    if world.is_leader:
+        codec = uplink_codec(cfg.wire).name if cfg is not None else ""
+        try:
+            reply = client.join(cfg.digest() if cfg is not None else "", codec, island_id, key).SerializeToString()
+        except grpc.RpcError as e:
+            reply = (next_step(e).value, f"{reason_name(e)}: {e.details()}")
+    reply = world.broadcast_object(reply)
+    if isinstance(reply, tuple):
+        step, message = reply
+        if Next(step) is Next.FINISHED:
+            log.info("the run has finished; nothing to do")
+            return None
+        raise JoinRefused(f"coordinator refused the join: {message}")
+    joined = pb.JoinResponse.FromString(reply)
+    return joined, cfg if cfg is not None else config_from_toml(joined.config_toml)
+
+
+def check_join_reply(joined: pb.JoinResponse, cfg: RunConfig, model_manifest: Manifest) -> FragmentLayout:
+    """The run's codec, parameters and fragment layout must be this island's; returns the layout."""
+    codec = uplink_codec(cfg.wire).name
+    if codec != joined.codec:
+        raise JoinRefused(f"this island's codec {codec!r} is not the run's {joined.codec!r}; use the coordinator's config")
+    if Manifest.from_proto(joined.parameters) != model_manifest:
+        raise JoinRefused("the coordinator's parameter manifest does not match this island's model; check model config")
+    layout = layout_for(model_manifest.shapes, cfg)
+    if joined.fragments and [tuple(f.names) for f in joined.fragments] != [f.names for f in layout]:
+        raise JoinRefused("the coordinator's fragment layout differs from this island's; use the coordinator's config")
+    return layout

@@ -1,0 +1,160 @@
+"""The coordinator's round state machine without gRPC, on an injected clock.
+
+Pushes go straight into CoordinatorState.receive and the driver is stepped by
+hand, so close conditions, leases, deadlines and refusals are decided by the
+test's clock alone, and the aggregate can be checked against every order in
+which pushes may arrive.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from conftest import random_like, tiny_config
+from coordinator.records import Refused
+from coordinator.server import initial_parameters
+from coordinator.state import CoordinatorState
+from diloco.refusal import Reason
+from diloco.v1 import diloco_pb2 as pb
+from diloco.wire import tensor_chunks, uplink_codec
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def make_state(tmp_path, *overrides: str, clock: Clock | None = None) -> CoordinatorState:
+    cfg = tiny_config(*overrides)
+    spool = tmp_path / f"spool-{len(list(tmp_path.iterdir()))}"
+    spool.mkdir()
+    return CoordinatorState(cfg, initial_parameters(cfg), spool, clock=clock or Clock())
+
+
+def push(state: CoordinatorState, island_id: str, pg: dict[str, torch.Tensor], tokens: int = 1000, round_: int = 0):
+    codec = uplink_codec(state.cfg.wire)
+    header = pb.PushHeader(island_id=island_id, round=round_, tokens=tokens, train_loss=2.0, codec=codec.name)
+    return state.receive(header, tensor_chunks(pg, codec, state.cfg.wire.chunk_bytes))
+
+
+def refusal(call) -> pb.Refusal:
+    with pytest.raises(Refused) as err:
+        call()
+    return err.value.refusal
+
+
+@pytest.mark.parametrize("codec", ["fp32", "int8"])
+def test_aggregate_is_bit_identical_for_every_arrival_order(tmp_path, codec):
+    """Three islands with unequal tokens, pushed in all six orders, two rounds with Nesterov momentum."""
+    tokens = {"island-0": 1000, "island-1": 1700, "island-2": 2900}
+    results = []
+    for order in itertools.permutations(tokens):
+        state = make_state(tmp_path, "rounds.rounds=2", f"wire.codec='{codec}'", "outer.lr=0.7", "outer.momentum=0.9")
+        for _ in tokens:
+            state.join("test")
+        for round_ in range(2):
+            for island_id in order:
+                seed = 10 * round_ + int(island_id[-1])
+                assert push(state, island_id, random_like(state.manifest.shapes, seed), tokens[island_id], round_).contribution_complete
+            closed = state.step_round(poll_s=0)
+            assert closed is not None and closed.summary.tokens == sum(tokens.values())
+        results.append((order, {n: t.clone() for n, t in state.params.items()}, state.checksum))
+    first_order, first, first_sum = results[0]
+    for order, params, digest in results[1:]:
+        assert digest == first_sum, f"arrival order {order} gave other global parameters than {first_order}"
+        for name, t in params.items():
+            assert torch.equal(t, first[name]), (order, name)
+
+
+def test_round_waits_for_every_live_island_then_closes(tmp_path):
+    clock = Clock()
+    state = make_state(tmp_path, "rounds.min_islands=1", "rounds.deadline_s=30", clock=clock)
+    a, b = state.join("a").island_id, state.join("b").island_id
+    push(state, a, random_like(state.manifest.shapes, 1))
+    assert state.step_round(poll_s=0) is None, "closed while a live island had not pushed"
+    push(state, b, random_like(state.manifest.shapes, 2))
+    closed = state.step_round(poll_s=0)
+    assert closed is not None and list(closed.summary.islands) == [a, b] and state.round == 1
+
+
+def test_deadline_closes_with_min_islands_and_not_below(tmp_path):
+    clock = Clock()
+    state = make_state(tmp_path, "rounds.min_islands=2", "rounds.deadline_s=30", "rounds.lease_s=1000", clock=clock)
+    a, b, c = (state.join(h).island_id for h in "abc")
+    push(state, a, random_like(state.manifest.shapes, 1))
+    clock.now += 31
+    assert state.step_round(poll_s=0) is None, "closed past the deadline below min_islands"
+    push(state, b, random_like(state.manifest.shapes, 2))
+    closed = state.step_round(poll_s=0)
+    assert closed is not None and list(closed.summary.islands) == [a, b], "the deadline did not close the round"
+    # The late island's push for the closed round is refused, naming the current round.
+    r = refusal(lambda: push(state, c, random_like(state.manifest.shapes, 3)))
+    assert r.reason == Reason.ROUND_CLOSED and r.current_round == 1
+    assert state.events.late_pushes == 1
+
+
+def test_expired_lease_stops_holding_the_round_and_drops_a_half_push(tmp_path):
+    clock = Clock()
+    state = make_state(tmp_path, "rounds.min_islands=1", "rounds.lease_s=10", "rounds.deadline_s=1000", clock=clock)
+    a, b = state.join("a").island_id, state.join("b").island_id
+    pg = random_like(state.manifest.shapes, 5)
+    codec = uplink_codec(state.cfg.wire)
+    chunks = list(tensor_chunks(pg, codec, state.cfg.wire.chunk_bytes))
+    header = pb.PushHeader(island_id=b, round=0, tokens=1000, train_loss=2.0, codec=codec.name)
+    assert not state.receive(header, iter(chunks[:2])).contribution_complete  # b's push breaks off half-way
+    push(state, a, random_like(state.manifest.shapes, 1))
+    assert state.step_round(poll_s=0) is None, "closed while b's lease held"
+    clock.now += 11
+    state.touch(a)
+    closed = state.step_round(poll_s=0)
+    assert closed is not None and list(closed.summary.islands) == [a]
+    assert closed.summary.elements_folded == closed.summary.elements_expected == state.manifest.total_numel()
+    assert state.events.leases_expired == 1 and b not in state.islands
+    assert r_reason(lambda: state.touch(b)) == Reason.NOT_A_MEMBER
+    assert not list(state.spool_dir.iterdir()), "the dropped half-push left its spool behind"
+
+
+def r_reason(call) -> int:
+    return refusal(call).reason
+
+
+def test_max_islands_closes_at_once(tmp_path):
+    state = make_state(tmp_path, "rounds.min_islands=1", "rounds.max_islands=2")
+    a, b = state.join("a").island_id, state.join("b").island_id
+    push(state, a, random_like(state.manifest.shapes, 1))
+    push(state, b, random_like(state.manifest.shapes, 2))
+    assert r_reason(lambda: state.join("c")) == Reason.RUN_FULL
+    assert state.step_round(poll_s=0) is not None
+
+
+def test_pull_refusals_say_what_to_do(tmp_path):
+    state = make_state(tmp_path, "rounds.min_islands=1")
+    a = state.join("a").island_id
+    # Nothing pushed for the open round: the coordinator (restarted, say) asks for the push again.
+    r = refusal(lambda: state.wait_for_result(a, 0, timeout_s=0))
+    assert r.reason == Reason.PUSH_AGAIN and r.current_round == 0
+    assert r_reason(lambda: state.wait_for_result(a, 3, timeout_s=0)) == Reason.ROUND_AHEAD
+    push(state, a, random_like(state.manifest.shapes, 1))
+    assert r_reason(lambda: push(state, a, random_like(state.manifest.shapes, 1))) == Reason.DUPLICATE
+    assert r_reason(lambda: state.wait_for_result(a, 0, timeout_s=0)) == Reason.STILL_OPEN
+    assert state.step_round(poll_s=0) is not None
+    assert state.wait_for_result(a, 0, timeout_s=0) >= 0.0
+
+
+def test_nonfinite_push_drops_the_island_from_the_round(tmp_path):
+    state = make_state(tmp_path, "rounds.min_islands=1")
+    a, b = state.join("a").island_id, state.join("b").island_id
+    bad = random_like(state.manifest.shapes, 1)
+    bad["norm.weight"][3] = float("nan")
+    assert r_reason(lambda: push(state, a, bad)) == Reason.NOT_FINITE
+    assert r_reason(lambda: push(state, a, random_like(state.manifest.shapes, 1))) == Reason.DROPPED
+    push(state, b, random_like(state.manifest.shapes, 2))
+    closed = state.step_round(poll_s=0)
+    assert closed is not None and list(closed.summary.islands) == [b] and list(closed.summary.dropped) == [a]
+    assert all(torch.isfinite(t).all() for t in state.params.values())
