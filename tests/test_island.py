@@ -53,16 +53,22 @@ def test_inner_optimizer_state_survives_rounds_and_island_adopts_global(make_coo
 
 
 def test_compiled_island_trains_like_the_eager_one_and_keeps_the_exact_global_parameters(make_coordinator):
-    """--compile: torch.compile in place; the manifest (parameter names) and the exchange are unchanged."""
+    """--compile: torch.compile in place; the manifest (parameter names) and the exchange are unchanged.
+
+    Compiling takes tens of seconds on two busy cores and holds the GIL for long
+    stretches: the island heartbeats as a real one does, and the lease is long
+    enough that a starved heartbeat thread cannot cost it its membership.
+    """
     results = {}
     for compiled in (False, True):
-        cfg = tiny_config("rounds.rounds=2", "inner.steps_per_round=3")
+        cfg = tiny_config("rounds.rounds=2", "inner.steps_per_round=3", "rounds.lease_s=600", "rounds.deadline_s=600")
         coordinator = make_coordinator(cfg)
         world = IslandWorld.init("cpu")
         client = CoordinatorClient(f"127.0.0.1:{coordinator.port}", connect_timeout_s=10)
         try:
             torch.manual_seed(0)
             island = Island(cfg, world, client, client.join(cfg.digest()), compile_model=compiled)
+            client.start_heartbeat(lambda: island.island_id, cfg.rounds.heartbeat_s, lambda: island.round)
             result = island.run()
         finally:
             client.close()
