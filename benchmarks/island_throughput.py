@@ -7,7 +7,7 @@ adopts the coordinator's config. The run is --rounds rounds of
 --steps-per-round inner steps; evaluation is off (eval.batches=0, before any
 --set) so the coordinator does not compete for the host's cores.
 
-What is measured: the island times each inner step itself (islands/trainer.py:
+What is measured: the island times each inner step itself (islands/island.py:
 data is fetched before the clock starts; on CUDA the clock starts after a
 device synchronize and `train_step` ends with `loss.item()`, which waits for
 the step's kernels, the optimizer's included) and, at leave, reports the sum

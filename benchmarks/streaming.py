@@ -46,7 +46,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import math
 import os
 import statistics
 import sys

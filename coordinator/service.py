@@ -151,7 +151,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             for chunk in chunks:
                 sent += framed_size(chunk)
                 yield pb.ResultMessage(chunk=chunk)
-            for chunk in mean:
+            for chunk in mean if ranges is None else overlapping_chunks(mean, ranges):
                 sent += framed_size(chunk)
                 yield pb.ResultMessage(mean_chunk=chunk)
         self.state.count_down(header.round, island_id, sent, fragment or 0)
@@ -195,7 +195,8 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             "wall_s": request.wall_s, "inner_steps": request.inner_steps,
             "steady_compute_s": request.steady_compute_s, "steady_wall_s": request.steady_wall_s,
         }
-        return pb.LeaveResponse(checksum_matches=self.state.leave(request.island_id, request.checksum, stats))
+        matches, whole = self.state.leave(request.island_id, request.checksum, stats, list(request.fragment_checksums))
+        return pb.LeaveResponse(checksum_matches=matches, checksum=whole)
 
     def WatchRounds(self, request: pb.WatchRequest, context) -> Iterator[pb.RoundSummary]:
         yield from self.state.watch(request.from_round, self.stop)

@@ -106,10 +106,19 @@ class CoordinatorState:
     def touch(self, island_id: str) -> Island:
         return self.members.touch(island_id)
 
-    def leave(self, island_id: str, island_checksum: str, stats: dict | None = None) -> bool:
-        matches = island_checksum == self.checksum  # outside cond: it may take the fragments' read locks
+    def leave(self, island_id: str, island_checksum: str, stats: dict | None = None,
+              fragment_checksums: list[str] | None = None) -> tuple[bool, str]:
+        """An island leaves holding island_checksum (or, per fragment, fragment_checksums); returns whether
+        that is the coordinator's, and the coordinator's whole checksum."""
+        whole = self.checksum  # outside cond: it may take the fragments' read locks
+        if fragment_checksums:
+            with self.cond:
+                matches = fragment_checksums == [f.checksum for f in self.fragments]
+            island_checksum = whole if matches else "fragments differ: " + ",".join(c[:12] for c in fragment_checksums)
+        else:
+            matches = island_checksum == whole
         self.members.leave(island_id, island_checksum, stats, matches)
-        return matches
+        return matches, whole
 
     # --- the run as a whole ---------------------------------------------------------
 

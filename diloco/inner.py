@@ -52,23 +52,33 @@ def train_step(
     batch: Batch,
     lr: float,
     grad_clip: float,
-    reduce_gradients: Callable[[nn.Module], None] | None = None,
+    reduce_gradients: Callable[[nn.Module, float], float | None] | None = None,
     device: torch.device | str = "cpu",
-) -> float:
-    """One inner step; returns the (local) loss. reduce_gradients averages grads across the island."""
+    autocast: bool = True,
+) -> float | None:
+    """One inner step; returns its loss, or None when it must be redone (it did not commit).
+
+    reduce_gradients(model, loss) averages the gradients across whoever trains
+    together (replica groups) and returns the loss to record, or None when the
+    step did not commit: the optimizer then does not step. autocast: bf16 on
+    CUDA (off where FSDP's mixed precision does it already).
+    """
     inputs, targets = (t.to(device, non_blocking=True) for t in batch)
-    with compute_precision(device):
+    with compute_precision(device if autocast else "cpu"):
         _, loss = model(inputs, targets)
     optimizer.zero_grad(set_to_none=True)
     loss.backward()
+    value = loss.item()
     if reduce_gradients is not None:
-        reduce_gradients(model)
+        value = reduce_gradients(model, value)
+        if value is None:
+            return None
     if grad_clip > 0:
         torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip, foreach=True)
     for group in optimizer.param_groups:
         group["lr"] = lr
     optimizer.step()
-    return loss.item()
+    return value
 
 
 @torch.no_grad()

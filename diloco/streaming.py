@@ -110,3 +110,25 @@ class OuterReplica:
 
     def load_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
         self.buffers = {n: t.clone() for n, t in state.items()} if state else None
+
+
+class EagerState:
+    """One fragment's memory for eager updates on an island (its shard of it on a rank of a sharded island)."""
+
+    def __init__(self, cfg: OuterConfig):
+        self.replica = OuterReplica(cfg)
+        self.prev_mean: dict[str, torch.Tensor] | None = None  # the last round's mean pseudo-gradient
+        self.prev_own: dict[str, torch.Tensor] | None = None  # this island's pseudo-gradient of that round
+        self.share = 0.0  # this island's token share of that round
+
+    def forget(self) -> None:
+        """After a resync: no provisional update until a round lands normally again."""
+        self.prev_mean = self.prev_own = None
+
+    def state_dict(self) -> dict:
+        return {"momentum": self.replica.state_dict(), "prev_mean": self.prev_mean or {}, "prev_own": self.prev_own or {},
+                "share": self.share}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.replica.load_state_dict(state["momentum"])
+        self.prev_mean, self.prev_own, self.share = state["prev_mean"] or None, state["prev_own"] or None, state["share"]

@@ -13,8 +13,7 @@ from diloco.checkpoint import CheckpointError
 from diloco.cli import ArgumentParser, add_config_flags, fail, setup_logging
 from diloco.config import ConfigError, load_config
 from islands.client import CoordinatorUnreachable
-from islands.launch import LaunchError, LaunchOptions, is_launched_rank, launch, refuse_streaming, replica_spec, run_sharded
-from islands.trainer import join_and_run
+from islands.launch import LaunchError, LaunchOptions, is_launched_rank, launch, replica_spec, run_island
 from islands.world import IslandWorld
 
 log = logging.getLogger("islands")
@@ -95,11 +94,6 @@ def main(argv: list[str] | None = None) -> None:
     )
     if sharded and args.compile:
         fail(parser.prog, "--compile is for one-rank islands for now; drop it for --nproc-per-node/--replica-groups islands")
-    if sharded and cfg is not None:
-        try:
-            refuse_streaming(cfg)
-        except LaunchError as e:
-            fail(parser.prog, str(e))
     if args.threads:
         torch.set_num_threads(args.threads)
     if sharded and not launched:
@@ -110,7 +104,7 @@ def main(argv: list[str] | None = None) -> None:
         except LaunchError as e:
             fail(parser.prog, str(e))
     try:
-        spec = replica_spec(args) if sharded else None
+        spec = replica_spec(args)
     except LaunchError as e:
         fail(parser.prog, str(e))
     group = os.environ.get("DILOCO_REPLICA_GROUP", "0")
@@ -124,16 +118,10 @@ def main(argv: list[str] | None = None) -> None:
     except ValueError as e:
         fail(parser.prog, str(e))
     try:
-        if sharded:
-            result = run_sharded(
-                args.coordinator, cfg, world, spec, args.max_rounds, args.connect_timeout,
-                args.checkpoint, args.checkpoint_every, args.resume,
-            )
-        else:
-            result = join_and_run(
-                args.coordinator, cfg, world, args.max_rounds, args.connect_timeout,
-                args.checkpoint, args.checkpoint_every, args.resume, args.compile,
-            )
+        result = run_island(
+            args.coordinator, cfg, world, spec, args.max_rounds, args.connect_timeout,
+            args.checkpoint, args.checkpoint_every, args.resume, args.compile,
+        )
         if result is None:  # the run had finished before we joined
             return
         log.info(

@@ -29,14 +29,19 @@ class CoordinatorUnreachable(ConnectionError):
 
 
 class MeanBuffer:
-    """Where a pull puts the round's mean pseudo-gradient (eager updates); complete once all of it came."""
+    """Where a pull puts the round's mean pseudo-gradient (eager updates); complete once all of it came.
 
-    def __init__(self, tensors: Mapping[str, torch.Tensor], manifest: Manifest, codec: Codec):
-        self.tensors, self.manifest, self.codec = tensors, manifest, codec
+    With ranges, tensors are flat shards holding just those ranges (a rank of a sharded island)."""
+
+    def __init__(self, tensors: Mapping[str, torch.Tensor], manifest: Manifest, codec: Codec,
+                 ranges: list[FlatRange] | None = None):
+        self.tensors, self.manifest, self.codec, self.ranges = tensors, manifest, codec, ranges
         self.complete = False
 
     def take(self, chunks: list[pb.TensorChunk]) -> None:
-        self.complete = bool(chunks) and apply_chunks(chunks, self.tensors, self.manifest, self.codec) == self.manifest.total_numel()
+        bases = {r.name: r.offset for r in self.ranges} if self.ranges is not None else None
+        expected = sum(r.numel for r in self.ranges) if self.ranges is not None else self.manifest.total_numel()
+        self.complete = bool(chunks) and apply_chunks(chunks, self.tensors, self.manifest, self.codec, bases=bases) == expected
 
 
 class ReplayableChunks:
@@ -293,15 +298,17 @@ class CoordinatorClient:
 
         return self._retry("push", attempt)
 
-    def leave(self, island_id: str, params_checksum: str, round_: int, stats: Mapping[str, float] | None = None) -> bool:
-        """Leaves the run; stats (compute_s, wait_s, wall_s, inner_steps) go into the coordinator's report."""
+    def leave(self, island_id: str, params_checksum: str, round_: int, stats: Mapping[str, float] | None = None,
+              fragment_checksums: list[str] | None = None) -> pb.LeaveResponse:
+        """Leaves the run holding params_checksum (or, per fragment, fragment_checksums); stats (compute_s,
+        wait_s, wall_s, inner_steps) go into the coordinator's report. A failed leave answers "no match"."""
         try:
-            request = pb.LeaveRequest(island_id=island_id, checksum=params_checksum, round=round_, **dict(stats or {}))
-            reply = self.stub.Leave(request, timeout=30)
-            return reply.checksum_matches
+            request = pb.LeaveRequest(island_id=island_id, checksum=params_checksum, round=round_,
+                                      fragment_checksums=fragment_checksums or [], **dict(stats or {}))
+            return self.stub.Leave(request, timeout=30)
         except grpc.RpcError as e:
             log.warning("leave failed: %s %s", e.code().name, e.details())
-            return False
+            return pb.LeaveResponse(checksum_matches=False)
 
 
 class LocalRefusal(grpc.RpcError):

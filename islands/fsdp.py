@@ -58,6 +58,27 @@ def build_sharded_model(cfg: ModelConfig, device: torch.device, world_size: int)
     return model, mesh
 
 
+def build_island_model(cfg: ModelConfig, device: torch.device, world_size: int, compile_model: bool = False) -> Transformer:
+    """The island rank's model: sharded with FSDP2 over the replica group's ranks, or whole on a one-rank island.
+
+    Built on the meta device either way: parameter values come from the
+    coordinator, so nothing is initialised only to be overwritten.
+    """
+    if world_size > 1:
+        if compile_model:
+            raise ValueError("--compile is for one-rank islands for now; drop it for --nproc-per-node/--replica-groups islands")
+        return build_sharded_model(cfg, device, world_size)[0]
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    model.to_empty(device=device)
+    cos, sin = rope_tables(cfg.max_seq_len, cfg.d_model // cfg.n_heads, cfg.rope_theta, device=device)
+    model.rope_cos, model.rope_sin = cos, sin
+    if compile_model:
+        # In place (nn.Module.compile): parameter names, and so the manifest and checkpoints, stay as they are.
+        model.compile()
+    return model
+
+
 def local_flat(p: torch.Tensor) -> torch.Tensor:
     """The rank's shard of parameter (or gradient) p as a flat view (writes go to the parameter).
 

@@ -1,7 +1,6 @@
 """Joining a run, for every kind of island: rank 0 joins, every rank gets the reply and checks it.
 
-One place for the join and the validation of its reply, whichever loop trains
-afterwards (islands/trainer.py, islands/sharded.py).
+One place for the join and the validation of its reply, whatever the island's kind.
 """
 
 from __future__ import annotations

@@ -32,9 +32,9 @@ from diloco.config import RunConfig
 from islands.client import CoordinatorClient
 from islands.joining import join_run
 from islands.replicas import FT_HOST_ENV, LIGHTHOUSE_ENV, FtConfig, start_lighthouse
-from islands.shard_checkpoint import ShardCheckpoint
-from islands.shard_state import ReplicaSpec
-from islands.sharded import ShardedIsland
+from islands.checkpoint import IslandCheckpoint
+from islands.island import Island, IslandResult
+from islands.state import ReplicaSpec
 from islands.world import IslandWorld
 
 log = logging.getLogger(__name__)
@@ -187,26 +187,20 @@ def replica_spec(args, env: dict[str, str] = os.environ) -> ReplicaSpec:
     return ReplicaSpec(group, groups, key or "", ft, args.report_dir or "", args.measure_memory, args.receive_window)
 
 
-def refuse_streaming(cfg: RunConfig) -> None:
-    """Sharded islands sync the whole model, blocking: Streaming DiLoCo is for one-rank islands (for now)."""
-    s = cfg.streaming
-    if s.fragments > 1 or s.overlap > 0 or s.eager:
-        raise LaunchError(
-            f"sharded islands do not support Streaming DiLoCo yet (streaming.fragments={s.fragments}, tau={s.overlap}, "
-            f"eager={str(s.eager).lower()}); run one-rank islands, or set streaming.fragments=1 streaming.tau=0"
-        )
-
-
-def run_sharded(
-    address: str, cfg: RunConfig | None, world: IslandWorld, spec: ReplicaSpec, max_rounds: int | None, connect_timeout_s: float,
-    checkpoint_url: str = "", checkpoint_every: int = 1, resume: bool = False,
-):
-    """One rank of a sharded island: rank 0 of the group joins (under the island key), every rank trains
+def run_island(
+    address: str, cfg: RunConfig | None, world: IslandWorld, spec: ReplicaSpec, max_rounds: int | None = None,
+    connect_timeout_s: float = 60.0, checkpoint_url: str = "", checkpoint_every: int = 1, resume: bool = False,
+    compile_model: bool = False,
+) -> IslandResult | None:
+    """One rank of an island, of any kind: rank 0 of the group joins (under the island key), every rank trains
     and exchanges its own shard over its own connection. None if the run had already finished.
 
-    With checkpoint_url the island checkpoints (islands/shard_checkpoint.py); with resume every group
-    first loads the coordinator's round's checkpoint (else the newest) and rejoins as the same island."""
-    ckpt = ShardCheckpoint(checkpoint_url, checkpoint_every, world) if checkpoint_url else None
+    With checkpoint_url the island checkpoints every checkpoint_every rounds (islands/checkpoint.py); with
+    resume every group first loads the coordinator's step's checkpoint (else the newest) and rejoins as the
+    same island."""
+    if resume and not checkpoint_url:
+        raise ValueError("--resume needs --checkpoint URL")
+    ckpt = IslandCheckpoint(checkpoint_url, checkpoint_every, world) if checkpoint_url else None
     previous = ckpt.choose() if ckpt is not None and resume else None
     client = CoordinatorClient(address, connect_timeout_s, receive_window_bytes=spec.receive_window_bytes)
     try:
@@ -214,13 +208,12 @@ def run_sharded(
         if joined is None:
             return None
         joined, run_cfg = joined
-        refuse_streaming(run_cfg)
         torch.manual_seed(run_cfg.seed + 1000 * world.rank)
-        island = ShardedIsland(run_cfg, world, spec, client, joined)
+        island = Island(run_cfg, world, client, joined, spec, compile_model)
         if world.is_leader:
             client.start_heartbeat(lambda: island.state.island_id, joined.heartbeat_interval_s, lambda: island.state.round)
         if previous is not None:
-            ckpt.restore(island, prefer_round=joined.round)
+            ckpt.restore(island, prefer_step=sum(joined.fragment_rounds) if joined.fragment_rounds else joined.round)
         island.checkpoint = ckpt
         return island.run(max_rounds)
     finally:

@@ -2,8 +2,8 @@
 
 Every island runs inside a process group, even with one rank. Started under
 torchrun (RANK, WORLD_SIZE, MASTER_ADDR in the environment) it joins that world,
-which is one replica group of a sharded island (islands/sharded.py); otherwise
-it makes a one-rank group of its own (islands/trainer.py).
+which is one replica group of a sharded island; otherwise it makes a one-rank
+group of its own. The island's loop (islands/island.py) is the same either way.
 """
 
 from __future__ import annotations

@@ -26,7 +26,7 @@ from diloco.wire import PROTOCOL_VERSION
 def island_on(coordinator, cfg):
     """A one-rank CPU island joined to coordinator with cfg's codec; its client and world closed after."""
     from islands.client import CoordinatorClient
-    from islands.trainer import Island
+    from islands.island import Island
     from islands.world import IslandWorld
 
     from diloco.wire import uplink_codec

@@ -123,6 +123,11 @@ def events(report_dir: Path, tag: str) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
+def parent_pid(pid: int) -> int:
+    with open(f"/proc/{pid}/stat") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[1])
+
+
 def wait_until(run: Run, what: str, condition, poll_s: float = 0.1, timeout_s: float = 90.0):
     give_up = time.monotonic() + timeout_s
     while True:
@@ -179,9 +184,17 @@ def faults(workdir: Path) -> None:
             wait_until(run, f"the sharded island's contribution to round {round_}", contributed)
             if round_ == 1:
                 pids = [e["pid"] for r in (0, 1) for e in events(reports, f"g1-r{r}-a0") if e["event"] == "up"]
+                # Group 1's torchrun agent is held (SIGSTOP) until group 0 has pushed round 2 alone: without
+                # that, how much of round 2 group 0 trains alone depends on how fast torchrun restarts group 1.
+                agents = sorted({parent_pid(pid) for pid in pids})
+                for pid in agents:
+                    os.kill(pid, signal.SIGSTOP)
                 for pid in pids:
                     os.kill(pid, signal.SIGKILL)
                 run.notes["killed"] = {"round": 1, "group": 1, "pids": pids, "t": time.time()}
+            if round_ == 2:
+                for pid in agents:
+                    os.kill(pid, signal.SIGCONT)
             if round_ in (2, 4):
                 group = 1 if round_ == 2 else 0
                 wait_until(run, f"group {group} to come back", lambda: all(

@@ -255,3 +255,26 @@ def test_error_feedback_in_model_carries_each_residual_once(decay):
     owed = -local["w"].reshape(-1)
     torch.testing.assert_close(sent + owed + dropped, trained, rtol=0, atol=1e-5)
     assert 0 < owed.norm() < trained.norm()
+
+
+@pytest.mark.parametrize("in_model", [False, True])
+def test_error_feedback_encodes_purely_until_commit(in_model):
+    """A push that is resent, or taken over by another replica group, encodes the same bytes: encode()
+    consumes nothing; the residual becomes owed only at commit(), and then equals what compress() keeps."""
+    codec = get_codec("topk", density=0.1, topk_block=64) if in_model else get_codec("int8", block_size=64)
+    sizes = {"a": 700, "b": 0, "c": 333}  # flat shards of a rank, one of them empty
+    pure = ErrorFeedback(sizes, decay=0.9, in_model=in_model)
+    eager = ErrorFeedback(sizes, decay=0.9, in_model=in_model)
+    g = torch.Generator().manual_seed(0)
+    for _ in range(3):
+        pg = {n: torch.randn(k, generator=g) for n, k in sizes.items()}
+        for name, k in sizes.items():
+            for lo in range(0, k, 200):
+                piece = pg[name][lo : lo + 200]
+                first = pure.encode(name, lo, piece, codec)
+                assert pure.encode(name, lo, piece, codec) == first  # nothing was consumed
+                assert eager.compress(name, lo, piece, codec) == first
+        assert any(not torch.equal(pure.buffers[n], eager.buffers[n]) for n in sizes if sizes[n])
+        pure.commit()
+        for name in sizes:
+            assert torch.equal(pure.buffers[name], eager.buffers[name]), name

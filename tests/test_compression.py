@@ -20,7 +20,7 @@ from diloco.sim import run_sim
 from diloco.v1 import diloco_pb2 as pb
 from diloco.wire import Manifest, downlink_codec, tensor_chunks, uplink_codec
 from islands.client import CoordinatorClient, ReplayableChunks
-from islands.trainer import Island
+from islands.island import Island
 from islands.world import IslandWorld
 
 
@@ -162,20 +162,20 @@ def test_checksum_mismatch_resyncs_the_island_with_a_warning(make_coordinator, c
     client, joined = _client(coordinator, cfg)
     try:
         island = Island(cfg, world, client, joined)
-        exchange = island._exchange
+        sync = island._sync
 
-        def corrupt_in_round_1(*args):
+        def corrupt_in_round_1(f):
             if island.round == 1:  # as if memory or a decoder had gone wrong
                 island.global_params["norm.weight"][0] += 0.5
-            return exchange(*args)
+            return sync(f)
 
-        island._exchange = corrupt_in_round_1
+        island._sync = corrupt_in_round_1
         with caplog.at_level(logging.WARNING):
             result = island.run()
     finally:
         client.close()
         world.shutdown()
-    assert island.resyncs == 1
+    assert island.state.resyncs == 1
     assert any("differ from the coordinator's" in r.message for r in caplog.records)
     assert result.rounds == 4 and result.checksum_matches
     assert checksum(island.global_params) == coordinator.state.checksum
@@ -259,7 +259,7 @@ def test_island_keeps_the_topk_residual_in_its_parameters_and_ends_on_the_global
     seen: list[float] = []
     with island_on(coordinator, cfg) as island:
         assert island.feedback is not None and island.feedback.in_model
-        land = island._land
+        land = island.land
 
         def check_after_landing(f):
             land(f)
@@ -267,11 +267,11 @@ def test_island_keeps_the_topk_residual_in_its_parameters_and_ends_on_the_global
             gap = max((island.global_params[n] - local[n].detach() - island.feedback.buffers[n].view(local[n].shape)).abs().max().item()
                       for n in local)
             carried = sum(island.feedback.buffers[n].abs().sum().item() for n in local)
-            if island.rounds_done < 3:
+            if island.state.rounds_done < 3:
                 assert gap < 1e-6 and carried > 0, (island.rounds_done, gap, carried)
             seen.append(carried)
 
-        island._land = check_after_landing
+        island.land = check_after_landing
         result = island.run()
     assert len(seen) == 3 and result.rounds == 3 and result.checksum_matches
     assert checksum(island.global_params) == coordinator.state.checksum

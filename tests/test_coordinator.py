@@ -40,7 +40,8 @@ def _expected_after_one_round(theta, pgs_tokens, lr):
 
 @pytest.fixture
 def run(make_coordinator, channel_to):
-    cfg = tiny_config("outer.lr=1.0", "outer.momentum=0.0", "rounds.rounds=2", "rounds.min_islands=2")
+    # These islands never heartbeat: a lease that outlasts any test on a busy machine.
+    cfg = tiny_config("outer.lr=1.0", "outer.momentum=0.0", "rounds.rounds=2", "rounds.min_islands=2", "rounds.lease_s=600")
     coordinator = make_coordinator(cfg)
     stub = channel_to(coordinator)
     a, b = join(stub), join(stub)

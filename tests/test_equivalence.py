@@ -13,9 +13,10 @@ from __future__ import annotations
 import torch
 
 from conftest import tiny_config
-from diloco.data import train_stream
+from diloco.data import StepIndexedStream
 from diloco.model import Transformer
-from islands.trainer import join_and_run
+from islands.launch import run_island
+from islands.state import ReplicaSpec
 from islands.world import IslandWorld
 
 LR = 0.05
@@ -31,22 +32,22 @@ def test_one_island_one_step_rounds_reproduce_plain_sgd(make_coordinator):
     coordinator = make_coordinator(cfg)
     world = IslandWorld.init("cpu")
     try:
-        result = join_and_run(f"127.0.0.1:{coordinator.port}", cfg, world)
+        result = run_island(f"127.0.0.1:{coordinator.port}", cfg, world, ReplicaSpec())
     finally:
         world.shutdown()
     assert result.rounds == rounds and result.checksum_matches
 
     torch.manual_seed(cfg.seed)
     model = Transformer(cfg.model)
-    data = train_stream(cfg.data, cfg.seed, shard=0, num_shards=1)
+    data = StepIndexedStream(cfg.data, cfg.seed, shard=0, num_shards=1)  # the batch of inner step s
     theta = {n: p.detach().clone() for n, p in model.named_parameters()}
     exact, total = 0, 0
-    for _ in range(rounds):
+    for step in range(rounds):
         with torch.no_grad():
             for n, p in model.named_parameters():
                 p.copy_(theta[n])
         sgd = torch.optim.SGD(model.parameters(), lr=LR)
-        inputs, targets = data.next_batch(cfg.inner.batch_size)
+        inputs, targets = data.batch_at(step, cfg.inner.batch_size)
         _, loss = model(inputs, targets)
         sgd.zero_grad()
         loss.backward()

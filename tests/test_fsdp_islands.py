@@ -136,10 +136,14 @@ def test_killed_replica_group_heals_and_a_dead_pusher_is_taken_over(tmp_path):
     for rank in (0, 1):
         _heal_matches_peer(reports, f"g1-r{rank}-a{g1}", [f"g0-r{rank}-a0"])
         _heal_matches_peer(reports, f"g0-r{rank}-a{g0}", [f"g1-r{rank}-a{g1}"])
-    # In round 3 group 0's rank 1 died before pushing, after rank 0 had delivered its shard: group 1
-    # took the push over, and the shard already there counted as delivered.
-    takeovers = [e for rank in (0, 1) for e in _events(reports, f"g1-r{rank}-a{g1}") if e["event"] == "takeover"]
-    assert [e["round"] for e in takeovers] == [3], takeovers
+    # In round 3 group 0's rank 1 died before pushing, after rank 0 had delivered its shard: at the
+    # landing nobody reported the push, so the group that was then rank 0 of the quorum (group 1, or
+    # group 0 restarted and healed, whichever torchft ranks first) took it over, every rank its own
+    # shard; the shard already there counted as delivered (round 3 is whole, above).
+    takeovers = [(path.stem, e) for path in sorted(reports.glob("*.events")) for e in _events(reports, path.stem)
+                 if e["event"] == "takeover"]
+    assert [e["round"] for _, e in takeovers] == [3, 3], takeovers
+    assert len({tag.split("-")[0] for tag, _ in takeovers}) == 1 and {tag.split("-")[1] for tag, _ in takeovers} == {"r0", "r1"}
     # In the end both groups hold exactly the coordinator's global parameters.
     coordinator = torch.load(tmp_path / "coordinator.pt")
     for group, attempt in ((0, g0), (1, g1)):

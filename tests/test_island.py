@@ -11,7 +11,7 @@ from diloco.inner import build_inner_optimizer, inner_lr
 from diloco.model import Transformer
 from diloco.params import checksum
 from islands.client import CoordinatorClient
-from islands.trainer import Island
+from islands.island import Island
 from islands.world import IslandWorld
 
 

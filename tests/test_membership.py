@@ -114,8 +114,9 @@ def test_island_keeps_waiting_for_a_round_held_open_below_min_islands(make_coord
     import threading
 
     from diloco.params import checksum
-    from islands.client import CoordinatorClient, ReplayableChunks
-    from islands.exchange import push_and_pull
+    from diloco.wire import FlatRange
+    from islands.client import CoordinatorClient
+    from islands.exchange import PUSHED, Exchange, FragmentShard, Wire, pull, push
 
     cfg = tiny_config("rounds.min_islands=2", "rounds.deadline_s=0.2", "rounds.lease_s=60", "rounds.rounds=2")
     coordinator = make_coordinator(cfg)
@@ -123,14 +124,18 @@ def test_island_keeps_waiting_for_a_round_held_open_below_min_islands(make_coord
     a, b = join(stub), join(stub)
     manifest = Manifest.from_proto(a.parameters)
     targets = {n: torch.zeros(s) for n, s in manifest.shapes.items()}
-    header = pb.PushHeader(island_id=a.island_id, round=0, tokens=100, codec="fp32")
-    chunks = ReplayableChunks(tensor_chunks(random_like(manifest.shapes, 0), Fp32Codec(), 4096))
+    ranges = [FlatRange(n, 0, manifest.numel(n)) for n in manifest.shapes]
+    shard = FragmentShard(0, manifest, ranges, True, {n: torch.zeros(manifest.numel(n)) for n in manifest.shapes}, targets)
+    pg = {n: t.reshape(-1) for n, t in random_like(manifest.shapes, 0).items()}
+    ex = Exchange(0, 0, 0, 0, tokens=100, inner_steps=1, train_loss=0.0, checksum="", pusher=True, pg=pg)
     client = CoordinatorClient(f"127.0.0.1:{coordinator.port}", connect_timeout_s=10)
+    wire = Wire(client, Fp32Codec(), 4096, None, pull_timeout_s=0.3, island_id=lambda: a.island_id)
     outcome: list = []
 
     def island_a():
         try:
-            outcome.append(push_and_pull(client, header, chunks, targets, manifest, "", timeout_s=0.3))
+            assert push(shard, ex, wire) == PUSHED
+            outcome.append(pull(shard, ex, wire))
         except Exception as e:  # noqa: BLE001 - the test reports it
             outcome.append(e)
 

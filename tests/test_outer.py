@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from conftest import join, random_like, tiny_config
+from conftest import random_like, tiny_config
 from diloco.codec import Fp32Codec
 from diloco.outer import PseudoGradientAccumulator
 from diloco.v1 import diloco_pb2 as pb

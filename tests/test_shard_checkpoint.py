@@ -1,7 +1,7 @@
-"""Checkpoints of sharded islands (islands/shard_checkpoint.py): DCP round trips, torn and damaged
-steps, who saves when, and stopped-and-resumed runs that end bit-identical to uninterrupted ones.
+"""Island checkpoints (islands/checkpoint.py): DCP round trips, torn and damaged steps, who saves
+when, and stopped-and-resumed runs that end bit-identical to uninterrupted ones.
 
-The in-process tests use a one-rank FSDP2 model; the runs are multi-process (coordinator and a
+The in-process tests use a one-rank model; the runs are multi-process (coordinator and a
 1 x 2 or 2 x 2 island, SIGKILLed and resumed) in tests/shard_resume_scenarios.py, started inside
 `unshare -rn` like tests/test_fsdp_islands.py.
 """
@@ -17,12 +17,13 @@ import torch.distributed as dist
 
 from conftest import run_scenario, tiny_config
 from diloco.checkpoint import CheckpointError
+from diloco.codec import ErrorFeedback
 from diloco.data import StepIndexedStream
 from diloco.inner import build_inner_optimizer
-from islands.fsdp import ShardLayout, build_sharded_model, local_views
+from islands.checkpoint import IslandCheckpoint
+from islands.fsdp import ShardLayout, build_island_model, local_views
 from islands.replicas import Solo
-from islands.shard_checkpoint import ShardCheckpoint
-from islands.shard_state import Position, ReplicaSpec, ShardFeedback
+from islands.state import IslandState, ReplicaSpec
 from islands.world import IslandWorld
 from test_checkpoint import s3  # noqa: F401  (fixture)
 
@@ -43,18 +44,18 @@ def base_url(request, tmp_path):
 
 
 def _island(cfg, world, round_: int = 0, seed: int = 0):
-    """What ShardCheckpoint reads and writes of a ShardedIsland, without a coordinator."""
-    isl = types.SimpleNamespace(cfg=cfg, spec=ReplicaSpec(key="test-key"), replicas=Solo())
-    isl.model, _ = build_sharded_model(cfg.model, world.device, world.world_size)
-    isl.layout = ShardLayout.of(isl.model)
+    """What IslandCheckpoint reads and writes of an Island, without a coordinator."""
+    isl = types.SimpleNamespace(cfg=cfg, spec=ReplicaSpec(key="test-key"), replicas=Solo(), eager=None, island_id="island-3")
+    isl.model = build_island_model(cfg.model, world.device, world.world_size)
+    layout = ShardLayout.of(isl.model)
     isl.local = local_views(isl.model)
-    isl.global_shard = isl.layout.zeros()
+    isl.global_shard = layout.zeros()
     isl.optimizer = build_inner_optimizer(isl.model, cfg.inner)
-    isl.feedback = ShardFeedback(isl.layout, 0.9)
-    isl.state = Position("island-3", round_, stop_round=100)
+    isl.feedback = ErrorFeedback({r.name: r.numel for r in layout.ranges}, 0.9)
+    isl.state = IslandState("island-3", [round_], stop_round=100, step=3 * round_)
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
-        for tensors in (isl.local, isl.global_shard, isl.feedback.committed):
+        for tensors in (isl.local, isl.global_shard, isl.feedback.buffers):
             for t in tensors.values():
                 t.copy_(torch.randn(t.shape, generator=g))
     return isl
@@ -74,13 +75,15 @@ def _snapshot(isl) -> dict:
     return {
         "model": {n: t.clone() for n, t in isl.local.items()},
         "global": {n: t.clone() for n, t in isl.global_shard.items()},
-        "feedback": {n: t.clone() for n, t in isl.feedback.committed.items()},
+        "feedback": {n: t.clone() for n, t in isl.feedback.buffers.items()},
+        "state": isl.state.state_dict(),
         "optimizer": {(i, k): (v.to_local() if hasattr(v, "to_local") else v).clone() for i, s in opt.items() for k, v in s.items()},
     }
 
 
 def _assert_holds(isl, snap: dict) -> None:
     now = _snapshot(isl)
+    assert now["state"] == snap["state"]
     for part in ("model", "global", "feedback", "optimizer"):
         assert now[part].keys() == snap[part].keys(), part
         for key, t in snap[part].items():
@@ -91,17 +94,17 @@ def test_round_trip_and_torn_or_damaged_steps_are_never_loaded(world, base_url):
     cfg = tiny_config("model.n_layers=2")
     isl = _island(cfg, world, round_=2)
     _train(isl, range(3))
-    ckpt = ShardCheckpoint(f"{base_url}/island", every=2, world=world, keep_last=5)
+    ckpt = IslandCheckpoint(f"{base_url}/island", every=2, world=world, keep_last=5)
     ckpt.save(isl)
     round2 = _snapshot(isl)
     # Round 4: saved, then torn (a crash after the DCP files, before the marker).
-    isl.state.round = 4
+    isl.state.rounds = [4]
     _train(isl, range(3, 5))
     ckpt.save(isl)
     store = ckpt.store
     store.fs.rm(f"{store.root}/step-{4:010d}/COMMITTED")
     # Round 6: committed, then damaged (a rank's file cut short).
-    isl.state.round = 6
+    isl.state.rounds = [6]
     _train(isl, range(5, 7))
     ckpt.save(isl)
     meta = store.load_files(6)[1]
@@ -117,32 +120,32 @@ def test_round_trip_and_torn_or_damaged_steps_are_never_loaded(world, base_url):
     assert ckpt.choose()[0] == 2
     for prefer in (None, 4, 6, 2):
         fresh = _island(cfg, world, seed=1)
-        assert ShardCheckpoint(f"{base_url}/island", 2, world).restore(fresh, prefer_round=prefer) == 2
+        assert IslandCheckpoint(f"{base_url}/island", 2, world).restore(fresh, prefer_step=prefer) == 2
         _assert_holds(fresh, round2)
     # After a restore, training goes on exactly as it would have.
     original = _island(cfg, world, seed=5)
-    ShardCheckpoint(f"{base_url}/island", 2, world).restore(original, prefer_round=2)
+    IslandCheckpoint(f"{base_url}/island", 2, world).restore(original, prefer_step=2)
     _train(original, range(3, 5))
     _train(fresh, range(3, 5))
     _assert_holds(fresh, _snapshot(original))
 
 
-def test_saves_only_at_a_due_rounds_first_step_in_the_rank0_group(world, tmp_path):
+def test_saves_only_at_a_due_step_in_the_rank0_group(world, tmp_path):
     cfg = tiny_config("model.n_layers=1")
     isl = _island(cfg, world, round_=1)
     _train(isl, range(1))
-    ckpt = ShardCheckpoint(str(tmp_path / "island"), every=2, world=world)
-    ckpt.maybe_save(isl)  # the round this process started in is not saved
-    for round_, pos, rank, saved in [(2, 1, 0, []), (2, 0, 1, []), (2, 0, 0, [2]), (2, 0, 0, [2]), (3, 0, 0, [2]), (4, 0, 0, [2, 4])]:
-        isl.state.round, isl.state.pos = round_, pos
+    ckpt = IslandCheckpoint(str(tmp_path / "island"), every=2, world=world)
+    ckpt.maybe_save(isl)  # the step this process started at is not saved
+    for round_, rank, saved in [(2, 1, []), (2, 0, [2]), (2, 0, [2]), (3, 0, [2]), (4, 0, [2, 4])]:
+        isl.state.rounds = [round_]
         isl.replicas = types.SimpleNamespace(participating_rank=lambda r=rank: r)
         ckpt.maybe_save(isl)
-        assert ckpt.store.steps() == saved, (round_, pos, rank)
+        assert ckpt.store.steps() == saved, (round_, rank)
     # A fresh optimizer (after a divergence) is saved without state, not stepped to make some.
-    isl.state.round, isl.optimizer = 6, build_inner_optimizer(isl.model, cfg.inner)
+    isl.state.rounds, isl.optimizer = [6], build_inner_optimizer(isl.model, cfg.inner)
     ckpt.maybe_save(isl)
     assert not isl.optimizer.state and ckpt.store.load_files(6)[1]["optimizer"] is False
-    isl.state.round, isl.state.finished = 8, True
+    isl.state.rounds, isl.state.finished = [8], True
     ckpt.maybe_save(isl)
     assert ckpt.store.steps() == [2, 4, 6]
 
@@ -167,7 +170,7 @@ def _assert_resumed_exactly(result: dict, workdir: Path) -> None:
     log = (workdir / "island-resumed.log").read_text()
     assert "checkpoint 6 under" in log and "does not match its commit marker" in log
     loaded = [line for line in log.splitlines() if "resumed from" in line]
-    assert len(loaded) == 2 * result["groups"] and all("step-0000000002 (round 2)" in line for line in loaded), loaded
+    assert len(loaded) == 2 * result["groups"] and all("step-0000000002 (step 2)" in line for line in loaded), loaded
 
 
 @pytest.mark.timeout(300)

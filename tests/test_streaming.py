@@ -15,10 +15,10 @@ import grpc
 import pytest
 import torch
 
-from conftest import island_on, kill_all_and_resume, random_like, tiny_config, wait_for_round
+from conftest import island_on, kill_all_and_resume, random_like, tiny_config
 from diloco.codec import Fp32Codec
 from diloco.config import RunConfig
-from diloco.data import train_stream
+from diloco.data import StepIndexedStream
 from diloco.inner import build_inner_optimizer, inner_lr, train_step
 from diloco.model import Transformer
 from diloco.outer import OuterOptimizer, PseudoGradientAccumulator
@@ -27,9 +27,11 @@ from diloco.sim import RoundPrinter, Simulation
 from diloco.streaming import OuterReplica, eager_gradient, mix_, swap_estimate_
 from diloco.v1 import diloco_pb2 as pb
 from diloco.wan import WanLink
-from diloco.wire import PROTOCOL_VERSION, Manifest, tensor_chunks
+from diloco.wire import PROTOCOL_VERSION, tensor_chunks
 from islands.client import CoordinatorClient
-from islands.trainer import Island, join_and_run
+from islands.island import Island
+from islands.launch import run_island
+from islands.state import ReplicaSpec
 from islands.world import IslandWorld
 
 pytestmark = pytest.mark.timeout(120)
@@ -66,7 +68,7 @@ def reference(cfg: RunConfig, islands: int) -> dict[str, torch.Tensor]:
                 q.copy_(held[n])
         models.append(m)
     optimizers = [build_inner_optimizer(m, cfg.inner) for m in models]
-    streams = [train_stream(cfg.data, cfg.seed, i, cfg.data.shards) for i in range(islands)]
+    streams = [StepIndexedStream(cfg.data, cfg.seed, i, cfg.data.shards) for i in range(islands)]
     local = [dict(m.named_parameters()) for m in models]
     done = [0] * p
     landing: dict[int, tuple[int, dict[str, torch.Tensor]]] = {}
@@ -99,7 +101,7 @@ def reference(cfg: RunConfig, islands: int) -> dict[str, torch.Tensor]:
             break
         for model, optimizer, stream in zip(models, optimizers, streams):
             lr = inner_lr(c, total, cfg.inner)
-            train_step(model, optimizer, stream.next_batch(cfg.inner.batch_size), lr, cfg.inner.grad_clip)
+            train_step(model, optimizer, stream.batch_at(c, cfg.inner.batch_size), lr, cfg.inner.grad_clip)
     return outer_params
 
 
@@ -110,7 +112,7 @@ def _run_islands(coordinator, cfg: RunConfig, n: int = 2):
 
     def one() -> None:
         try:
-            results.append(join_and_run(f"127.0.0.1:{coordinator.port}", cfg, world, connect_timeout_s=10))
+            results.append(run_island(f"127.0.0.1:{coordinator.port}", cfg, world, ReplicaSpec(), connect_timeout_s=10))
         except BaseException as e:  # noqa: BLE001 - reported below
             errors.append(e)
 
@@ -252,15 +254,16 @@ def test_eager_estimate_with_one_island_is_the_exact_result(make_coordinator):
     seen = []
     try:
         island = Island(cfg, world, client, client.join(cfg.digest()))
-        land = island._land
+        land = island.land
 
-        def spy(f: int) -> None:
-            estimate = island.in_flight[f].estimate
-            land(f)
+        def spy(f: int) -> bool:
+            estimate = island.inflight[f].estimate
+            landed = land(f)
             if estimate is not None:
-                seen.append((estimate, {n: t.clone() for n, t in island.global_f[f].items()}))
+                seen.append((estimate, {n: t.clone() for n, t in island.fragments[f].flat.items()}))
+            return landed
 
-        island._land = spy
+        island.land = spy
         result = island.run()
     finally:
         client.close()
@@ -316,16 +319,6 @@ def test_sim_prints_one_line_per_fragment_round():
     assert [line.split()[:2] for line in lines[1:]] == [["0", "1"], ["0", "0"]]
 
 
-def test_sharded_islands_refuse_streaming_with_one_line(capsys):
-    from islands.cli import main
-
-    with pytest.raises(SystemExit) as exit_:
-        main(["join", "--coordinator", "127.0.0.1:9", "--nproc-per-node", "2", "--set", "streaming.fragments=2"])
-    err = capsys.readouterr().err.strip().splitlines()
-    assert exit_.value.code == 2 and len(err) == 1
-    assert "sharded islands do not support Streaming DiLoCo yet" in err[0] and "streaming.fragments=1" in err[0]
-
-
 def test_streaming_fragments_keep_their_topk_residual_in_the_model(make_coordinator):
     """feedback_in_model with 2 fragments, tau 1 and alpha 0.5: each landing sets the fragment to
     alpha * local + (1 - alpha) * (global - residual); the island ends on exactly theta_global."""
@@ -334,20 +327,22 @@ def test_streaming_fragments_keep_their_topk_residual_in_the_model(make_coordina
     coordinator = make_coordinator(cfg)
     checked = []
     with island_on(coordinator, cfg) as island:
-        land = island._land
+        land = island.land
 
         def check(f):
-            before = {n: t.detach().clone() for n, t in island.local_f[f].items()}
-            land(f)
-            if island.rounds[f] >= island.total_rounds:
-                return
-            for n, t in island.local_f[f].items():
+            shard = island.fragments[f]
+            before = {n: t.detach().clone() for n, t in shard.local.items()}
+            landed = land(f)
+            if island.state.rounds[f] >= island.total_rounds:
+                return landed
+            for n, t in shard.local.items():
                 r = island.feedback.buffers[n].view(t.shape)
-                expected = 0.5 * before[n] + 0.5 * (island.global_f[f][n] - r)
+                expected = 0.5 * before[n] + 0.5 * (shard.flat[n] - r)
                 torch.testing.assert_close(t.detach(), expected, rtol=0, atol=1e-6)
             checked.append(f)
+            return landed
 
-        island._land = check
+        island.land = check
         result = island.run()
     assert sorted(set(checked)) == [0, 1] and result.checksum_matches
     assert checksum(dict(island.model.named_parameters())) == coordinator.state.checksum

@@ -280,7 +280,7 @@ class ResultMessage(_message.Message):
     def __init__(self, header: _Optional[_Union[ResultHeader, _Mapping]] = ..., chunk: _Optional[_Union[TensorChunk, _Mapping]] = ..., mean_chunk: _Optional[_Union[TensorChunk, _Mapping]] = ...) -> None: ...
 
 class LeaveRequest(_message.Message):
-    __slots__ = ("island_id", "checksum", "round", "compute_s", "wait_s", "wall_s", "inner_steps", "straggler_s", "steady_compute_s", "steady_wall_s")
+    __slots__ = ("island_id", "checksum", "round", "compute_s", "wait_s", "wall_s", "inner_steps", "straggler_s", "steady_compute_s", "steady_wall_s", "fragment_checksums")
     ISLAND_ID_FIELD_NUMBER: _ClassVar[int]
     CHECKSUM_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
@@ -291,6 +291,7 @@ class LeaveRequest(_message.Message):
     STRAGGLER_S_FIELD_NUMBER: _ClassVar[int]
     STEADY_COMPUTE_S_FIELD_NUMBER: _ClassVar[int]
     STEADY_WALL_S_FIELD_NUMBER: _ClassVar[int]
+    FRAGMENT_CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
     island_id: str
     checksum: str
     round: int
@@ -301,13 +302,16 @@ class LeaveRequest(_message.Message):
     straggler_s: float
     steady_compute_s: float
     steady_wall_s: float
-    def __init__(self, island_id: _Optional[str] = ..., checksum: _Optional[str] = ..., round: _Optional[int] = ..., compute_s: _Optional[float] = ..., wait_s: _Optional[float] = ..., wall_s: _Optional[float] = ..., inner_steps: _Optional[int] = ..., straggler_s: _Optional[float] = ..., steady_compute_s: _Optional[float] = ..., steady_wall_s: _Optional[float] = ...) -> None: ...
+    fragment_checksums: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, island_id: _Optional[str] = ..., checksum: _Optional[str] = ..., round: _Optional[int] = ..., compute_s: _Optional[float] = ..., wait_s: _Optional[float] = ..., wall_s: _Optional[float] = ..., inner_steps: _Optional[int] = ..., straggler_s: _Optional[float] = ..., steady_compute_s: _Optional[float] = ..., steady_wall_s: _Optional[float] = ..., fragment_checksums: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class LeaveResponse(_message.Message):
-    __slots__ = ("checksum_matches",)
+    __slots__ = ("checksum_matches", "checksum")
     CHECKSUM_MATCHES_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUM_FIELD_NUMBER: _ClassVar[int]
     checksum_matches: bool
-    def __init__(self, checksum_matches: _Optional[bool] = ...) -> None: ...
+    checksum: str
+    def __init__(self, checksum_matches: _Optional[bool] = ..., checksum: _Optional[str] = ...) -> None: ...
 
 class IslandTraffic(_message.Message):
     __slots__ = ("island_id", "bytes_up", "bytes_down")
