@@ -35,7 +35,7 @@ from diloco.codec import Codec
 from diloco.config import RunConfig
 from diloco.outer import OuterOptimizer, PseudoGradientAccumulator
 from diloco.v1 import diloco_pb2 as pb
-from diloco.wire import ChunkCorrupt, ChunkError, Coverage, Manifest, decode_chunk, downlink_codec, tensor_chunks
+from diloco.wire import ChunkCorrupt, ChunkError, Coverage, FlatRange, Manifest, decode_chunk, downlink_codec, tensor_chunks
 
 log = logging.getLogger(__name__)
 
@@ -226,8 +226,9 @@ class FragmentRounds:
 
     # --- reading the parameters ---------------------------------------------------
 
-    def wait_for_result(self, island_id: str, round_: int, timeout_s: float) -> float:
-        """Blocks until round_ has closed; returns the seconds it waited. Refuses at once if the island's push is not here."""
+    def wait_for_result(self, island_id: str, round_: int, timeout_s: float, ranges: list[FlatRange] | None = None) -> float:
+        """Blocks until round_ has closed; returns the seconds it waited. Refuses at once if the island's push of
+        these ranges (all of the fragment, when None) is not here: after a restart every rank pushes its own again."""
         with self.cond:
             self.max_round_seen = max(self.max_round_seen, round_)
             if round_ > self.round:
@@ -236,7 +237,8 @@ class FragmentRounds:
                     f"{self.label}round {round_} is ahead of the coordinator's round {self.round} "
                     "(it restarted from a checkpoint); resync", current_round=self.round,
                 )
-            if self.round == round_ and self.phase is Phase.OPEN and island_id not in self.contributions:
+            mine = self.contributions.get(island_id)
+            if self.round == round_ and self.phase is Phase.OPEN and (mine is None or not mine.coverage.covers(ranges)):
                 raise Refused(
                     Reason.PUSH_AGAIN,
                     f"no contribution from {island_id} in {self.label}round {round_} (the coordinator may have restarted); push again",

@@ -182,10 +182,10 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
     @_refusals
     def PullRoundResult(self, request: pb.PullRequest, context) -> Iterator[pb.ResultMessage]:
         self.state.touch(request.island_id)
-        held = self.state.wait_for_result(request.island_id, request.round, request.timeout_s or 600.0, request.fragment)
+        ranges = self._ranges(request.ranges, request.fragment)
+        held = self.state.wait_for_result(request.island_id, request.round, request.timeout_s or 600.0, request.fragment, ranges)
         return self._result(
-            request.island_id, request.round if request.accept_delta else None,
-            self._ranges(request.ranges, request.fragment), request.fragment, request.want_mean, held,
+            request.island_id, request.round if request.accept_delta else None, ranges, request.fragment, request.want_mean, held,
         )
 
     @_refusals

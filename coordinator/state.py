@@ -209,8 +209,8 @@ class CoordinatorState:
     def receive(self, header: pb.PushHeader, chunks: Iterator[pb.TensorChunk]) -> pb.PushResponse:
         return self.fragment(header.fragment).receive(header, chunks)
 
-    def wait_for_result(self, island_id: str, round_: int, timeout_s: float, fragment: int = 0) -> float:
-        return self.fragment(fragment).wait_for_result(island_id, round_, timeout_s)
+    def wait_for_result(self, island_id: str, round_: int, timeout_s: float, fragment: int = 0, ranges=None) -> float:
+        return self.fragment(fragment).wait_for_result(island_id, round_, timeout_s, ranges)
 
     def count_down(self, round_: int, island_id: str, n: int, fragment: int = 0) -> None:
         self.fragment(fragment).count_down(round_, island_id, n)

@@ -255,6 +255,18 @@ class Coverage:
     def add(self, name: str, offset: int, numel: int) -> None:
         self.ranges.setdefault(name, []).append((offset, offset + numel))
 
+    def covers(self, ranges: Iterable["FlatRange"] | None = None) -> bool:
+        """Whether every element of these flat ranges (of every parameter, when None) has arrived."""
+        wanted = ranges if ranges is not None else [FlatRange(n, 0, self.manifest.numel(n)) for n in self.manifest.shapes]
+        for r in wanted:
+            end = r.offset
+            for lo, hi in sorted(self.ranges.get(r.name, [])):
+                if lo <= end < hi:
+                    end = hi
+            if r.numel and end < r.end:
+                return False
+        return True
+
     def overlaps(self) -> bool:
         """Whether some element arrived more than once."""
         for spans in self.ranges.values():

@@ -6,10 +6,12 @@ with digests of the model, theta_global and optimizer shards after every
 quorum, healed, takeover, exchange), `.json` (the summary at exit: position,
 memory) and `.pt` (the final model and theta_global shards).
 
-DILOCO_FAULT makes a rank SIGKILL itself at a named point, once, in its
-first attempt: `die-before-push:group=G,rank=K,round=R[,delay=S]`. Tests use it to kill
-the pushing group exactly mid-push (and `die-before-commit`: a checkpoint's files are
-written, its marker is not); nothing else reads it.
+DILOCO_FAULT (entries separated by ";") makes a rank misbehave at a named point,
+once, in its first attempt: `die-before-push:group=G,rank=K,round=R[,delay=S]`
+SIGKILLs it (tests kill the pushing group exactly mid-push; `die-before-commit`: a
+checkpoint's files are written, its marker is not), `hold-before-push:...,delay=S`
+makes it push S seconds late, `perturb-before-pull:...` adds 0.5 to its copy of
+theta_global before the pull, as if memory had gone bad. Nothing else reads it.
 """
 
 from __future__ import annotations
@@ -31,15 +33,25 @@ def attempt() -> int:
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 
 
+def fault_due(point: str, group: int, rank: int, round_: int) -> dict[str, str] | None:
+    """The arguments of the DILOCO_FAULT entry naming this point for this rank and round (first attempt only)."""
+    if attempt() != 0:
+        return None
+    for spec in filter(None, os.environ.get(FAULT_ENV, "").split(";")):
+        name, _, args = spec.partition(":")
+        want = dict(kv.split("=") for kv in args.split(",") if kv)
+        if name == point and (int(want.get("group", group)), int(want.get("rank", rank)), int(want.get("round", round_))) == (group, rank, round_):
+            return want
+    return None
+
+
 def maybe_fault(point: str, group: int, rank: int, round_: int) -> None:
-    """SIGKILLs this process if DILOCO_FAULT names this point (first attempt only)."""
-    spec = os.environ.get(FAULT_ENV, "")
-    if not spec or attempt() != 0:
+    """SIGKILLs this process if DILOCO_FAULT names this point (a "hold-" point sleeps for its delay instead)."""
+    want = fault_due(point, group, rank, round_)
+    if want is None:
         return
-    name, _, args = spec.partition(":")
-    want = dict(kv.split("=") for kv in args.split(",") if kv)
-    if name == point and (int(want.get("group", group)), int(want.get("rank", rank)), int(want.get("round", round_))) == (group, rank, round_):
-        time.sleep(float(want.get("delay", 0)))  # lets the other ranks of the group get their part done first
+    time.sleep(float(want.get("delay", 0)))  # lets the other ranks of the group get their part done first
+    if not point.startswith("hold-"):
         os.kill(os.getpid(), signal.SIGKILL)
 
 

@@ -242,8 +242,9 @@ class Island(Landing):
         log.debug("%s: fragment %d round %d pushes %d tokens of %d inner steps", s.island_id, f, ex.round, ex.tokens, ex.inner_steps)
         s.restart_fragment(f)
         self.inflight[f] = ex
-        if ex.pusher:
-            maybe_fault("die-before-push", self.spec.group, self.world.rank, ex.round)  # tests: a pusher dying mid-push
+        if ex.pusher:  # tests: a pusher dying mid-push, or pushing late
+            maybe_fault("die-before-push", self.spec.group, self.world.rank, ex.round)
+            maybe_fault("hold-before-push", self.spec.group, self.world.rank, ex.round)
         exchange.start(shard, ex, self.wire)
 
     def _boundary(self) -> bool:

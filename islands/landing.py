@@ -40,7 +40,7 @@ from diloco.inner import build_inner_optimizer
 from diloco.streaming import mix_, swap_estimate_
 from diloco.v1 import diloco_pb2 as pb
 from islands import exchange
-from islands.evidence import digest
+from islands.evidence import digest, fault_due
 from islands.exchange import LOST, NOBODY, PUSHED, REJOIN, RESET, Exchange
 from islands.outcome import Next, next_step
 
@@ -111,6 +111,8 @@ class Landing:
         if outcome == PUSHED:
             if self.feedback is not None:
                 self.feedback.commit(list(shard.global_))
+            if fault_due("perturb-before-pull", self.spec.group, self.world.rank, ex.round):
+                next(t for t in (ex.staging or shard.global_).values() if t.numel()).view(-1)[0] += 0.5
             if ex.thread is None and not isinstance(ex.outcome, (pb.ResultHeader, BaseException)):
                 self._pull_now(shard, ex)  # blocking exchanges, and a group that healed meanwhile
             exchange.wait(ex)

@@ -158,3 +158,22 @@ def test_nonfinite_push_drops_the_island_from_the_round(tmp_path):
     closed = state.step_round(poll_s=0)
     assert closed is not None and list(closed.summary.islands) == [b] and list(closed.summary.dropped) == [a]
     assert all(torch.isfinite(t).all() for t in state.params.values())
+
+
+def test_a_pull_for_ranges_the_coordinator_lacks_asks_for_them_again(tmp_path):
+    """After a restart each rank of a sharded island pushes its own shard again: a rank whose ranges
+    are not here is told to push again, even when another rank's part of the contribution arrived."""
+    from diloco.wire import FlatRange
+
+    state = make_state(tmp_path, "rounds.min_islands=1")
+    a = state.join("a").island_id
+    codec = uplink_codec(state.cfg.wire)
+    pg = random_like(state.manifest.shapes, 1)
+    first = {"embed.weight": pg["embed.weight"]}  # rank 0's part only
+    header = pb.PushHeader(island_id=a, round=0, tokens=1000, train_loss=2.0, codec=codec.name)
+    assert not state.receive(header, tensor_chunks(first, codec, state.cfg.wire.chunk_bytes)).contribution_complete
+    mine = [FlatRange("embed.weight", 0, state.manifest.numel("embed.weight"))]
+    theirs = [FlatRange("norm.weight", 0, state.manifest.numel("norm.weight"))]
+    assert r_reason(lambda: state.wait_for_result(a, 0, timeout_s=0, ranges=mine)) == Reason.STILL_OPEN
+    assert r_reason(lambda: state.wait_for_result(a, 0, timeout_s=0, ranges=theirs)) == Reason.PUSH_AGAIN
+    assert r_reason(lambda: state.wait_for_result(a, 0, timeout_s=0)) == Reason.PUSH_AGAIN
