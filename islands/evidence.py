@@ -10,7 +10,8 @@ DILOCO_FAULT (entries separated by ";") makes a rank misbehave at a named point,
 once, in its first attempt: `die-before-push:group=G,rank=K,round=R[,delay=S]`
 SIGKILLs it (tests kill the pushing group exactly mid-push; `die-before-commit`: a
 checkpoint's files are written, its marker is not), `hold-before-push:...,delay=S`
-makes it push S seconds late, `perturb-before-pull:...` adds 0.5 to its copy of
+makes it push S seconds late, `die-before-land:...,fragment=F` SIGKILLs a pushing rank
+at the landing, before it reported its push (an exchange in flight), `perturb-before-pull:...` adds 0.5 to its copy of
 theta_global before the pull, as if memory had gone bad. Nothing else reads it.
 """
 
@@ -33,21 +34,22 @@ def attempt() -> int:
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 
 
-def fault_due(point: str, group: int, rank: int, round_: int) -> dict[str, str] | None:
+def fault_due(point: str, group: int, rank: int, round_: int, fragment: int = 0) -> dict[str, str] | None:
     """The arguments of the DILOCO_FAULT entry naming this point for this rank and round (first attempt only)."""
     if attempt() != 0:
         return None
     for spec in filter(None, os.environ.get(FAULT_ENV, "").split(";")):
         name, _, args = spec.partition(":")
         want = dict(kv.split("=") for kv in args.split(",") if kv)
-        if name == point and (int(want.get("group", group)), int(want.get("rank", rank)), int(want.get("round", round_))) == (group, rank, round_):
+        mine = (group, rank, round_, fragment)
+        if name == point and tuple(int(want.get(k, v)) for k, v in zip(("group", "rank", "round", "fragment"), mine)) == mine:
             return want
     return None
 
 
-def maybe_fault(point: str, group: int, rank: int, round_: int) -> None:
+def maybe_fault(point: str, group: int, rank: int, round_: int, fragment: int = 0) -> None:
     """SIGKILLs this process if DILOCO_FAULT names this point (a "hold-" point sleeps for its delay instead)."""
-    want = fault_due(point, group, rank, round_)
+    want = fault_due(point, group, rank, round_, fragment)
     if want is None:
         return
     time.sleep(float(want.get("delay", 0)))  # lets the other ranks of the group get their part done first

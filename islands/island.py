@@ -27,6 +27,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+import zlib
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 
@@ -149,8 +150,9 @@ class Island(Landing):
         return self.replicas.participants() * self.world.world_size * self.cfg.inner.batch_size * self.cfg.data.seq_len
 
     def _rounds_tag(self) -> float:
-        """The fragments' rounds in one small float: groups that disagree on any of them never agree on this."""
-        return float(sum((r % 1024) * 1031 ** i for i, r in enumerate(self.state.rounds)) % 1_000_003)
+        """The fragments' rounds as one small whole number (below 4093, so its square is exact in fp32):
+        groups that disagree on any of them are caught (up to a 1-in-4093 collision of the tags)."""
+        return float(zlib.crc32(repr(self.state.rounds).encode()) % 4093)
 
     def _reduce_gradients(self, model: torch.nn.Module, loss: float) -> float | None:
         """Averages the local gradient shards (and the loss) across the groups; None if the step did not commit.
@@ -164,10 +166,12 @@ class Island(Landing):
 
             grads = list(local_grads(model))
             r = self._rounds_tag()
-            flat = torch.cat(grads + [torch.tensor([loss, r, r * r], dtype=grads[0].dtype, device=grads[0].device)])
+            extra = torch.tensor([loss, r, r * r], dtype=grads[0].dtype, device=grads[0].device)
+            expected = extra[1:].tolist()  # as the collective's dtype holds them
+            flat = torch.cat(grads + [extra])
             self.replicas.allreduce_(flat)
             loss, mean_r, mean_r2 = flat[-3:].tolist()
-            disagree = mean_r != r or mean_r2 != r * r
+            disagree = [mean_r, mean_r2] != expected
             if disagree:
                 self.replicas.report_error(RuntimeError("replica groups are in different rounds"))
             offset = 0

@@ -40,7 +40,7 @@ from diloco.inner import build_inner_optimizer
 from diloco.streaming import mix_, swap_estimate_
 from diloco.v1 import diloco_pb2 as pb
 from islands import exchange
-from islands.evidence import digest, fault_due
+from islands.evidence import digest, fault_due, maybe_fault
 from islands.exchange import LOST, NOBODY, PUSHED, REJOIN, RESET, Exchange
 from islands.outcome import Next, next_step
 
@@ -91,6 +91,8 @@ class Landing:
         """Lands fragment f's exchange; False when this step did not settle it (redo at the next step)."""
         ex, shard, s = self.inflight[f], self.fragments[f], self.state
         waited = time.monotonic()
+        if ex.pusher:  # tests: the pushing group dying with the exchange in flight
+            maybe_fault("die-before-land", self.spec.group, self.world.rank, ex.round, f)
         ex.pushed.wait()
         (status,) = self.group_reduce([ex.status if ex.pusher and ex.status is not None else NOBODY], dist.ReduceOp.MAX)
         flag = torch.tensor([status], dtype=torch.float32, device=self.world.device)
@@ -141,7 +143,8 @@ class Landing:
         self.exchanges.append(ex.record())
         if f == 0:
             s.rounds_done += 1
-        self.evidence.event("exchange", round=ex.round, fragment=f, pusher=ex.pusher, outcome=outcome, carried=carried)
+        self.evidence.event("exchange", round=ex.round, fragment=f, pusher=ex.pusher, outcome=outcome, carried=carried,
+                            due=ex.due, pushed_step=ex.pushed_step, globals=digest(self.fragments[f].flat.values()) if self.evidence.enabled else "")
         return True
 
     def _pull_now(self, shard, ex: Exchange) -> None:

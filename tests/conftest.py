@@ -112,11 +112,16 @@ LO_UP = (
 LO_UP_CMD = f"{shlex.quote(sys.executable)} -c {shlex.quote(LO_UP)}"
 
 
+# User, network and PID namespaces: only loopback to bind, and when the scenario (PID 1 there) ends or
+# is killed (--kill-child), the kernel kills every process it started, torchrun's workers included.
+NAMESPACE = ["unshare", "-rn", "--pid", "--fork", "--mount-proc", "--kill-child"]
+
+
 @functools.cache
 def loopback_namespace() -> bool:
-    """Whether `unshare -rn` works here (user + network namespaces)."""
+    """Whether `unshare` gives us user, network and PID namespaces here."""
     try:
-        return subprocess.run(["unshare", "-rn", "sh", "-c", LO_UP_CMD], capture_output=True, timeout=20).returncode == 0
+        return subprocess.run([*NAMESPACE, "sh", "-c", LO_UP_CMD], capture_output=True, timeout=20).returncode == 0
     except (OSError, subprocess.TimeoutExpired):
         return False
 
@@ -127,11 +132,12 @@ def run_scenario(script: str, name: str, workdir: Path, timeout_s: float, *args:
     torchft's Manager and checkpoint server bind every interface: the namespace keeps them on lo.
     """
     if not loopback_namespace():
-        pytest.skip("needs `unshare -rn` (user and network namespaces) to keep torchft's servers on a loopback-only network")
+        pytest.skip("needs `unshare -rn --pid` (user, network and PID namespaces) to keep torchft's servers on a "
+                    "loopback-only network and reap every process a scenario starts")
     workdir.mkdir(parents=True, exist_ok=True)
     cmd = f"{LO_UP_CMD} && exec {sys.executable} tests/{script} {name} {workdir} {' '.join(args)}"
     try:
-        proc = subprocess.run(["unshare", "-rn", "sh", "-c", cmd], cwd=ROOT, capture_output=True, text=True, timeout=timeout_s)
+        proc = subprocess.run([*NAMESPACE, "sh", "-c", cmd], cwd=ROOT, capture_output=True, text=True, timeout=timeout_s)
     except subprocess.TimeoutExpired:
         pytest.fail(f"scenario {name} outlived {timeout_s:.0f}s; logs in {workdir}")
     assert proc.returncode == 0, f"scenario {name} failed (logs in {workdir}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"

@@ -107,11 +107,13 @@ class Puppet:
         joined = self.client.join(cfg.digest(), "fp32")
         self.island_id, self.chunk_bytes = joined.island_id, joined.max_chunk_bytes
         self.zeros = {n: torch.zeros(s) for n, s in Manifest.from_proto(joined.parameters).shapes.items()}
+        self.fragments = [list(f.names) for f in joined.fragments]
         self.client.start_heartbeat(lambda: self.island_id, joined.heartbeat_interval_s, lambda: 0)
 
-    def push(self, round_: int) -> None:
-        header = pb.PushHeader(island_id=self.island_id, round=round_, tokens=1, train_loss=0.0, codec="fp32")
-        self.client.push(header, ReplayableChunks(tensor_chunks(self.zeros, Fp32Codec(), self.chunk_bytes)))
+    def push(self, round_: int, fragment: int = 0) -> None:
+        header = pb.PushHeader(island_id=self.island_id, round=round_, tokens=1, train_loss=0.0, codec="fp32", fragment=fragment)
+        zeros = {n: self.zeros[n] for n in self.fragments[fragment]} if self.fragments else self.zeros
+        self.client.push(header, ReplayableChunks(tensor_chunks(zeros, Fp32Codec(), self.chunk_bytes)))
 
     def close(self) -> None:
         self.client.leave(self.island_id, "", 0)

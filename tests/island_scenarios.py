@@ -108,7 +108,54 @@ def protocol(workdir: Path, kind: str) -> None:
         run.close()
 
 
-SCENARIOS = {"protocol": protocol}
+def streaming(workdir: Path, kind: str, fault: str = "") -> None:
+    """Streaming DiLoCo (P = 2, tau = 1, alpha = 0.5) on an island of this kind.
+
+    Without a fault the island is alone in the run (the test replays the same arithmetic in process).
+    With fault "kill-pusher" a puppet island holds each fragment's round open until the island's
+    contribution to it is in, and in fragment 1's round 1 the pushing group 0 is SIGKILLed at the
+    landing, before reporting its push (DILOCO_FAULT die-before-land): the exchange is in flight, the
+    group that is then rank 0 of the quorum takes the push over, and group 0 comes back and heals.
+    """
+    faulty = fault == "kill-pusher"
+    cfg = tiny_config(
+        "model.n_layers=2", "inner.steps_per_round=4", "rounds.rounds=4", f"rounds.min_islands={2 if faulty else 1}",
+        f"data.shards={2 if faulty else 1}", "streaming.fragments=2", "streaming.tau=1", "streaming.alpha=0.5",
+        "rounds.deadline_s=120", "rounds.heartbeat_s=0.5", "rounds.lease_s=30",
+    )
+    run = Run(workdir, cfg, deadline_s=200)
+    reports = workdir / "island"
+    puppet = Puppet(run.coordinator.port, cfg) if faulty else None
+    try:
+        fault_env = {"DILOCO_FAULT": "die-before-land:group=0,round=1,fragment=1"} if faulty else {}
+        run.island("island", *KINDS[kind], "--max-restarts", "2", "--report-dir", str(reports), *SHARDED_FLAGS, env=fault_env)
+        state = run.coordinator.state
+        others = {puppet.island_id} if puppet else set()
+        island = wait_until(run, "the island to join", lambda: next((i for i in state.islands if i not in others), None))
+        run.notes.update(island=island, kind=kind, fault=fault)
+        if faulty:
+            due = [0] * cfg.streaming.fragments  # the next round of each fragment the puppet pushes
+
+            def ready():
+                with state.cond:
+                    for f, frag in enumerate(state.fragments):
+                        c = frag.contributions.get(island)
+                        if frag.round == due[f] < cfg.rounds.rounds and c is not None and c.state == "complete":
+                            return (f,)
+                return None
+
+            while any(r < cfg.rounds.rounds for r in due):
+                (f,) = wait_until(run, f"the island's contributions (next rounds {due})", ready)
+                puppet.push(due[f], f)
+                due[f] += 1
+        run.finish()
+    finally:
+        if puppet is not None:
+            puppet.close()
+        run.close()
+
+
+SCENARIOS = {"protocol": protocol, "streaming": streaming}
 
 if __name__ == "__main__":
     logging.basicConfig(level=logging.INFO, format="%(asctime)s [scenario] %(levelname)s %(name)s: %(message)s")

@@ -151,22 +151,28 @@ class Run:
             self.moto.stop()
 
 
-def config():
-    """A lossy uplink with error feedback, so that the residual has to survive the restart too."""
+def config(streaming: bool = False):
+    """A lossy uplink with error feedback, so that the residual has to survive the restart too; with
+    streaming, Streaming DiLoCo (2 fragments, tau 1, alpha 0.5, eager updates) on top."""
+    extra = ["inner.steps_per_round=4", "streaming.fragments=2", "streaming.tau=1", "streaming.alpha=0.5",
+             "streaming.eager=true"] if streaming else ["inner.steps_per_round=3"]
     return tiny_config(
-        "model.n_layers=2", "inner.steps_per_round=3", "rounds.rounds=6", "rounds.min_islands=1", "data.shards=1",
+        "model.n_layers=2", "rounds.rounds=6", "rounds.min_islands=1", "data.shards=1",
         "rounds.heartbeat_s=0.5", "rounds.lease_s=60", "rounds.deadline_s=120", "checkpoint.every_rounds=2",
-        "wire.codec='int8'", "wire.error_feedback=true",
+        "wire.codec='int8'", "wire.error_feedback=true", *extra,
     )
 
 
-def resume(workdir: Path, storage: str = "local", groups: int = 1) -> None:
+def resume(workdir: Path, storage: str = "local", groups: int = 1, nproc: int = 2, streaming: bool = False) -> None:
     """An uninterrupted run, then the same run stopped by SIGKILL (coordinator and island) right after
-    both committed their round-2 checkpoints and restarted with --resume."""
-    cfg = config()
+    both committed their round-2 checkpoints and restarted with --resume.
+
+    Checkpoint steps count rounds over all fragments: round 2 is step 2 * fragments."""
+    cfg = config(streaming)
+    k = 2 * cfg.streaming.fragments
     run = Run(workdir, cfg, storage, deadline_s=float(os.environ.get("SCENARIO_DEADLINE_S", "400")))
-    shape = ["--nproc-per-node", "2", "--replica-groups", str(groups)]
-    result: dict = {"storage": storage, "base": run.base, "groups": groups}
+    shape = ["--nproc-per-node", str(nproc), "--replica-groups", str(groups)]
+    result: dict = {"storage": storage, "base": run.base, "groups": groups, "step": k}
     try:
         # The uninterrupted run goes on alongside the stopped one (both are mostly waiting on startups).
         started = time.monotonic()
@@ -176,19 +182,21 @@ def resume(workdir: Path, storage: str = "local", groups: int = 1) -> None:
         coordinator_store, island_store = CheckpointStore(coord_url), CheckpointStore(island_url)
         run.coordinator("first", coord_url)
         run.island("first", *shape, "--checkpoint", island_url, "--checkpoint-every", "2")
-        run.wait_until("checkpoints of round 2", lambda: 2 in coordinator_store.steps() and 2 in island_store.steps())
+        run.wait_until("checkpoints of round 2", lambda: k in coordinator_store.steps() and k in island_store.steps())
         kill_tree(run.procs["island-first"])
         kill_tree(run.procs["coordinator-first"])
         result["killed"] = {"coordinator_steps": coordinator_store.steps(), "island_steps": island_store.steps()}
-        result["island_meta"] = island_store.load_files(2)[1]
+        result["island_meta"] = island_store.load_files(k)[1]
         # A torn step (DCP files, no marker) and a damaged one (marker, a file cut short), both newer:
         # a resume must pass over them.
-        fs, src = island_store.fs, f"{island_store.root}/step-{2:010d}"
-        for step in (4, 6):
+        fs, src = island_store.fs, f"{island_store.root}/step-{k:010d}"
+        for step in (k + 2, k + 4):
+            if fs.exists(f"{island_store.root}/step-{step:010d}"):  # a save the kill cut short
+                fs.rm(f"{island_store.root}/step-{step:010d}", recursive=True)
             fs.copy(src, f"{island_store.root}/step-{step:010d}", recursive=True)
             fs.invalidate_cache(island_store.root)
-        fs.rm(f"{island_store.root}/step-{4:010d}/COMMITTED")
-        with fs.open(f"{island_store.root}/step-{6:010d}/__1_0.distcp", "wb") as f:
+        fs.rm(f"{island_store.root}/step-{k + 2:010d}/COMMITTED")
+        with fs.open(f"{island_store.root}/step-{k + 4:010d}/__{nproc - 1}_0.distcp", "wb") as f:
             f.write(b"cut short")
         run.coordinator("resumed", coord_url, resume=True)
         run.island("resumed", *shape, "--checkpoint", island_url, "--checkpoint-every", "2", "--resume")
@@ -227,4 +235,6 @@ if __name__ == "__main__":
     logging.basicConfig(level=logging.INFO, format="%(asctime)s [scenario] %(levelname)s %(name)s: %(message)s")
     name, workdir = sys.argv[1], Path(sys.argv[2])
     workdir.mkdir(parents=True, exist_ok=True)
-    SCENARIOS[name](workdir, *(sys.argv[3:4]), **({"groups": int(sys.argv[4])} if len(sys.argv) > 4 else {}))
+    # ARGS: storage [groups [nproc [streaming]]]
+    extra = dict(zip(("groups", "nproc", "streaming"), (int(a) for a in sys.argv[4:7])))
+    SCENARIOS[name](workdir, *(sys.argv[3:4]), **{k: bool(v) if k == "streaming" else v for k, v in extra.items()})

@@ -159,23 +159,31 @@ def _scenario(name: str, workdir: Path, timeout_s: float, *args: str) -> dict:
 
 def _assert_resumed_exactly(result: dict, workdir: Path) -> None:
     straight, resumed = result["straight"], result["resumed"]
+    k = result["step"]  # round 2, over every fragment
     assert set(straight["exit_codes"].values()) == {0} and set(resumed["exit_codes"].values()) == {0}, result
     # Both stopped right after the checkpoints of round 2 (and nothing newer was committed).
-    assert result["killed"] == {"coordinator_steps": [2], "island_steps": [2]}, result["killed"]
+    assert result["killed"] == {"coordinator_steps": [k], "island_steps": [k]}, result["killed"]
     assert resumed["restarts"] == 1 and resumed["final_round"] == straight["final_round"] == 6
     # The run that was stopped and resumed ends with exactly the uninterrupted run's global parameters.
     assert resumed["checksum"] == straight["checksum"]
     assert set(resumed["islands"].values()) == {resumed["checksum"]}
-    # Every group loaded round 2, passing over the torn step 4 and the damaged step 6 planted after the kill.
+    # Every rank loaded round 2, passing over the torn and the damaged steps planted after the kill.
     log = (workdir / "island-resumed.log").read_text()
-    assert "checkpoint 6 under" in log and "does not match its commit marker" in log
+    assert f"checkpoint {k + 4} under" in log and "does not match its commit marker" in log
     loaded = [line for line in log.splitlines() if "resumed from" in line]
-    assert len(loaded) == 2 * result["groups"] and all("step-0000000002 (step 2)" in line for line in loaded), loaded
+    assert len(loaded) == result["ranks"] and all(f"step-{k:010d} (step {k})" in line for line in loaded), loaded
 
 
 @pytest.mark.timeout(300)
-def test_sharded_island_stopped_and_resumed_ends_bit_identical(tmp_path):
-    result = _scenario("resume", tmp_path, 280, "local", "1")
+@pytest.mark.parametrize("groups, nproc, streaming", [
+    (1, 1, 0), (1, 2, 1),
+    # Two runs of 4 ranks each side by side: about 220 s on 2 cores, so outside the default suite.
+    pytest.param(2, 2, 1, marks=pytest.mark.slow),
+], ids=["1", "1x2-streaming", "2x2-streaming"])
+def test_island_stopped_and_resumed_ends_bit_identical(tmp_path, groups, nproc, streaming):
+    """Every island kind; the sharded ones with Streaming DiLoCo (2 fragments, tau 1, eager updates)."""
+    result = _scenario("resume", tmp_path, 280, "local", str(groups), str(nproc), str(streaming))
+    result["ranks"] = groups * nproc
     _assert_resumed_exactly(result, tmp_path)
 
 
@@ -184,6 +192,7 @@ def test_sharded_island_stopped_and_resumed_ends_bit_identical(tmp_path):
 @pytest.mark.parametrize("storage, groups", [("s3", 1), ("local", 2)], ids=["s3-1x2", "local-2x2"])
 def test_stopped_and_resumed_on_s3_and_with_two_replica_groups(tmp_path, storage, groups):
     result = _scenario("resume", tmp_path, 380, storage, str(groups))
+    result["ranks"] = 2 * groups
     _assert_resumed_exactly(result, tmp_path)
     if storage == "s3":
         assert result["base"].startswith("s3://")
