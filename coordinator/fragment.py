@@ -29,7 +29,7 @@ import torch
 from coordinator.locks import ReadWriteLock
 from coordinator.membership import Membership, canonical_order
 from coordinator.publish import Publication
-from coordinator.records import Closing, Contribution, Phase, Reason, Refused, round_summary
+from coordinator.records import Closing, Contribution, Phase, Reason, Refused, close_reason, round_summary
 from coordinator.spool import Spool
 from diloco.codec import Codec
 from diloco.config import RunConfig
@@ -66,21 +66,17 @@ class FragmentRounds:
         self.publication = Publication(params, downlink_codec(cfg.wire), cfg.wire.chunk_bytes)
         self.accumulator = PseudoGradientAccumulator(self.manifest.shapes)
         self.param_lock = ReadWriteLock()
-        self.phase = Phase.OPEN
-        self.round = 0
-        self.round_opened_at = self.clock()
+        self.phase, self.round, self.round_opened_at = Phase.OPEN, 0, self.clock()
         self.contributions: dict[str, Contribution] = {}
         self.dropped: set[str] = set()
         self.traffic: dict[tuple[int, str], list[int]] = {}  # (round, island) -> [up, down]
         # The last closed round: islands and tokens in it, and (eager updates) its mean pseudo-gradient.
-        self.last_islands = 0
-        self.last_tokens = 0
+        self.last_islands = self.last_tokens = 0
         self.mean_chunks: list[pb.TensorChunk] = []
         # Set by a restore: where the fragment restarted, and the latest round islands had reached.
         self.restored_round: int | None = None
-        self.restored_at = 0.0
+        self.restored_at = self._last_wait_log = 0.0
         self.max_round_seen = 0
-        self._last_wait_log = 0.0
 
     @property
     def checksum(self) -> str:
@@ -97,11 +93,8 @@ class FragmentRounds:
                 raise Refused(Reason.RUN_FINISHED, f"the run has finished{' for ' + self.label.strip() if self.label else ''}")
             if header.round != self.round or self.phase is not Phase.OPEN:
                 self.members.events.late_pushes += 1
-                raise Refused(
-                    Reason.ROUND_CLOSED,
-                    f"{self.label}round {header.round} is closed (current round {self.round}); "
-                    "fetch the global parameters and train for the current round", current_round=self.round,
-                )
+                raise Refused(Reason.ROUND_CLOSED, f"{self.label}round {header.round} is closed (current round {self.round}); "
+                              "fetch the global parameters and train for the current round", current_round=self.round)
             if header.island_id in self.dropped:
                 raise Refused(Reason.DROPPED, f"{header.island_id} was dropped from {self.label}round {self.round}")
             if header.codec != self.codec.name:
@@ -224,6 +217,9 @@ class FragmentRounds:
     def count_down(self, round_: int, island_id: str, n: int) -> None:
         self._count(round_, island_id, down=n)
 
+    def state_proto(self) -> pb.FragmentState:
+        return pb.FragmentState(index=self.index, round=self.round, checksum=self.checksum)
+
     # --- reading the parameters ---------------------------------------------------
 
     def wait_for_result(self, island_id: str, round_: int, timeout_s: float, ranges: list[FlatRange] | None = None) -> float:
@@ -248,9 +244,6 @@ class FragmentRounds:
             if not self.cond.wait_for(lambda: self.round > round_ or self.phase is Phase.FINISHED, timeout_s):
                 raise Refused(Reason.STILL_OPEN, f"{self.label}round {round_} still open after {timeout_s:.0f}s", current_round=self.round)
             return self.clock() - started
-
-    def state_proto(self) -> pb.FragmentState:
-        return pb.FragmentState(index=self.index, round=self.round, checksum=self.checksum)
 
     @contextmanager
     def reading(
@@ -284,24 +277,14 @@ class FragmentRounds:
     def close_reason(self) -> str | None:
         """Why the current round may close now, or None. Caller holds cond."""
         live = self.members.live()
-        r = self.cfg.rounds
+        overdue = self.clock() - self.round_opened_at > self.cfg.rounds.deadline_s
         done = [i for i, c in self.contributions.items() if c.state == "complete"]
-        if not done:
-            return None
-        if len(done) >= r.max_islands:
-            return "max_islands reached"
-        if len(done) >= r.min_islands and all(i in done or i in self.dropped for i in live):
-            return "every live island contributed"
-        overdue = self.clock() - self.round_opened_at > r.deadline_s
-        if overdue and len(done) >= r.min_islands:
-            return "deadline"
-        if overdue and self.clock() - self._last_wait_log > 10:
+        reason = close_reason(done, live, self.dropped, overdue, self.cfg.rounds.min_islands, self.cfg.rounds.max_islands)
+        if reason is None and overdue and done and self.clock() - self._last_wait_log > 10:
             self._last_wait_log = self.clock()
-            log.warning(
-                "%sround %d is past its %gs deadline with %d of min_islands=%d contributions; still waiting",
-                self.label, self.round, r.deadline_s, len(done), r.min_islands,
-            )
-        return None
+            log.warning("%sround %d is past its %gs deadline with %d of min_islands=%d contributions; still waiting",
+                        self.label, self.round, self.cfg.rounds.deadline_s, len(done), self.cfg.rounds.min_islands)
+        return reason
 
     def close(self, poll_s: float = 0.2) -> Closing | None:
         """Waits up to poll_s for the close condition; when it holds, stops taking pushes and returns what to fold."""

@@ -28,7 +28,7 @@ class Refused(Exception):
         return trailing_metadata(self.refusal)
 
 
-__all__ = ["Closed", "Closing", "Contribution", "Phase", "Reason", "Refused", "round_summary"]
+__all__ = ["Closed", "Closing", "Contribution", "Phase", "Reason", "Refused", "close_reason", "round_summary"]
 
 
 class Phase(enum.Enum):
@@ -63,6 +63,20 @@ class Closed:
     summary: pb.RoundSummary
     total_rounds: int  # rounds closed so far over every fragment (the checkpoint step)
     run_finished: bool
+
+
+def close_reason(done: list[str], live: list[str], dropped: set[str], overdue: bool, min_islands: int,
+                 max_islands: int) -> str | None:
+    """Why a round may close, from who contributed (done), who is live and dropped, and the deadline; or None."""
+    if not done:
+        return None
+    if len(done) >= max_islands:
+        return "max_islands reached"
+    if len(done) >= min_islands and all(i in done or i in dropped for i in live):
+        return "every live island contributed"
+    if overdue and len(done) >= min_islands:
+        return "deadline"
+    return None
 
 
 def round_summary(round_: int, fragment: int, contributions: list, numel: int, cfg: RunConfig) -> pb.RoundSummary:

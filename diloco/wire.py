@@ -13,7 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
-from diloco.codec import Codec, ErrorFeedback, get_codec
+from diloco.codec import Codec, get_codec
+from diloco.feedback import ErrorFeedback
 from diloco.config import WireConfig
 from diloco.v1 import diloco_pb2 as pb
 

@@ -29,7 +29,8 @@ from dataclasses import dataclass, field
 import grpc
 import torch
 
-from diloco.codec import Codec, ErrorFeedback
+from diloco.codec import Codec
+from diloco.feedback import ErrorFeedback
 from diloco.v1 import diloco_pb2 as pb
 from diloco.wire import FlatRange, Manifest
 from islands.client import CoordinatorClient, MeanBuffer, RegeneratingChunks

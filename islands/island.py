@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from diloco.codec import ErrorFeedback
+from diloco.feedback import ErrorFeedback
 from diloco.config import RunConfig
 from diloco.data import StepIndexedStream
 from diloco.inner import build_inner_optimizer, inner_lr, train_step

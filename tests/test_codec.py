@@ -7,7 +7,8 @@ import math
 import pytest
 import torch
 
-from diloco.codec import CODECS, ErrorFeedback, get_codec
+from diloco.codec import CODECS, get_codec
+from diloco.feedback import ErrorFeedback
 from diloco.config import ConfigError
 
 ALL = [c for base in CODECS for c in (base, f"{base}+zstd")]

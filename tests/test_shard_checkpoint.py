@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from conftest import run_scenario, tiny_config
 from diloco.checkpoint import CheckpointError
-from diloco.codec import ErrorFeedback
+from diloco.feedback import ErrorFeedback
 from diloco.data import StepIndexedStream
 from diloco.inner import build_inner_optimizer
 from islands.checkpoint import IslandCheckpoint
