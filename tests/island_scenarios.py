@@ -25,7 +25,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 from conftest import tiny_config  # noqa: E402
 from coordinator.server import start_coordinator  # noqa: E402
 from diloco.checkpoint import CheckpointStore  # noqa: E402
-from fsdp_scenarios import SHARDED_FLAGS, Puppet, Run, wait_until  # noqa: E402
+from fsdp_scenarios import SHARDED_FLAGS, Puppet, Run, events, wait_until  # noqa: E402
 
 log = logging.getLogger("scenario")
 
@@ -146,6 +146,11 @@ def streaming(workdir: Path, kind: str, fault: str = "") -> None:
 
             while any(r < cfg.rounds.rounds for r in due):
                 (f,) = wait_until(run, f"the island's contributions (next rounds {due})", ready)
+                if (f, due[f]) == (1, 1):
+                    # Group 0 dies at this landing; the round stays open (the puppet holds it) until group 0
+                    # is back, so that it joins the next quorum and heals, however slowly it restarts.
+                    wait_until(run, "group 0 to restart", lambda: all(
+                        any(e["event"] == "up" for e in events(reports, f"g0-r{r}-a1")) for r in (0, 1)), timeout_s=150)
                 puppet.push(due[f], f)
                 due[f] += 1
         run.finish()

@@ -96,9 +96,9 @@ class Run:
             raise TimeoutError(f"scenario ran past its deadline; logs in {self.workdir}")
         return remaining
 
-    def _spawn(self, name: str, argv: list[str]) -> subprocess.Popen:
+    def _spawn(self, name: str, argv: list[str], env: dict | None = None) -> subprocess.Popen:
         with open(self.workdir / f"{name}.log", "a") as out:
-            proc = subprocess.Popen([sys.executable, "-m", *argv], env=self.env, stdout=out, stderr=subprocess.STDOUT,
+            proc = subprocess.Popen([sys.executable, "-m", *argv], env={**self.env, **(env or {})}, stdout=out, stderr=subprocess.STDOUT,
                                     start_new_session=True, cwd=ROOT)
         self.procs[name] = proc
         return proc
@@ -117,9 +117,9 @@ class Run:
             time.sleep(0.1)
         self.port = int(port_file.read_text())
 
-    def island(self, tag: str, *flags: str) -> None:
+    def island(self, tag: str, *flags: str, env: dict | None = None) -> None:
         self._spawn(f"island-{tag}", ["islands", "join", "--coordinator", f"127.0.0.1:{self.port}",
-                                      "--config", str(self.config_path), *ISLAND_FLAGS, *flags])
+                                      "--config", str(self.config_path), *ISLAND_FLAGS, *flags], env)
 
     def wait_until(self, what: str, condition, timeout_s: float = 120.0):
         give_up = time.monotonic() + timeout_s
@@ -181,7 +181,10 @@ def resume(workdir: Path, storage: str = "local", groups: int = 1, nproc: int = 
         coord_url, island_url = f"{run.base}/coordinator", f"{run.base}/island"
         coordinator_store, island_store = CheckpointStore(coord_url), CheckpointStore(island_url)
         run.coordinator("first", coord_url)
-        run.island("first", *shape, "--checkpoint", island_url, "--checkpoint-every", "2")
+        # The island holds its round-2 push until it is killed, so neither side gets past the round-2
+        # checkpoints, however fast the island trains next to the kill.
+        run.island("first", *shape, "--checkpoint", island_url, "--checkpoint-every", "2",
+                   env={"DILOCO_FAULT": "hold-before-push:round=2,delay=600"})
         run.wait_until("checkpoints of round 2", lambda: k in coordinator_store.steps() and k in island_store.steps())
         kill_tree(run.procs["island-first"])
         kill_tree(run.procs["coordinator-first"])
