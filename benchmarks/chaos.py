@@ -15,9 +15,9 @@ import argparse
 import tempfile
 from pathlib import Path
 
-from diloco.chaos import ChaosPlan, describe, run_chaos
+from islands.sim.chaos import ChaosPlan, describe, run_chaos
 from diloco.config import load_config
-from diloco.sim import run_sim, summarize
+from islands.sim.simulation import run_sim, summarize
 
 # The chaos test's configuration (tests/test_durability.py): a tiny model, short rounds, checkpoints every round.
 OVERRIDES = [

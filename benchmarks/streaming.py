@@ -2,8 +2,8 @@
 
 For each link (default 1gbit, 100mbit, 10mbit, one-way delay 25 ms: about a
 round trip between two data centres on one continent), two islands and a
-coordinator run as separate processes (`diloco.sim.Simulation`, exactly what
-`diloco-sim` runs), each island behind its own `diloco.wan.WanLink` to the
+coordinator run as separate processes (`islands.sim.simulation.Simulation`, exactly what
+`diloco-sim` runs), each island behind its own `islands.sim.wan.WanLink` to the
 coordinator, training the same byte-level Transformer on tinyshakespeare with
 the same inner AdamW for the same number of inner steps T:
 
@@ -59,8 +59,8 @@ sys.path.insert(0, str(REPO_ROOT))
 
 from diloco.config import RunConfig, load_config  # noqa: E402
 from diloco.model import Transformer  # noqa: E402
-from diloco.sim import SimResult, Simulation  # noqa: E402
-from diloco.wan import WanSpecError, parse_link  # noqa: E402
+from islands.sim.simulation import SimResult, Simulation  # noqa: E402
+from islands.sim.wan import WanSpecError, parse_link  # noqa: E402
 
 log = logging.getLogger("streaming-bench")
 
@@ -135,7 +135,7 @@ def method_config(method: str, args: argparse.Namespace, steps: int) -> RunConfi
 
 
 def simulate(cfg: RunConfig, workdir: Path, spec, args: argparse.Namespace) -> SimResult:
-    """diloco.sim.run_sim, with each island pinned to a core of its own (--pin): as if in its own data centre."""
+    """islands.sim.simulation.run_sim, with each island pinned to a core of its own (--pin): as if in its own data centre."""
     sim = Simulation(cfg, 2, workdir, threads=1, wan=[spec, spec])
     try:
         sim.start()
@@ -188,7 +188,7 @@ def markdown(results: list[RunResult], args: argparse.Namespace, links: list[str
     full_loss = {r.method: r.eval_loss for r in results if r.steps == args.steps and r.eval_loss is not None}
     header = (
         f"Two islands on emulated links of 1 Gbit/s, 100 Mbit/s and 10 Mbit/s (one-way delay {args.delay}, one link per "
-        f"island, `diloco.wan.WanLink`); byte-level Transformer, {params / 1e6:.2f}M parameters ({4 * params / 1e6:.1f} MB "
+        f"island, `islands.sim.wan.WanLink`); byte-level Transformer, {params / 1e6:.2f}M parameters ({4 * params / 1e6:.1f} MB "
         f"in fp32; d_model {m.d_model}, {m.n_layers} layers, d_ff {m.d_ff}), seq_len {cfg.data.seq_len}, batch "
         f"{cfg.inner.batch_size} per island, T = {args.steps} inner steps, H = {args.h}; Streaming: {args.fragments} "
         f"fragments (strided), tau = 1, alpha = {args.alpha:g}, {args.codec} both ways. Islands, coordinator and links "

@@ -23,7 +23,6 @@ measures both).
 from __future__ import annotations
 
 import threading
-from collections.abc import Mapping
 from typing import Protocol
 
 import numpy as np
@@ -31,7 +30,16 @@ import torch
 import zstandard
 
 from diloco.config import ConfigError
-from diloco.kernels import _e3m0_decode, _e3m0_encode, _int8_decode, _int8_encode, _rice_bound_r, _rice_decode, _rice_encode, _topk_fill
+from diloco.kernels import (
+    _e3m0_decode,
+    _e3m0_encode,
+    _int8_decode,
+    _int8_encode,
+    _rice_bound_r,
+    _rice_decode,
+    _rice_encode,
+    _topk_fill,
+)
 
 
 class Codec(Protocol):

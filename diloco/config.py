@@ -279,7 +279,6 @@ def _build(cls: type, raw: dict[str, Any], where: str) -> Any:
         raise ConfigError(f"unknown key(s) {unknown} in [{where or 'top level'}]; known: {sorted(known)}")
     kwargs = {}
     for name, value in raw.items():
-        f = known[name]
         default = getattr(cls(), name)
         if dataclasses.is_dataclass(default):
             if not isinstance(value, dict):

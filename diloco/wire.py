@@ -14,8 +14,8 @@ from dataclasses import dataclass
 import torch
 
 from diloco.codec import Codec, get_codec
-from diloco.feedback import ErrorFeedback
 from diloco.config import WireConfig
+from diloco.feedback import ErrorFeedback
 from diloco.v1 import diloco_pb2 as pb
 
 # 2: top-k followed by zstd sent its positions as a bitmap above density 1/64.

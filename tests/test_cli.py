@@ -10,7 +10,7 @@ import pytest
 SCRIPTS = {
     "diloco-coordinator": [sys.executable, "-m", "coordinator"],
     "diloco-island": [sys.executable, "-m", "islands"],
-    "diloco-sim": [sys.executable, "-m", "diloco.sim"],
+    "diloco-sim": [sys.executable, "-m", "islands.sim"],
 }
 
 

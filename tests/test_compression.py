@@ -16,7 +16,7 @@ import torch
 from conftest import island_on, random_like, tiny_config, wait_for_round
 from diloco.codec import get_codec
 from diloco.params import checksum
-from diloco.sim import run_sim
+from islands.sim.simulation import run_sim
 from diloco.v1 import diloco_pb2 as pb
 from diloco.wire import Manifest, downlink_codec, tensor_chunks, uplink_codec
 from islands.client import CoordinatorClient, ReplayableChunks

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from conftest import kill_all_and_resume, random_like, tiny_config, wait_for_round
-from diloco.chaos import ChaosPlan, parse_chaos, run_chaos
+from islands.sim.chaos import ChaosPlan, parse_chaos, run_chaos
 from diloco.codec import Fp32Codec
-from diloco.sim import Simulation, run_sim
+from islands.sim.simulation import Simulation, run_sim
 from diloco.v1 import diloco_pb2 as pb
 from diloco.wire import PROTOCOL_VERSION, tensor_chunks
 
@@ -109,7 +109,7 @@ def test_chaos_run_finishes_consistent_and_close_to_undisturbed(tmp_path):
     [("0", "EVERY must be at least 1"), ("3:x", "is not EVERY[:COORDINATOR_AT] with whole numbers"), ("", "is not EVERY")],
 )
 def test_sim_with_a_bad_chaos_spec_exits_2_with_one_line(text, message):
-    out = subprocess.run([sys.executable, "-m", "diloco.sim", "--chaos", text], capture_output=True, text=True, timeout=60)
+    out = subprocess.run([sys.executable, "-m", "islands.sim", "--chaos", text], capture_output=True, text=True, timeout=60)
     assert out.returncode == 2, out.stderr
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("diloco-sim: error: --chaos: ") and message in lines[0], lines

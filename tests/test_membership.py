@@ -12,7 +12,7 @@ import pytest
 
 from conftest import join, random_like, tiny_config, wait_for_round
 from diloco.codec import Fp32Codec
-from diloco.sim import Simulation
+from islands.sim.simulation import Simulation
 from diloco.v1 import diloco_pb2 as pb
 from diloco.wire import Manifest, tensor_chunks
 

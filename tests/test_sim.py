@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from conftest import tiny_config
-from diloco.sim import run_sim
+from islands.sim.simulation import run_sim
 
 
 def test_three_island_sim_ends_with_identical_parameters_and_lower_eval_loss(tmp_path):

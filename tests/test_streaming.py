@@ -23,10 +23,10 @@ from diloco.inner import build_inner_optimizer, inner_lr, train_step
 from diloco.model import Transformer
 from diloco.outer import OuterOptimizer, PseudoGradientAccumulator
 from diloco.params import checksum, fp32_copy
-from diloco.sim import RoundPrinter, Simulation
+from islands.sim.simulation import RoundPrinter, Simulation
 from diloco.streaming import OuterReplica, eager_gradient, mix_, swap_estimate_
 from diloco.v1 import diloco_pb2 as pb
-from diloco.wan import WanLink
+from islands.sim.wan import WanLink
 from diloco.wire import PROTOCOL_VERSION, tensor_chunks
 from islands.client import CoordinatorClient
 from islands.island import Island

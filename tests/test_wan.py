@@ -1,4 +1,4 @@
-"""The emulated WAN link (diloco.wan): rate, delay, gRPC through it, diloco-sim --wan, bad specs."""
+"""The emulated WAN link (islands.sim.wan): rate, delay, gRPC through it, diloco-sim --wan, bad specs."""
 
 from __future__ import annotations
 
@@ -11,12 +11,13 @@ import time
 
 import grpc
 import pytest
+from conftest import join, tiny_config
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from conftest import join, tiny_config
-from diloco import sim
 from diloco.v1 import diloco_pb2_grpc as pb_grpc
-from diloco.wan import WanLink, WanSpecError, parse_link, parse_wan
+from islands.sim import cli as sim_cli
+from islands.sim.simulation import run_sim
+from islands.sim.wan import WanLink, WanSpecError, parse_link, parse_wan
 
 
 @pytest.fixture
@@ -167,7 +168,7 @@ def test_grpc_through_the_link(links, make_coordinator):
 def test_sim_runs_each_island_over_its_own_link(tmp_path):
     cfg = tiny_config("rounds.rounds=1", "rounds.min_islands=2", "data.shards=2")
     wan = parse_wan("100mbit:10ms,10mbit:30ms", 2)
-    result = sim.run_sim(cfg, islands=2, workdir=tmp_path, timeout_s=120, echo=lambda s: None, wan=wan)
+    result = run_sim(cfg, islands=2, workdir=tmp_path, timeout_s=120, echo=lambda s: None, wan=wan)
     report = result.report
     assert [len(r["islands"]) for r in report["rounds"]] == [2]
     assert set(report["islands"].values()) == {report["checksum"]}
@@ -184,19 +185,19 @@ def test_sim_cli_passes_the_links_on_and_names_them_first(monkeypatch, capsys, t
         seen.update(kwargs)
         raise RuntimeError("stopped by the test")
 
-    monkeypatch.setattr(sim, "run_sim", fake_run_sim)
+    monkeypatch.setattr(sim_cli, "run_sim", fake_run_sim)
     with pytest.raises(SystemExit):
-        sim.main(["--islands", "2", "--wan", "1gbit:20ms", "--workdir", str(tmp_path)])
+        sim_cli.main(["--islands", "2", "--wan", "1gbit:20ms", "--workdir", str(tmp_path)])
     assert "each island on its own emulated WAN link 1gbit:20ms" in capsys.readouterr().out.splitlines()[0]
     assert [s.bits_per_s for s in seen["wan"]] == [1e9, 1e9]
     with pytest.raises(SystemExit) as e:
-        sim.main(["--islands", "3", "--wan", "1gbit:20ms,10mbit:80ms", "--workdir", str(tmp_path)])
+        sim_cli.main(["--islands", "3", "--wan", "1gbit:20ms,10mbit:80ms", "--workdir", str(tmp_path)])
     assert e.value.code == 2
     assert "--wan: 2 link specs for 3 islands" in capsys.readouterr().err
 
 
 def test_sim_with_a_bad_wan_spec_exits_2_with_one_line():
-    out = subprocess.run([sys.executable, "-m", "diloco.sim", "--wan", "nonsense"], capture_output=True, text=True, timeout=60)
+    out = subprocess.run([sys.executable, "-m", "islands.sim", "--wan", "nonsense"], capture_output=True, text=True, timeout=60)
     assert out.returncode == 2, out.stderr
     assert out.stderr.strip().splitlines() == [
         "diloco-sim: error: --wan: bad link 'nonsense': no ':' between rate and delay; expected RATE:DELAY such as "

@@ -1,6 +1,6 @@
-"""diloco-sim: a coordinator and N islands as separate processes on one machine, over gRPC on 127.0.0.1.
+"""A coordinator and N islands as separate processes on one machine, over gRPC on 127.0.0.1.
 
-Prints one line per round and a summary. It only launches `python -m coordinator`
+What `diloco-sim` and the tests run. It only launches `python -m coordinator`
 and `python -m islands` and watches the coordinator over the public protocol,
 so it exercises exactly what a multi-site deployment runs.
 """
@@ -15,7 +15,6 @@ import os
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -23,12 +22,11 @@ from pathlib import Path
 
 import grpc
 
-from diloco.cli import ArgumentParser, add_config_flags, config_from_args, fail
 from diloco.config import RunConfig
 from diloco.data import entropy_floor
 from diloco.v1 import diloco_pb2 as pb
 from diloco.v1 import diloco_pb2_grpc as pb_grpc
-from diloco.wan import LinkSpec, WanLink, WanSpecError, parse_wan
+from islands.sim.wan import LinkSpec, WanLink
 
 log = logging.getLogger(__name__)
 
@@ -187,7 +185,7 @@ def run_sim(
 ) -> SimResult:
     """Runs the simulation to the end; raises if it fails or outlives timeout_s.
 
-    wan: one emulated link per island (see diloco.wan), or None for plain loopback.
+    wan: one emulated link per island (see islands.sim.wan), or None for plain loopback.
     """
     sim = Simulation(cfg, islands, workdir, threads, wan=wan)
     try:
@@ -278,91 +276,3 @@ def summarize(result: SimResult, cfg: RunConfig, echo=print) -> None:
              f"per island {', '.join(f'{u:.1%}' for u in util)}; waiting for results {waits} (for other islands {others})")
     matches = sum(1 for c in rep["islands"].values() if c == rep["checksum"])
     echo(f"islands holding the coordinator's global parameters: {matches}/{len(rep['islands'])} (checksum {rep['checksum'][:12]})")
-
-
-def build_parser() -> ArgumentParser:
-    parser = ArgumentParser(
-        prog="diloco-sim",
-        description="Simulate a multi-island DiLoCo run on one machine: a coordinator and N islands as processes over gRPC on 127.0.0.1.",
-    )
-    parser.add_argument("--islands", type=int, default=4, help="number of islands (default 4)")
-    add_config_flags(parser)
-    parser.add_argument("--rounds", type=int, help="override rounds.rounds")
-    parser.add_argument("--workdir", help="where logs, the resolved config and the report go (default: a temp dir)")
-    parser.add_argument("--threads", type=int, default=1, help="torch threads per process (default 1)")
-    parser.add_argument("--per-island", action="store_true", help="also print bytes up/down per island each round")
-    parser.add_argument(
-        "--wan", metavar="RATE:DELAY",
-        help="give each island its own emulated link to the coordinator, e.g. 100mbit:80ms "
-             "(rate in kbit/mbit/gbit per second, one-way delay in us/ms/s); "
-             "a comma-separated list gives one link per island",
-    )
-    parser.add_argument(
-        "--chaos", metavar="EVERY[:N]",
-        help="SIGKILL a random island after every EVERY rounds and restart it with --resume; with :N also "
-             "SIGKILL and restart the coordinator once after round N (checkpoints every round, in the workdir)",
-    )
-    parser.add_argument("--timeout", type=float, default=1800.0, help="give up after this many seconds (default 1800)")
-    return parser
-
-
-def _wan_text(wan: list[LinkSpec] | None) -> str:
-    if not wan:
-        return ""
-    if len({(s.bits_per_s, s.delay_s) for s in wan}) == 1:
-        return f", each island on its own emulated WAN link {wan[0]}"
-    return f", emulated WAN links per island {', '.join(str(s) for s in wan)}"
-
-
-def main(argv: list[str] | None = None) -> None:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    if args.islands < 1:
-        fail(parser.prog, "--islands must be at least 1")
-    if args.rounds is not None:
-        args.overrides.append(f"rounds.rounds={args.rounds}")
-    # Every island starts in round 0 and owns its own shard of the data.
-    args.overrides = [f"rounds.min_islands={args.islands}", f"data.shards={args.islands}"] + args.overrides
-    chaos_plan = None
-    if args.chaos is not None:
-        from diloco.chaos import parse_chaos  # chaos drives a Simulation: imported here, not at the top
-
-        try:
-            chaos_plan = parse_chaos(args.chaos)
-        except ValueError as e:
-            fail(parser.prog, f"--chaos: {e}")
-        if args.wan is not None:
-            fail(parser.prog, "--chaos and --wan do not combine yet; run one or the other")
-        args.overrides = ["checkpoint.every_rounds=1"] + args.overrides
-    cfg = config_from_args(parser.prog, args)
-    wan = None
-    if args.wan is not None:
-        try:
-            wan = parse_wan(args.wan, args.islands)
-        except WanSpecError as e:
-            fail(parser.prog, f"--wan: {e}")
-    logging.basicConfig(level=logging.WARNING)
-    workdir = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="diloco-sim-"))
-    s = cfg.streaming
-    streaming = (f", streaming: {s.fragments} fragments ({s.pattern}), tau={s.overlap}, alpha={s.alpha:g}"
-                 f"{', eager' if s.eager else ''}") if s.fragments > 1 or s.overlap or s.eager else ""
-    print(f"diloco-sim: {args.islands} islands, {cfg.rounds.rounds} rounds of H={cfg.inner.steps_per_round}, "
-          f"config {cfg.name!r}{streaming}{_wan_text(wan)} (logs in {workdir})", flush=True)
-    echo = lambda s: print(s, flush=True)  # noqa: E731
-    try:
-        if chaos_plan is not None:
-            from diloco.chaos import describe, run_chaos
-
-            result, chaos = run_chaos(cfg, args.islands, workdir, chaos_plan, args.timeout, echo, args.threads, args.per_island)
-            echo(describe(chaos))
-        else:
-            result = run_sim(cfg, args.islands, workdir, args.timeout, args.threads, echo=echo, per_island=args.per_island, wan=wan)
-    except (RuntimeError, TimeoutError, grpc.RpcError) as e:
-        fail(parser.prog, f"simulation failed: {e}")
-    except KeyboardInterrupt:
-        raise SystemExit(130)
-    summarize(result, cfg)
-
-
-if __name__ == "__main__":
-    main()

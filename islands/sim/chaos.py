@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from diloco.config import RunConfig
-from diloco.sim import RoundPrinter, SimResult, Simulation
+from islands.sim.simulation import RoundPrinter, SimResult, Simulation
 
 
 @dataclass

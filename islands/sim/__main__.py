@@ -1,0 +1,3 @@
+from islands.sim.cli import main
+
+main()
