@@ -35,7 +35,7 @@ from diloco.codec import Codec
 from diloco.config import RunConfig
 from diloco.outer import OuterOptimizer, PseudoGradientAccumulator
 from diloco.v1 import diloco_pb2 as pb
-from diloco.wire import ChunkCorrupt, ChunkError, Coverage, FlatRange, Manifest, decode_chunk, downlink_codec, tensor_chunks
+from diloco.wire import ChunkCorrupt, ChunkError, Coverage, FlatRange, Manifest, decode_chunk, downlink_codec, tensor_chunks, verify_chunk
 
 log = logging.getLogger(__name__)
 
@@ -117,10 +117,10 @@ class FragmentRounds:
             if existing is not None and existing.tokens != header.tokens:
                 raise Refused(Reason.BAD_REQUEST, f"tokens {header.tokens} differ from {existing.tokens} sent earlier for this round")
 
-    def _decode(self, chunk: pb.TensorChunk) -> torch.Tensor:
+    def _verify(self, chunk: pb.TensorChunk) -> bool:  # ChunkError when malformed; else whether it is finite
         if chunk.name not in self.manifest.shapes and (owner := self.ctx.fragment_of(chunk.name)) is not None:
             raise ChunkError(f"{chunk.name} belongs to fragment {owner}, not to fragment {self.index}")
-        return decode_chunk(chunk, self.manifest, self.codec)
+        return verify_chunk(chunk, self.manifest, self.codec)
 
     def receive(self, header: pb.PushHeader, chunks: Iterator[pb.TensorChunk]) -> pb.PushResponse:
         """Spools one push stream; the contribution is complete once every element arrived exactly once.
@@ -135,14 +135,14 @@ class FragmentRounds:
         try:
             for chunk in chunks:
                 try:
-                    values = self._decode(chunk)
+                    finite = self._verify(chunk)
                 except ChunkCorrupt as e:
                     self._attach(header, spool, ranges)
                     spool = None  # the contribution owns the chunks kept so far
                     raise Refused(Reason.CORRUPT_CHUNK, f"{e}; resend from chunk {len(ranges)}", resend_from_chunk=len(ranges)) from e
                 except ChunkError as e:
                     raise Refused(Reason.BAD_CHUNK, str(e)) from e
-                if not torch.isfinite(values).all():
+                if not finite:
                     self._drop_nonfinite(header, chunk)
                 spool.write(chunk)
                 ranges.append((chunk.name, chunk.offset, chunk.numel))
@@ -326,6 +326,7 @@ class FragmentRounds:
     def apply(self, closing: Closing) -> pb.RoundSummary:
         """Folds, takes the outer step, publishes the result and opens the next round; returns the round's summary."""
         summary = round_summary(self.round, self.index, closing.contributions, self.manifest.total_numel(), self.cfg)
+        self.publication.release_values()
         folded = self._fold(closing.contributions)
         # Step, publication and round change happen under the write lock, so no
         # reader ever sees new parameters under an old round number or the reverse.

@@ -10,14 +10,15 @@ feedback, carried into the next round's update.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Mapping
 
 import torch
 
-from diloco.codec import Codec
+from diloco.codec import Codec, get_codec
 from diloco.params import checksum
 from diloco.v1 import diloco_pb2 as pb
-from diloco.wire import Manifest, decode_chunk, encode_chunks
+from diloco.wire import Manifest, decode_chunk, encode_chunks, tensor_chunks
 
 
 class Publication:
@@ -32,10 +33,31 @@ class Publication:
         # The last round's update: it takes params with delta_base to params with checksum.
         self.delta_chunks: list[pb.TensorChunk] = []
         self.delta_base = ""
+        self._values: list[tuple[pb.ResultMessage, int]] | None = None
+        self._values_lock = threading.Lock()
+
+    def value_messages(self) -> list[tuple[pb.ResultMessage, int]]:
+        """The published parameters as fp32 value chunks in result messages, with their sizes on the wire.
+
+        Encoded once per round, on the first pull that wants values, and shared by
+        every island's pull after it: one copy of the model, however many islands.
+        Callers hold the parameters' read lock, so publish() cannot run meanwhile.
+        """
+        with self._values_lock:
+            if self._values is None:
+                chunks = tensor_chunks(self.params, get_codec("fp32"), self.chunk_bytes)
+                self._values = [(m, m.ByteSize()) for m in (pb.ResultMessage(chunk=c) for c in chunks)]
+            return self._values
+
+    def release_values(self) -> None:
+        """The round closed: drop the value messages before the outer step needs memory (pulls under way keep theirs)."""
+        with self._values_lock:
+            self._values = None
 
     @torch.no_grad()
     def publish(self) -> None:
         """Called after each outer step, under the parameters' write lock."""
+        self._values = None
         if self.lossless:
             self.delta_chunks, self.delta_base = [], ""
         else:
@@ -57,5 +79,5 @@ class Publication:
         if not self.lossless:
             for name, t in state.items():
                 self.params[name].copy_(t)
-        self.delta_chunks, self.delta_base = [], ""
+        self.delta_chunks, self.delta_base, self._values = [], "", None
         self.checksum = checksum(self.params)

@@ -13,11 +13,17 @@ import grpc
 from coordinator.records import Reason, Refused
 from coordinator.state import CoordinatorState
 from diloco.codec import get_codec
+from diloco.params import ranges_checksum
 from diloco.v1 import diloco_pb2 as pb
 from diloco.v1 import diloco_pb2_grpc as pb_grpc
-from diloco.params import ranges_checksum
 from diloco.wire import (
-    PROTOCOL_VERSION, ChunkError, FlatRange, framed_size, overlapping_chunks, range_values_chunks, ranges_from_proto,
+    PROTOCOL_VERSION,
+    ChunkError,
+    FlatRange,
+    framed_size,
+    overlapping_chunks,
+    range_values_chunks,
+    ranges_from_proto,
     tensor_chunks,
 )
 
@@ -112,14 +118,15 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
 
     @contextmanager
     def _reading(self, fragment: int | None, delta_from_round: int | None, want_mean: bool):
-        """(header, params, delta chunks or None, mean chunks) of the whole model or of one fragment."""
+        """(header, params, their value messages or None, delta chunks or None, mean chunks) of the whole
+        model or of one fragment."""
         if fragment is None:
             with self.state.reading() as header:
-                yield header, self.state.params, None, []
+                yield header, self.state.params, None, None, []
         else:
             f = self.state.fragment(fragment)
             with f.reading(delta_from_round, want_mean) as (header, delta, mean):
-                yield header, f.publication.params, delta, mean
+                yield header, f.publication.params, f.publication.value_messages, delta, mean
 
     def _result(
         self, island_id: str, delta_from_round: int | None, ranges: list[FlatRange] | None = None,
@@ -134,7 +141,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         """
         fp32 = get_codec("fp32")
         chunk_bytes = self.state.cfg.wire.chunk_bytes
-        with self._reading(fragment, delta_from_round, want_mean) as (header, params, delta, mean):
+        with self._reading(fragment, delta_from_round, want_mean) as (header, params, values, delta, mean):
             header.held_s = held_s
             if ranges is not None:
                 header.ranges_checksum = ranges_checksum(
@@ -144,13 +151,17 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             message = pb.ResultMessage(header=header)
             sent += message.ByteSize()
             yield message
-            if delta is not None:
-                chunks = delta if ranges is None else overlapping_chunks(delta, ranges)
+            if delta is None and ranges is None and values is not None:
+                messages = iter(values())  # encoded once a round, whoever pulls
             else:
-                chunks = tensor_chunks(params, fp32, chunk_bytes) if ranges is None else range_values_chunks(params, ranges, fp32, chunk_bytes)
-            for chunk in chunks:
-                sent += framed_size(chunk)
-                yield pb.ResultMessage(chunk=chunk)
+                if delta is not None:
+                    chunks = delta if ranges is None else overlapping_chunks(delta, ranges)
+                else:
+                    chunks = tensor_chunks(params, fp32, chunk_bytes) if ranges is None else range_values_chunks(params, ranges, fp32, chunk_bytes)
+                messages = ((pb.ResultMessage(chunk=c), framed_size(c)) for c in chunks)
+            for message, size in messages:
+                sent += size
+                yield message
             for chunk in mean if ranges is None else overlapping_chunks(mean, ranges):
                 sent += framed_size(chunk)
                 yield pb.ResultMessage(mean_chunk=chunk)

@@ -32,6 +32,11 @@ def _absmax_bits(bits):  # pragma: no cover - compiled
     return m
 
 
+def _all_finite(bits: np.ndarray) -> bool:
+    """Whether the float32 values whose bits these are (uint32) are all finite: one pass, no copy."""
+    return bits.size == 0 or bool(_absmax_bits(bits) < _NONFINITE)
+
+
 @numba.njit(cache=True, nogil=True)
 def _int8_encode(x, block, scales, q):  # pragma: no cover - compiled
     xu = x.view(np.uint32)

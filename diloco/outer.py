@@ -31,6 +31,7 @@ class PseudoGradientAccumulator:
         self.reference_tokens: int | None = None
         self.total_tokens = 0
         self.contributions = 0
+        self._divided = False
 
     def scale_for(self, tokens: int) -> float:
         if tokens <= 0:
@@ -44,6 +45,8 @@ class PseudoGradientAccumulator:
 
     def commit(self, tokens: int) -> None:
         """Counts a contribution whose chunks have all been added with scale_for(tokens)."""
+        if self._divided:
+            raise RuntimeError("the accumulator holds a mean; reset() it before adding the next round")
         if self.reference_tokens is None:
             self.reference_tokens = tokens
         self.total_tokens += tokens
@@ -57,13 +60,19 @@ class PseudoGradientAccumulator:
         self.commit(tokens)
 
     def mean(self) -> dict[str, torch.Tensor]:
-        """The token-weighted mean; views into the accumulator when no division is needed."""
+        """The token-weighted mean, divided in place: the accumulator holds it until reset().
+
+        In place, so a round costs no second model-sized buffer whatever the number
+        of islands (the same division, so the same bits, as t / divisor).
+        """
         if not self.contributions:
             raise RuntimeError("no contribution to average")
         divisor = self.total_tokens / self.reference_tokens
-        if divisor == 1.0:
-            return self.sums
-        return {name: t / divisor for name, t in self.sums.items()}
+        if divisor != 1.0 and not self._divided:
+            for t in self.sums.values():
+                t.div_(divisor)
+        self._divided = True
+        return self.sums
 
 
 class OuterOptimizer:

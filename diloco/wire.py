@@ -137,15 +137,34 @@ def check_chunk(chunk: pb.TensorChunk, manifest: Manifest) -> None:
         )
 
 
+def _checked_payload(chunk: pb.TensorChunk, manifest: Manifest) -> bytes:
+    check_chunk(chunk, manifest)
+    payload = chunk.payload
+    if zlib.crc32(payload) != chunk.crc32:
+        raise ChunkCorrupt(f"{chunk.name}@{chunk.offset}: payload checksum mismatch")
+    return payload
+
+
+def verify_chunk(chunk: pb.TensorChunk, manifest: Manifest, codec: Codec) -> bool:
+    """Checks address, checksum and payload size as decode_chunk does; returns whether its values are finite.
+
+    What the coordinator does with a push as it arrives: the values are decoded
+    once, when the round closes, not twice.
+    """
+    payload = _checked_payload(chunk, manifest)
+    try:
+        return codec.finite(payload, chunk.numel)
+    except ValueError as e:
+        raise ChunkError(f"{chunk.name}@{chunk.offset}: {e}") from e
+
+
 def decode_chunk(chunk: pb.TensorChunk, manifest: Manifest, codec: Codec, out: torch.Tensor | None = None) -> torch.Tensor:
     """Checks address and checksum, then decodes to a flat fp32 tensor (into out, when given)."""
-    check_chunk(chunk, manifest)
-    if zlib.crc32(chunk.payload) != chunk.crc32:
-        raise ChunkCorrupt(f"{chunk.name}@{chunk.offset}: payload checksum mismatch")
+    payload = _checked_payload(chunk, manifest)
     try:
         if out is None:
-            return codec.decode(chunk.payload, chunk.numel)
-        codec.decode_into(chunk.payload, out)
+            return codec.decode(payload, chunk.numel)
+        codec.decode_into(payload, out)
         return out
     except ValueError as e:
         raise ChunkError(f"{chunk.name}@{chunk.offset}: {e}") from e

@@ -89,6 +89,21 @@ def test_non_finite_input_decodes_non_finite(name):
         x = _x(300)
         x[77] = bad
         assert not torch.isfinite(codec.decode(codec.encode(x), 300)).all(), (name, bad)
+        assert codec.finite(codec.encode(x), 300) is False, (name, bad)
+    assert codec.finite(codec.encode(_x(300)), 300) is True
+    with pytest.raises(ValueError):
+        codec.finite(codec.encode(_x(300))[:-3], 300)
+
+
+def test_int8_finite_sees_a_scale_whose_largest_code_overflows():
+    import numpy as np
+
+    codec = get_codec("int8", block_size=64)
+    payload = bytearray(codec.encode(_x(128)))
+    payload[4:8] = np.float32(3.0e38 / 64).tobytes()  # finite scale, but code -128 times it is not
+    assert torch.isfinite(torch.tensor(np.frombuffer(bytes(payload[:8]), "<f4"))).all()
+    assert not torch.isfinite(codec.decode(bytes(payload), 128)).all()
+    assert codec.finite(bytes(payload), 128) is False
 
 
 @pytest.mark.parametrize("name", ALL)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from conftest import random_like, tiny_config
@@ -95,3 +96,22 @@ def test_accumulator_weights_by_tokens_and_resets():
     torch.testing.assert_close(acc.mean()["w"], torch.full((4,), 1.75))
     acc.reset()
     assert acc.contributions == 0 and float(acc.sums["w"].abs().sum()) == 0.0
+
+
+def test_accumulator_mean_is_divided_in_place_to_the_same_bits():
+    pgs = [random_like({"w": (64, 33)}, seed=s) for s in (1, 2, 3)]
+    tokens = (1000, 1700, 900)
+    acc = PseudoGradientAccumulator({"w": (64, 33)})
+    for t, pg in zip(tokens, pgs):
+        acc.add(t, pg)
+    expected = acc.sums["w"] / (sum(tokens) / tokens[0])  # what a separate buffer would hold
+    sums = acc.sums["w"]
+    mean = acc.mean()["w"]
+    assert mean.data_ptr() == sums.data_ptr()  # no second model-sized buffer
+    assert torch.equal(mean, expected)
+    assert torch.equal(acc.mean()["w"], expected)  # asking again does not divide again
+    with pytest.raises(RuntimeError, match="reset"):
+        acc.add(5, pgs[0])
+    acc.reset()
+    acc.add(5, pgs[0])
+    assert torch.equal(acc.mean()["w"], pgs[0]["w"])
