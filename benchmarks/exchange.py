@@ -49,6 +49,7 @@ from diloco.v1 import diloco_pb2 as pb  # noqa: E402
 from diloco.wire import FlatRange, Manifest, downlink_codec, tensor_chunks, uplink_codec  # noqa: E402
 from islands.client import CoordinatorClient  # noqa: E402
 from islands.exchange import Exchange, FragmentShard, Wire, pg_chunks, pull, push  # noqa: E402
+from islands.sim.wan import LinkSpec, WanLink, WanSpecError, parse_link  # noqa: E402
 
 PROG = "exchange"
 # name -> (vocab_size, d_model, n_layers, d_ff); parameters counted from the model the coordinator builds
@@ -129,6 +130,12 @@ class Island:
         return self.client.bytes_sent - sent, self.client.bytes_received - received
 
 
+def addresses(port: int, islands: int, link: LinkSpec | None) -> tuple[list[str], list[WanLink]]:
+    """Where each island connects: the server, or an emulated WAN link of its own in front of it."""
+    links = [WanLink(("127.0.0.1", port), link).start() for _ in range(islands)] if link else []
+    return ([lk.address for lk in links] if links else [f"127.0.0.1:{port}"] * islands), links
+
+
 def timed(workers: list, work) -> float:
     """Runs work(worker) on one thread per worker, started together; seconds until the last one is done."""
     start = threading.Barrier(len(workers) + 1)
@@ -153,14 +160,15 @@ def timed(workers: list, work) -> float:
     return time.perf_counter() - t0
 
 
-def measure_exchange(cfg: RunConfig, islands: int, repeat: int, workdir: Path) -> dict:
+def measure_exchange(cfg: RunConfig, islands: int, repeat: int, workdir: Path, link: LinkSpec | None) -> dict:
     (workdir / "run.toml").write_text(cfg.to_toml())
     proc, port = spawn(["-m", "coordinator", "serve", "--config", str(workdir / "run.toml"), "--host", "127.0.0.1",
                         "--port", "0", "--log-level", "warning", "--linger", "0"], workdir, "coordinator")
+    where, links = addresses(port, islands, link)
     try:
         base_rss = peak_rss(proc.pid)
-        first = Island(f"127.0.0.1:{port}", cfg, None)
-        members = [first] + [Island(f"127.0.0.1:{port}", cfg, first.pg) for _ in range(islands - 1)]
+        first = Island(where[0], cfg, None)
+        members = [first] + [Island(a, cfg, first.pg) for a in where[1:]]
         traffic: dict[int, tuple[int, int]] = {}
         seconds = []
         for round_ in range(repeat + 1):
@@ -179,6 +187,8 @@ def measure_exchange(cfg: RunConfig, islands: int, repeat: int, workdir: Path) -
         return {"seconds": statistics.median(seconds), "all_seconds": seconds, "bytes_up": up, "bytes_down": down,
                 "peak_rss": peak, "rss_after_start": base_rss, "_first": first}
     finally:
+        for lk in links:
+            lk.stop()
         stop(proc)
 
 
@@ -218,9 +228,10 @@ def bare_server(port_file: str) -> None:
 
 
 def measure_bare(pushed: list[pb.PushMessage], pulled: list[pb.ResultMessage], islands: int, repeat: int,
-                 workdir: Path) -> dict:
+                 workdir: Path, link: LinkSpec | None) -> dict:
     proc, port = spawn([__file__, "--bare-server"], workdir, "bare")
-    channels = [grpc.insecure_channel(f"127.0.0.1:{port}") for _ in range(islands)]
+    where, links = addresses(port, islands, link)
+    channels = [grpc.insecure_channel(a) for a in where]
     spec = [pulled[0].ByteSize()] + [m.ByteSize() for m in pulled[1:]]
     chunk_spec = json.dumps([(m.chunk.name, m.chunk.offset, m.chunk.numel, len(m.chunk.payload), m.chunk.crc32) for m in pulled[1:]])
     raw_pushed = [m.SerializeToString() for m in pushed]
@@ -245,6 +256,8 @@ def measure_bare(pushed: list[pb.PushMessage], pulled: list[pb.ResultMessage], i
     finally:
         for c in channels:
             c.close()
+        for lk in links:
+            lk.stop()
         stop(proc)
 
 
@@ -259,21 +272,21 @@ def messages_of(first: Island, cfg: RunConfig) -> tuple[list[pb.PushMessage], li
     return pushed, pulled
 
 
-def one(size: str, codec: str, islands: int, repeat: int) -> dict:
+def one(size: str, codec: str, islands: int, repeat: int, link: LinkSpec | None = None) -> dict:
     cfg = run_config(size, codec, islands, repeat + 2)  # the run never finishes under the islands: we stop it
     tmp = Path(tempfile.mkdtemp(prefix="diloco-exchange-"))
     try:
-        ex = measure_exchange(cfg, islands, repeat, tmp)
+        ex = measure_exchange(cfg, islands, repeat, tmp, link)
         first = ex.pop("_first")
         pushed, pulled = messages_of(first, cfg)
-        bare = measure_bare(pushed, pulled, islands, repeat, tmp)
+        bare = measure_bare(pushed, pulled, islands, repeat, tmp, link)
     except BaseException:
         print(f"{PROG}: {size} {codec} x{islands} failed; logs kept in {tmp}", file=sys.stderr)
         raise
     shutil.rmtree(tmp)
     params = first.manifest.total_numel()
     return {
-        "size": size, "parameters": params, "codec": codec, "islands": islands, "exchange_s": ex["seconds"],
+        "size": size, "link": str(link) if link else "loopback", "parameters": params, "codec": codec, "islands": islands, "exchange_s": ex["seconds"],
         "exchange_all_s": ex["all_seconds"], "bare_s": bare["messages_s"], "bare_all_s": bare["messages_all_s"],
         "raw_s": bare["raw_s"], "raw_all_s": bare["raw_all_s"], "ratio": ex["seconds"] / bare["messages_s"],
         "bytes_up_per_island": ex["bytes_up"], "bytes_down_per_island": ex["bytes_down"],
@@ -289,6 +302,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--islands", default="1,2,4,8", help="numbers of islands (default 1,2,4,8)")
     parser.add_argument("--codecs", default="fp32,int8,e3m0", help="uplink codecs (the downlink uses the same; default fp32,int8,e3m0)")
     parser.add_argument("--repeat", type=int, default=3, help="measured exchanges per point, after one warm-up (default 3)")
+    parser.add_argument("--wan", metavar="RATE:DELAY", help="each island behind an emulated WAN link of its own, e.g. 1gbit:25ms "
+                        "(islands.sim.wan; the bare transfer too); default: plain loopback")
     parser.add_argument("--json", metavar="PATH", help="also write every figure here")
     parser.add_argument("--bare-server", metavar="PORT_FILE", nargs="?", const="", help=argparse_hidden())
     parser.add_argument("--port-file", help=argparse_hidden())
@@ -304,13 +319,20 @@ def main(argv: list[str] | None = None) -> None:
         fail(PROG, f"--islands: expected numbers such as 1,2,4,8, got {args.islands!r}")
     if any(n < 1 for n in counts) or args.repeat < 1:
         fail(PROG, "--islands and --repeat must be at least 1")
+    link = None
+    if args.wan:
+        try:
+            link = parse_link(args.wan)
+        except WanSpecError as e:
+            fail(PROG, f"--wan: {e}")
     codecs = args.codecs.split(",")
     for c in codecs:
         try:
             uplink_codec(load_config(None, [f"wire.codec={c}"]).wire)
         except Exception as e:  # ConfigError or ValueError, with the codecs there are
             fail(PROG, f"--codecs: {e}")
-    print(f"{PROG}: one exchange vs a bare gRPC transfer of the same bytes; {os.cpu_count()} cores, loopback, "
+    print(f"{PROG}: one exchange vs a bare gRPC transfer of the same bytes; {os.cpu_count()} cores, "
+          f"{'each island on an emulated link ' + str(link) if link else 'loopback'}, "
           f"median of {args.repeat} after a warm-up", flush=True)
     print("| parameters | codec | islands | exchange | gRPC, same messages | ratio | gRPC, raw bytes | per island up / down "
           "| coordinator peak RSS (model fp32) |")
@@ -319,7 +341,7 @@ def main(argv: list[str] | None = None) -> None:
     for size in sizes:
         for codec in codecs:
             for n in counts:
-                r = one(size, codec, n, args.repeat)
+                r = one(size, codec, n, args.repeat, link)
                 rows.append(r)
                 print(f"| {r['parameters'] / 1e6:.1f}M | {codec} | {n} | {r['exchange_s']:.3f} s | {r['bare_s']:.3f} s | "
                       f"{r['ratio']:.2f}x | {r['raw_s']:.3f} s | {r['bytes_up_per_island'] / 1e6:.1f} / {r['bytes_down_per_island'] / 1e6:.1f} MB | "

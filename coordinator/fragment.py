@@ -35,7 +35,7 @@ from diloco.codec import Codec
 from diloco.config import RunConfig
 from diloco.outer import OuterOptimizer, PseudoGradientAccumulator
 from diloco.v1 import diloco_pb2 as pb
-from diloco.wire import ChunkCorrupt, ChunkError, Coverage, FlatRange, Manifest, decode_chunk, downlink_codec, tensor_chunks, verify_chunk
+from diloco.wire import ChunkCorrupt, ChunkError, Coverage, FlatRange, Manifest, downlink_codec, tensor_chunks, verify_chunk
 
 log = logging.getLogger(__name__)
 
@@ -117,10 +117,10 @@ class FragmentRounds:
             if existing is not None and existing.tokens != header.tokens:
                 raise Refused(Reason.BAD_REQUEST, f"tokens {header.tokens} differ from {existing.tokens} sent earlier for this round")
 
-    def _verify(self, chunk: pb.TensorChunk) -> bool:  # ChunkError when malformed; else whether it is finite
+    def _verify(self, chunk: pb.TensorChunk, payload: bytes) -> bool:  # ChunkError when malformed; else whether it is finite
         if chunk.name not in self.manifest.shapes and (owner := self.ctx.fragment_of(chunk.name)) is not None:
             raise ChunkError(f"{chunk.name} belongs to fragment {owner}, not to fragment {self.index}")
-        return verify_chunk(chunk, self.manifest, self.codec)
+        return verify_chunk(chunk, self.manifest, self.codec, payload)
 
     def receive(self, header: pb.PushHeader, chunks: Iterator[pb.TensorChunk]) -> pb.PushResponse:
         """Spools one push stream; the contribution is complete once every element arrived exactly once.
@@ -134,8 +134,9 @@ class FragmentRounds:
         ranges: list[tuple[str, int, int]] = []
         try:
             for chunk in chunks:
+                payload = chunk.payload
                 try:
-                    finite = self._verify(chunk)
+                    finite = self._verify(chunk, payload)
                 except ChunkCorrupt as e:
                     self._attach(header, spool, ranges)
                     spool = None  # the contribution owns the chunks kept so far
@@ -144,7 +145,7 @@ class FragmentRounds:
                     raise Refused(Reason.BAD_CHUNK, str(e)) from e
                 if not finite:
                     self._drop_nonfinite(header, chunk)
-                spool.write(chunk)
+                spool.write(chunk.name, chunk.offset, chunk.numel, chunk.crc32, payload)
                 ranges.append((chunk.name, chunk.offset, chunk.numel))
                 self._count(header.round, header.island_id, up=chunk.ByteSize())
             return self._attach(header, spool, ranges)
@@ -164,10 +165,8 @@ class FragmentRounds:
             "%s pushed a pseudo-gradient with NaN/Inf in %s (elements %d..%d); dropped from %sround %d",
             header.island_id, chunk.name, chunk.offset, chunk.offset + chunk.numel, self.label, header.round,
         )
-        raise Refused(
-            Reason.NOT_FINITE,
-            f"pseudo-gradient is not finite in {chunk.name}; dropped from {self.label}round {header.round}: resync and go on",
-        )
+        raise Refused(Reason.NOT_FINITE, f"pseudo-gradient is not finite in {chunk.name}; dropped from {self.label}round {header.round}: "
+                      "resync and go on")
 
     def _attach(self, header: pb.PushHeader, spool: Spool, ranges: list[tuple[str, int, int]]) -> pb.PushResponse:
         spool.close()
@@ -312,8 +311,8 @@ class FragmentRounds:
             scale = self.accumulator.scale_for(contribution.tokens)
             elements = 0
             for spool in contribution.spools:
-                for chunk in spool.read():
-                    values = decode_chunk(chunk, self.manifest, self.codec)
+                for chunk in spool.read():  # verified on arrival; the spool checks its own CRCs
+                    values = self.codec.decode(chunk.payload, chunk.numel)
                     self.accumulator.add_chunk(chunk.name, chunk.offset, values, scale)
                     elements += chunk.numel
                 spool.discard()

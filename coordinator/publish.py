@@ -11,7 +11,7 @@ feedback, carried into the next round's update.
 from __future__ import annotations
 
 import threading
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 
 import torch
 
@@ -19,6 +19,25 @@ from diloco.codec import Codec, get_codec
 from diloco.params import checksum
 from diloco.v1 import diloco_pb2 as pb
 from diloco.wire import Manifest, decode_chunk, encode_chunks, tensor_chunks
+
+
+class SharedStream:
+    """A sequence made once, on demand: whichever reader reaches the next item first makes it for all."""
+
+    def __init__(self, source: Iterator):
+        self._source, self._items, self._lock = source, [], threading.Lock()
+
+    def __iter__(self) -> Iterator:
+        i = 0
+        while True:
+            if i >= len(self._items):
+                with self._lock:
+                    if i >= len(self._items) and (item := next(self._source, None)) is not None:
+                        self._items.append(item)
+                if i >= len(self._items):
+                    return
+            yield self._items[i]
+            i += 1
 
 
 class Publication:
@@ -33,20 +52,21 @@ class Publication:
         # The last round's update: it takes params with delta_base to params with checksum.
         self.delta_chunks: list[pb.TensorChunk] = []
         self.delta_base = ""
-        self._values: list[tuple[pb.ResultMessage, int]] | None = None
+        self._values: SharedStream | None = None
         self._values_lock = threading.Lock()
 
-    def value_messages(self) -> list[tuple[pb.ResultMessage, int]]:
-        """The published parameters as fp32 value chunks in result messages, with their sizes on the wire.
+    def value_messages(self) -> SharedStream:
+        """The published parameters as serialized fp32 value messages (ResultMessage), with their sizes.
 
-        Encoded once per round, on the first pull that wants values, and shared by
-        every island's pull after it: one copy of the model, however many islands.
+        Serialized once a round, chunk by chunk as the first pull streams them, and
+        shared by every pull after it: one copy of the model however many islands,
+        and no island waits for the whole model to be encoded before its first byte.
         Callers hold the parameters' read lock, so publish() cannot run meanwhile.
         """
         with self._values_lock:
             if self._values is None:
                 chunks = tensor_chunks(self.params, get_codec("fp32"), self.chunk_bytes)
-                self._values = [(m, m.ByteSize()) for m in (pb.ResultMessage(chunk=c) for c in chunks)]
+                self._values = SharedStream((b, len(b)) for b in (pb.ResultMessage(chunk=c).SerializeToString() for c in chunks))
             return self._values
 
     def release_values(self) -> None:

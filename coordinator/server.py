@@ -18,7 +18,7 @@ import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from coordinator import durable
-from coordinator.service import CoordinatorService
+from coordinator.service import CoordinatorService, add_to_server
 from coordinator.state import CoordinatorState
 from diloco.checkpoint import CheckpointStore
 from diloco.config import RunConfig
@@ -26,7 +26,6 @@ from diloco.data import eval_batches
 from diloco.inner import evaluate
 from diloco.model import Transformer
 from diloco.params import fp32_copy
-from diloco.v1 import diloco_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
 
@@ -137,7 +136,7 @@ def start_coordinator(
     stop = threading.Event()
     # Every island holds a thread while it waits for a round to close.
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=2 * cfg.rounds.max_islands + 16))
-    pb_grpc.add_CoordinatorServicer_to_server(CoordinatorService(state, stop), server)
+    add_to_server(CoordinatorService(state, stop), server)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     bound = server.add_insecure_port(f"{host}:{port}")

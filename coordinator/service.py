@@ -152,7 +152,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             sent += message.ByteSize()
             yield message
             if delta is None and ranges is None and values is not None:
-                messages = iter(values())  # encoded once a round, whoever pulls
+                messages = iter(values())  # serialized once a round, whoever pulls (see add_to_server)
             else:
                 if delta is not None:
                     chunks = delta if ranges is None else overlapping_chunks(delta, ranges)
@@ -211,3 +211,26 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
 
     def WatchRounds(self, request: pb.WatchRequest, context) -> Iterator[pb.RoundSummary]:
         yield from self.state.watch(request.from_round, self.stop)
+
+
+def _serialize(message: pb.ResultMessage | bytes) -> bytes:
+    return message if isinstance(message, bytes) else message.SerializeToString()
+
+
+def add_to_server(service: CoordinatorService, server: grpc.Server) -> None:
+    """The generated registration, except that result streams also take messages serialized already."""
+
+    class Capture:
+        def add_generic_rpc_handlers(self, handlers) -> None:
+            pass
+
+        def add_registered_method_handlers(self, name: str, handlers: dict) -> None:
+            self.name, self.handlers = name, handlers
+
+    capture = Capture()
+    pb_grpc.add_CoordinatorServicer_to_server(service, capture)
+    handlers = dict(capture.handlers)
+    for method in ("FetchParameters", "PullRoundResult"):
+        handlers[method] = handlers[method]._replace(response_serializer=_serialize)
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(capture.name, handlers),))
+    server.add_registered_method_handlers(capture.name, handlers)

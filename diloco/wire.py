@@ -137,21 +137,22 @@ def check_chunk(chunk: pb.TensorChunk, manifest: Manifest) -> None:
         )
 
 
-def _checked_payload(chunk: pb.TensorChunk, manifest: Manifest) -> bytes:
+def _checked_payload(chunk: pb.TensorChunk, manifest: Manifest, payload: bytes | None = None) -> bytes:
     check_chunk(chunk, manifest)
-    payload = chunk.payload
+    payload = chunk.payload if payload is None else payload
     if zlib.crc32(payload) != chunk.crc32:
         raise ChunkCorrupt(f"{chunk.name}@{chunk.offset}: payload checksum mismatch")
     return payload
 
 
-def verify_chunk(chunk: pb.TensorChunk, manifest: Manifest, codec: Codec) -> bool:
+def verify_chunk(chunk: pb.TensorChunk, manifest: Manifest, codec: Codec, payload: bytes | None = None) -> bool:
     """Checks address, checksum and payload size as decode_chunk does; returns whether its values are finite.
 
     What the coordinator does with a push as it arrives: the values are decoded
-    once, when the round closes, not twice.
+    once, when the round closes, not twice. Pass the payload when the caller
+    holds it already (reading chunk.payload copies it).
     """
-    payload = _checked_payload(chunk, manifest)
+    payload = _checked_payload(chunk, manifest, payload)
     try:
         return codec.finite(payload, chunk.numel)
     except ValueError as e:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -27,3 +28,37 @@ def test_convergence_refuses_a_bad_codec_spec(spec, message):
     assert run.returncode != 0
     last = run.stderr.strip().splitlines()[-1]
     assert last.startswith(f"convergence: error: --codecs {spec}: ") and message in last, run.stderr[-500:]
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--sizes", "5m"], "--sizes: unknown size '5m'; choose from 1m, 25m, 125m, 350m"),
+        (["--islands", "two"], "--islands: expected numbers such as 1,2,4,8"),
+        (["--codecs", "int9"], "--codecs: unknown codec 'int9'"),
+        (["--wan", "fast"], "--wan: bad link 'fast'"),
+    ],
+)
+def test_exchange_benchmark_refuses_bad_input_in_one_line(args, message):
+    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "exchange.py"), *args],
+                         capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert run.returncode == 2
+    lines = run.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("exchange: error: ") and message in lines[0], run.stderr[-500:]
+
+
+def test_exchange_benchmark_moves_the_same_bytes_as_its_bare_transfer(tmp_path):
+    """The smallest point, end to end: islands end on the coordinator's parameters, and the bare
+    transfer it is compared with moves the bytes the exchange moved (up to the push header)."""
+    out = tmp_path / "exchange.json"
+    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "exchange.py"), "--sizes", "1m", "--islands", "2",
+                          "--codecs", "int8", "--repeat", "1", "--json", str(out)],
+                         capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert run.returncode == 0, run.stderr[-2000:]
+    (row,) = json.loads(out.read_text())
+    assert (row["islands"], row["codec"]) == (2, "int8") and 0.9e6 < row["parameters"] < 1.1e6
+    for direction in ("up", "down"):
+        exchanged, bare = row[f"bytes_{direction}_per_island"], row[f"bare_bytes_{direction}_per_island"]
+        assert abs(exchanged - bare) <= 0.01 * bare, (direction, exchanged, bare)
+    assert row["exchange_s"] > 0 and row["bare_s"] > 0 and row["coordinator_peak_rss"] > 0
+    assert "| 1.0M | int8 | 2 |" in run.stdout

@@ -9,13 +9,17 @@ which pushes may arrive.
 from __future__ import annotations
 
 import itertools
+import threading
+import zlib
 
 import pytest
 import torch
 
 from conftest import random_like, tiny_config
+from coordinator.publish import SharedStream
 from coordinator.records import Refused
 from coordinator.server import initial_parameters
+from coordinator.spool import Spool, SpoolCorrupt
 from coordinator.state import CoordinatorState
 from diloco.refusal import Reason
 from diloco.v1 import diloco_pb2 as pb
@@ -177,3 +181,53 @@ def test_a_pull_for_ranges_the_coordinator_lacks_asks_for_them_again(tmp_path):
     assert r_reason(lambda: state.wait_for_result(a, 0, timeout_s=0, ranges=mine)) == Reason.STILL_OPEN
     assert r_reason(lambda: state.wait_for_result(a, 0, timeout_s=0, ranges=theirs)) == Reason.PUSH_AGAIN
     assert r_reason(lambda: state.wait_for_result(a, 0, timeout_s=0)) == Reason.PUSH_AGAIN
+
+
+def test_spool_reads_back_what_was_written_and_refuses_a_damaged_file(tmp_path):
+    spool = Spool(tmp_path)
+    records = [("blocks.0.w", 0, 3, b"\x01\x02\x03\x04" * 3), ("embed", 4096, 1, b"\xff\x00\x7f\x80")]
+    for name, offset, numel, payload in records:
+        spool.write(name, offset, numel, zlib.crc32(payload), payload)
+    assert [(c.name, c.offset, c.numel, c.payload) for c in spool.read()] == records
+    data = bytearray(spool.path.read_bytes())
+    data[-1] ^= 0xFF
+    spool.path.write_bytes(bytes(data))
+    with pytest.raises(SpoolCorrupt, match="embed@4096"):
+        list(spool.read())
+    spool.discard()
+    assert not spool.path.exists()
+
+
+def test_shared_stream_makes_each_item_once_for_every_reader():
+    made = []
+
+    def source():
+        for i in range(200):
+            made.append(i)
+            yield i
+
+    stream = SharedStream(source())
+    seen: list[list[int]] = [[] for _ in range(6)]
+    threads = [threading.Thread(target=lambda out=out: out.extend(stream)) for out in seen]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert all(out == list(range(200)) for out in seen)
+    assert made == list(range(200))  # each item made once, in order
+    assert list(stream) == list(range(200))  # a late reader replays it
+
+
+def test_pulls_share_one_serialization_of_the_values_per_round(tmp_path):
+    state = make_state(tmp_path, "rounds.min_islands=1")
+    publication = state.fragments[0].publication
+    first = publication.value_messages()
+    assert publication.value_messages() is first
+    values = {}
+    for blob, size in first:
+        message = pb.ResultMessage.FromString(blob)
+        assert size == len(blob) == message.ByteSize()
+        values[message.chunk.name, message.chunk.offset] = message.chunk
+    assert sum(c.numel for c in values.values()) == state.manifest.total_numel()
+    publication.release_values()
+    assert publication.value_messages() is not first
