@@ -17,14 +17,17 @@ exactly the serialized chunk messages the exchange sends, wait for each other
 (as a pull waits for the round to close), and receive messages of the sizes
 the coordinator sends. Nothing is encoded, decoded, stored or summed.
 
-Both run on the same machine over loopback; each figure is the median of
---repeat exchanges after one warm-up. Peak memory is the coordinator's VmHWM.
+Both run on the same machine, over loopback or (--wan) each island behind an
+emulated link of its own; each figure is the median of --repeat exchanges
+after one warm-up. Peak memory is the coordinator's VmHWM. README: "What a
+round costs".
 
     python benchmarks/exchange.py --sizes 1m,25m,125m,350m --islands 1,2,4,8 --codecs fp32,int8,e3m0
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import shutil
@@ -46,7 +49,7 @@ import torch  # noqa: E402
 from diloco.cli import ArgumentParser, fail  # noqa: E402
 from diloco.config import RunConfig, load_config  # noqa: E402
 from diloco.v1 import diloco_pb2 as pb  # noqa: E402
-from diloco.wire import FlatRange, Manifest, downlink_codec, tensor_chunks, uplink_codec  # noqa: E402
+from diloco.wire import FlatRange, Manifest, downlink_codec, push_messages, tensor_chunks, uplink_codec  # noqa: E402
 from islands.client import CoordinatorClient  # noqa: E402
 from islands.exchange import Exchange, FragmentShard, Wire, pg_chunks, pull, push  # noqa: E402
 from islands.sim.wan import LinkSpec, WanLink, WanSpecError, parse_link  # noqa: E402
@@ -264,8 +267,8 @@ def measure_bare(pushed: list[pb.PushMessage], pulled: list[pb.ResultMessage], i
 def messages_of(first: Island, cfg: RunConfig) -> tuple[list[pb.PushMessage], list[pb.ResultMessage]]:
     """The messages one island pushes, and messages like those the coordinator sends back (header first)."""
     ex = Exchange(0, 0, 0, 0, first.tokens, 1, 1.0, first.checksum, pusher=True, pg=first.pg)
-    pushed = [pb.PushMessage(header=pb.PushHeader(island_id=first.id, tokens=first.tokens, codec=first.wire.codec.name))]
-    pushed += [pb.PushMessage(chunk=c) for c in pg_chunks(first.shard, ex, first.wire)]
+    header = pb.PushHeader(island_id=first.id, tokens=first.tokens, codec=first.wire.codec.name)
+    pushed = list(push_messages(header, pg_chunks(first.shard, ex, first.wire)))
     codec = downlink_codec(cfg.wire)  # fp32: the values; a lossy codec: the update
     pulled = [pb.ResultMessage(header=pb.ResultHeader(round=1, checksum="0" * 32, codec=codec.name))]
     pulled += [pb.ResultMessage(chunk=c) for c in tensor_chunks(first.pg, codec, cfg.wire.chunk_bytes)]
@@ -305,8 +308,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--wan", metavar="RATE:DELAY", help="each island behind an emulated WAN link of its own, e.g. 1gbit:25ms "
                         "(islands.sim.wan; the bare transfer too); default: plain loopback")
     parser.add_argument("--json", metavar="PATH", help="also write every figure here")
-    parser.add_argument("--bare-server", metavar="PORT_FILE", nargs="?", const="", help=argparse_hidden())
-    parser.add_argument("--port-file", help=argparse_hidden())
+    parser.add_argument("--bare-server", metavar="PORT_FILE", nargs="?", const="", help=argparse.SUPPRESS)
+    parser.add_argument("--port-file", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.bare_server is not None:
         return bare_server(args.port_file)
@@ -348,12 +351,6 @@ def main(argv: list[str] | None = None) -> None:
                       f"{r['coordinator_peak_rss'] / 2**20:.0f} MiB ({r['model_fp32_bytes'] / 2**20:.0f} MiB) |", flush=True)
                 if args.json:
                     Path(args.json).write_text(json.dumps(rows, indent=1))
-
-
-def argparse_hidden() -> str:
-    import argparse
-
-    return argparse.SUPPRESS
 
 
 if __name__ == "__main__":

@@ -183,10 +183,21 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             raise Refused(Reason.BAD_REQUEST, "a push must start with a PushHeader")
 
         def chunks() -> Iterator[pb.TensorChunk]:
+            n = 0
             for message in request_iterator:
-                if not message.HasField("chunk"):
-                    raise Refused(Reason.BAD_REQUEST, "only chunks may follow the PushHeader")
+                kind = message.WhichOneof("kind")
+                if kind == "end":
+                    if message.end.chunks != n or next(request_iterator, None) is not None:
+                        raise Refused(Reason.BAD_REQUEST, f"PushEnd counts {message.end.chunks} chunks, the stream carried {n} "
+                                      "(or went on after it)")
+                    return
+                if kind != "chunk":
+                    raise Refused(Reason.BAD_REQUEST, "only chunks and then a PushEnd may follow the PushHeader")
+                n += 1
                 yield message.chunk
+            # A cancelled call can end the iterator like a clean half-close: without PushEnd, nothing is kept.
+            raise Refused(Reason.BAD_REQUEST, f"the push stream ended after {n} chunks without its PushEnd (cut off?); "
+                          "nothing of it was kept: push again")
 
         return self.state.receive(first.header, chunks())
 

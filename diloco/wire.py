@@ -21,7 +21,7 @@ from diloco.v1 import diloco_pb2 as pb
 # 2: top-k followed by zstd sent its positions as a bitmap above density 1/64.
 # 3: top-k positions travel Golomb-Rice coded, after all levels and codes.
 # 4: every refusal carries a typed Refusal (diloco/refusal.py) in its trailing metadata.
-PROTOCOL_VERSION = 4
+PROTOCOL_VERSION = 5
 
 
 class ChunkError(ValueError):
@@ -110,6 +110,16 @@ def tensor_chunks(
 ) -> Iterator[pb.TensorChunk]:
     for name, t in tensors.items():
         yield from encode_chunks(name, t.detach().reshape(-1), codec, chunk_bytes, feedback=feedback)
+
+
+def push_messages(header: pb.PushHeader, chunks: Iterable[pb.TensorChunk]) -> Iterator[pb.PushMessage]:
+    """A push stream: the header, the chunks, and the PushEnd that tells the coordinator it is whole."""
+    yield pb.PushMessage(header=header)
+    n = 0
+    for chunk in chunks:
+        n += 1
+        yield pb.PushMessage(chunk=chunk)
+    yield pb.PushMessage(end=pb.PushEnd(chunks=n))
 
 
 def framed_size(chunk: pb.TensorChunk) -> int:

@@ -16,7 +16,7 @@ from diloco.params import checksum, ranges_checksum
 from diloco.refusal import Reason, is_transport_failure, refusal_of, status_of
 from diloco.v1 import diloco_pb2 as pb
 from diloco.v1 import diloco_pb2_grpc as pb_grpc
-from diloco.wire import PROTOCOL_VERSION, FlatRange, Manifest, apply_chunks, framed_size, ranges_to_proto
+from diloco.wire import PROTOCOL_VERSION, FlatRange, Manifest, apply_chunks, framed_size, push_messages, ranges_to_proto
 
 log = logging.getLogger(__name__)
 
@@ -280,11 +280,13 @@ class CoordinatorClient:
         """Streams a pseudo-gradient; after DATA_LOSS resends only what the coordinator did not keep."""
         start = 0
 
-        def messages() -> Iterator[pb.PushMessage]:
-            yield pb.PushMessage(header=header)
-            for chunk in chunks.iter_from(start):
+        def counted(source: Iterator[pb.TensorChunk]) -> Iterator[pb.TensorChunk]:
+            for chunk in source:
                 self.bytes_sent += framed_size(chunk)
-                yield pb.PushMessage(chunk=chunk)
+                yield chunk
+
+        def messages() -> Iterator[pb.PushMessage]:
+            return push_messages(header, counted(chunks.iter_from(start)))
 
         def attempt() -> pb.PushResponse:
             nonlocal start

@@ -9,6 +9,7 @@ import shlex
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
@@ -81,6 +82,15 @@ def channel_to():
 
 def join(stub, digest: str = "") -> pb.JoinResponse:
     return stub.Join(pb.JoinRequest(config_digest=digest, hostname="test", protocol_version=PROTOCOL_VERSION), timeout=10)
+
+
+def ended(messages) -> Iterator[pb.PushMessage]:
+    """A push stream as islands send it: the messages, then the PushEnd counting their chunks."""
+    n = 0
+    for message in messages:
+        n += message.HasField("chunk")
+        yield message
+    yield pb.PushMessage(end=pb.PushEnd(chunks=n))
 
 
 def random_like(shapes, seed: int, scale: float = 1e-2) -> dict[str, torch.Tensor]:

@@ -10,7 +10,7 @@ import grpc
 import pytest
 import torch
 
-from conftest import random_like, tiny_config, wait_for_round
+from conftest import ended, random_like, tiny_config, wait_for_round
 from coordinator.server import start_coordinator
 from diloco.checkpoint import CheckpointError, CheckpointStore
 from diloco.codec import Fp32Codec
@@ -119,7 +119,7 @@ def test_coordinator_resumes_from_s3(s3, tmp_path):
                 pg = random_like(first.state.manifest.shapes, seed=round_)
                 messages = [pb.PushMessage(header=pb.PushHeader(island_id=island, round=round_, tokens=10, codec="fp32"))]
                 messages += [pb.PushMessage(chunk=c) for c in tensor_chunks(pg, Fp32Codec(), cfg.wire.chunk_bytes)]
-                stub.PushPseudoGradient(iter(messages), timeout=10)
+                stub.PushPseudoGradient(ended(messages), timeout=10)
                 wait_for_round(first, round_)
         store = CheckpointStore(cfg.checkpoint.url)
         deadline = time.monotonic() + 10

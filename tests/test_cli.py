@@ -79,9 +79,10 @@ def test_installed_console_scripts_exist():
 
 
 def _old_release_island(port: int) -> list[str]:
-    """An island of the previous protocol release (PROTOCOL_VERSION 3), as a separate process."""
+    """An island of the previous protocol release (PROTOCOL_VERSION - 1), as a separate process."""
     code = (
-        "import diloco.wire, islands.client; diloco.wire.PROTOCOL_VERSION = islands.client.PROTOCOL_VERSION = 3; "
+        "import diloco.wire, islands.client; "
+        "diloco.wire.PROTOCOL_VERSION = islands.client.PROTOCOL_VERSION = diloco.wire.PROTOCOL_VERSION - 1; "
         f"from islands.cli import main; main(['join', '--coordinator', '127.0.0.1:{port}', '--device', 'cpu'])"
     )
     return [sys.executable, "-c", code]
@@ -95,11 +96,14 @@ def test_island_of_an_older_release_gets_a_one_line_refusal(make_coordinator):
     assert out.returncode == 2, out.stderr
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1 and "Traceback" not in out.stderr, out.stderr
-    assert "PROTOCOL_MISMATCH" in lines[0] and "protocol version 3 is not 4" in lines[0], lines[0]
+    from diloco.wire import PROTOCOL_VERSION
+
+    expected = f"protocol version {PROTOCOL_VERSION - 1} is not {PROTOCOL_VERSION}"
+    assert "PROTOCOL_MISMATCH" in lines[0] and expected in lines[0], lines[0]
 
 
 def test_joining_a_finished_run_ends_quietly(make_coordinator, channel_to):
-    from conftest import join, random_like, tiny_config, wait_for_round
+    from conftest import ended, join, random_like, tiny_config, wait_for_round
     from diloco.v1 import diloco_pb2 as pb
     from diloco.wire import Manifest, tensor_chunks, uplink_codec
 
@@ -111,7 +115,7 @@ def test_joining_a_finished_run_ends_quietly(make_coordinator, channel_to):
     pg = random_like(Manifest.from_proto(joined.parameters).shapes, seed=1)
     header = pb.PushMessage(header=pb.PushHeader(island_id=joined.island_id, round=0, tokens=10, codec=codec.name))
     chunks = (pb.PushMessage(chunk=c) for c in tensor_chunks(pg, codec, cfg.wire.chunk_bytes))
-    stub.PushPseudoGradient(iter([header, *chunks]), timeout=10)
+    stub.PushPseudoGradient(ended([header, *chunks]), timeout=10)
     wait_for_round(coordinator, 0)
     out = _run(SCRIPTS["diloco-island"] + ["join", "--coordinator", f"127.0.0.1:{coordinator.port}", "--device", "cpu"])
     assert out.returncode == 0, out.stderr

@@ -9,7 +9,7 @@ import time
 import pytest
 import torch
 
-from conftest import kill_all_and_resume, random_like, tiny_config, wait_for_round
+from conftest import ended, kill_all_and_resume, random_like, tiny_config, wait_for_round
 from islands.sim.chaos import ChaosPlan, parse_chaos, run_chaos
 from diloco.codec import Fp32Codec
 from islands.sim.simulation import Simulation, run_sim
@@ -34,7 +34,7 @@ def test_coordinator_resume_restores_parameters_momentum_round_and_members(make_
         pg = random_like(first.state.manifest.shapes, seed=round_)
         messages = [pb.PushMessage(header=pb.PushHeader(island_id=island, round=round_, tokens=10, codec="fp32"))]
         messages += [pb.PushMessage(chunk=c) for c in tensor_chunks(pg, Fp32Codec(), cfg.wire.chunk_bytes)]
-        stub.PushPseudoGradient(iter(messages), timeout=10)
+        stub.PushPseudoGradient(ended(messages), timeout=10)
         wait_for_round(first, round_)
     deadline = time.monotonic() + 10
     while first.state.summaries[-1].round < 1 and time.monotonic() < deadline:

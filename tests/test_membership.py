@@ -10,7 +10,7 @@ import grpc
 import torch
 import pytest
 
-from conftest import join, random_like, tiny_config, wait_for_round
+from conftest import ended, join, random_like, tiny_config, wait_for_round
 from diloco.codec import Fp32Codec
 from islands.sim.simulation import Simulation
 from diloco.v1 import diloco_pb2 as pb
@@ -20,7 +20,7 @@ from diloco.wire import Manifest, tensor_chunks
 def _push(stub, island_id, manifest, round_=0, seed=0):
     messages = [pb.PushMessage(header=pb.PushHeader(island_id=island_id, round=round_, tokens=100, codec="fp32"))]
     messages += [pb.PushMessage(chunk=c) for c in tensor_chunks(random_like(manifest.shapes, seed), Fp32Codec(), 4096)]
-    return stub.PushPseudoGradient(iter(messages), timeout=10)
+    return stub.PushPseudoGradient(ended(messages), timeout=10)
 
 
 def test_island_that_misses_its_lease_leaves_the_round(make_coordinator, channel_to):

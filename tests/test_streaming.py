@@ -15,7 +15,7 @@ import grpc
 import pytest
 import torch
 
-from conftest import island_on, kill_all_and_resume, random_like, tiny_config
+from conftest import ended, island_on, kill_all_and_resume, random_like, tiny_config
 from diloco.codec import Fp32Codec
 from diloco.config import RunConfig
 from diloco.data import StepIndexedStream
@@ -163,7 +163,7 @@ def test_a_fragment_closes_its_rounds_while_another_fragment_waits(make_coordina
     def push(island, fragment, round_, seed):
         header = pb.PushHeader(island_id=island, round=round_, tokens=100, codec="fp32", fragment=fragment)
         chunks = tensor_chunks(random_like(shapes[fragment], seed), Fp32Codec(), cfg.wire.chunk_bytes)
-        return stub.PushPseudoGradient(iter([pb.PushMessage(header=header)] + [pb.PushMessage(chunk=c) for c in chunks]), timeout=10)
+        return stub.PushPseudoGradient(ended([pb.PushMessage(header=header)] + [pb.PushMessage(chunk=c) for c in chunks]), timeout=10)
 
     # Island b holds back its push for fragment 1; fragment 0 goes through two rounds regardless.
     push(a.island_id, 1, 0, seed=1)

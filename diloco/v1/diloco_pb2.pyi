@@ -200,12 +200,20 @@ class PushHeader(_message.Message):
     def __init__(self, island_id: _Optional[str] = ..., round: _Optional[int] = ..., tokens: _Optional[int] = ..., train_loss: _Optional[float] = ..., codec: _Optional[str] = ..., global_checksum: _Optional[str] = ..., inner_steps: _Optional[int] = ..., fragment: _Optional[int] = ...) -> None: ...
 
 class PushMessage(_message.Message):
-    __slots__ = ("header", "chunk")
+    __slots__ = ("header", "chunk", "end")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     CHUNK_FIELD_NUMBER: _ClassVar[int]
+    END_FIELD_NUMBER: _ClassVar[int]
     header: PushHeader
     chunk: TensorChunk
-    def __init__(self, header: _Optional[_Union[PushHeader, _Mapping]] = ..., chunk: _Optional[_Union[TensorChunk, _Mapping]] = ...) -> None: ...
+    end: PushEnd
+    def __init__(self, header: _Optional[_Union[PushHeader, _Mapping]] = ..., chunk: _Optional[_Union[TensorChunk, _Mapping]] = ..., end: _Optional[_Union[PushEnd, _Mapping]] = ...) -> None: ...
+
+class PushEnd(_message.Message):
+    __slots__ = ("chunks",)
+    CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    chunks: int
+    def __init__(self, chunks: _Optional[int] = ...) -> None: ...
 
 class PushResponse(_message.Message):
     __slots__ = ("accepted", "elements", "contribution_complete")
