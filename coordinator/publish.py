@@ -77,7 +77,7 @@ class Publication:
     @torch.no_grad()
     def publish(self) -> None:
         """Called after each outer step, under the parameters' write lock."""
-        self._values = None
+        self._values = None  # a fetch during the fold may have serialized the values from before the step
         if self.lossless:
             self.delta_chunks, self.delta_base = [], ""
         else:

@@ -151,14 +151,15 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             message = pb.ResultMessage(header=header)
             sent += message.ByteSize()
             yield message
-            if delta is None and ranges is None and values is not None:
-                messages = iter(values())  # serialized once a round, whoever pulls (see add_to_server)
+            if delta is not None:
+                chunks = delta if ranges is None else overlapping_chunks(delta, ranges)
+            elif ranges is not None:
+                chunks = range_values_chunks(params, ranges, fp32, chunk_bytes)
+            elif values is None:
+                chunks = tensor_chunks(params, fp32, chunk_bytes)
             else:
-                if delta is not None:
-                    chunks = delta if ranges is None else overlapping_chunks(delta, ranges)
-                else:
-                    chunks = tensor_chunks(params, fp32, chunk_bytes) if ranges is None else range_values_chunks(params, ranges, fp32, chunk_bytes)
-                messages = ((pb.ResultMessage(chunk=c), framed_size(c)) for c in chunks)
+                chunks = None  # the values, serialized once a round whoever pulls (see add_to_server)
+            messages = iter(values()) if chunks is None else ((pb.ResultMessage(chunk=c), framed_size(c)) for c in chunks)
             for message, size in messages:
                 sent += size
                 yield message

@@ -37,7 +37,7 @@ from diloco.kernels import (
     _int8_decode,
     _int8_encode,
 )
-from diloco.topk import TopKCodec
+from diloco.topk import TopK
 
 
 class Codec(Protocol):
@@ -211,6 +211,10 @@ class E3M0Codec(_BlockScaledCodec):
     def decode_into(self, payload: bytes, out: torch.Tensor) -> None:
         scales, codes = self._split(payload, out.numel())
         _e3m0_decode(codes, scales, self.block, out.numpy())
+
+
+class TopKCodec(_Decoder, TopK):
+    """SparseLoCo's chunked top-k (diloco/topk.py), with decode() and finite() as every codec has them."""
 
 
 class ZstdCodec(_Decoder):

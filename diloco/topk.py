@@ -1,4 +1,6 @@
-"""The top-k codec of SparseLoCo: per block, the largest magnitudes as positions and a few levels."""
+"""The top-k encoding of SparseLoCo: per block, the largest magnitudes as positions and a few levels.
+
+diloco/codec.py makes it a codec (TopKCodec)."""
 
 from __future__ import annotations
 
@@ -6,16 +8,10 @@ import numpy as np
 import torch
 
 from diloco.config import ConfigError
-from diloco.kernels import (
-    _all_finite,
-    _rice_bound_r,
-    _rice_decode,
-    _rice_encode,
-    _topk_fill,
-)
+from diloco.kernels import _rice_bound_r, _rice_decode, _rice_encode, _topk_fill
 
 
-class TopKCodec:
+class TopK:
     """Chunked top-k with `bits`-bit values (2 by default, as SparseLoCo).
 
     Per block: k = density * length kept values, as L = 2^(bits-1) fp32
@@ -116,14 +112,6 @@ class TopKCodec:
         start = 4 * self.levels
         levels = rows[:, :start].copy().view("<f4").astype(np.float32)
         _topk_fill(levels, rows[:, start:], self.bits, idx, out.numpy().reshape(blocks, length))
-
-    def decode(self, payload: bytes, numel: int) -> torch.Tensor:
-        out = torch.empty(numel, dtype=torch.float32)
-        self.decode_into(payload, out)
-        return out
-
-    def finite(self, payload: bytes, numel: int) -> bool:
-        return _all_finite(self.decode(payload, numel).numpy().view(np.uint32))
 
     def decode_into(self, payload: bytes, out: torch.Tensor) -> None:
         numel = out.numel()
