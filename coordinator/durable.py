@@ -46,6 +46,7 @@ def snapshot(state: CoordinatorState) -> tuple[dict, dict]:
             **state.members.state_dict(),
             "summaries": [json_format.MessageToDict(s) for s in state.summaries],
             "initial_eval_loss": state.initial_eval_loss,
+            "ledger": state.ledger.state_dict() if state.ledger is not None else None,
             "config_digest": state.cfg.digest(),
             "checksum": whole,
             "wall_time": time.time(),
@@ -91,6 +92,10 @@ def restore(state: CoordinatorState, store: CheckpointStore) -> bool:
     if state.checksum != meta["checksum"]:
         raise ValueError(f"checkpoint at {store.url} round {meta['round']} does not reproduce its own checksum")
     state.members.load_state_dict(meta)
+    if state.ledger is not None:
+        if not meta.get("ledger"):
+            raise ValueError(f"checkpoint at {store.url} holds no data ledger: it was not written by a run on a token corpus")
+        state.ledger.load_state_dict(meta["ledger"])
     with state.cond:
         state.summaries = [json_format.ParseDict(s, pb.RoundSummary()) for s in meta["summaries"]]
         state.initial_eval_loss = meta["initial_eval_loss"]

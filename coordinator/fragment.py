@@ -26,10 +26,11 @@ from pathlib import Path
 
 import torch
 
+from coordinator.ledger import DataLedger, ranges_of
 from coordinator.locks import ReadWriteLock
 from coordinator.membership import Membership, canonical_order
 from coordinator.publish import Publication
-from coordinator.records import Closing, Contribution, Phase, Reason, Refused, close_reason, round_summary
+from coordinator.records import Closing, Contribution, Phase, Reason, Refused, close_reason, round_summary, traffic_into
 from coordinator.spool import Spool
 from diloco.codec import Codec
 from diloco.config import RunConfig
@@ -52,6 +53,7 @@ class FragmentContext:
     members: Membership
     run_finished: Callable[[], bool] = lambda: False  # every fragment finished (read holding cond)
     fragment_of: Callable[[str], int | None] = lambda name: None  # for messages about another fragment's parameter
+    ledger: DataLedger | None = None  # token corpus: who trains on which samples
 
 
 class FragmentRounds:
@@ -116,6 +118,8 @@ class FragmentRounds:
                 raise Refused(Reason.DUPLICATE, f"{header.island_id} already contributed to {self.label}round {self.round}")
             if existing is not None and existing.tokens != header.tokens:
                 raise Refused(Reason.BAD_REQUEST, f"tokens {header.tokens} differ from {existing.tokens} sent earlier for this round")
+        if self.ctx.ledger is not None:
+            self.ctx.ledger.check(header.island_id, self.index, ranges_of(header.samples), header.tokens)
 
     def _verify(self, chunk: pb.TensorChunk, payload: bytes) -> bool:  # ChunkError when malformed; else whether it is finite
         if chunk.name not in self.manifest.shapes and (owner := self.ctx.fragment_of(chunk.name)) is not None:
@@ -178,7 +182,7 @@ class FragmentRounds:
                 raise Refused(Reason.DROPPED, f"{header.island_id} left {self.label}round {header.round} while pushing")
             contribution = self.contributions.get(header.island_id)
             if contribution is None:
-                contribution = Contribution(header.tokens, header.train_loss, Coverage(self.manifest))
+                contribution = Contribution(header.tokens, header.train_loss, Coverage(self.manifest), samples=ranges_of(header.samples))
                 self.contributions[header.island_id] = contribution
             trial = contribution.coverage.copy()
             for name, offset, numel in ranges:
@@ -338,12 +342,15 @@ class FragmentRounds:
                 self.mean_chunks = list(tensor_chunks(mean, self.publication.codec, self.cfg.wire.chunk_bytes))
             self.publication.publish()
             with self.cond:
-                self._traffic_into(summary)
+                self.traffic = traffic_into(summary, self.traffic, self.round)
                 summary.checksum = self.checksum
                 summary.seconds = self.clock() - self.round_opened_at
                 summary.dropped.extend(sorted(self.dropped))
                 summary.elements_folded = folded
                 summary.elements_expected = self.manifest.total_numel() * len(closing.contributions)
+                if self.ctx.ledger is not None:
+                    summary.data.CopyFrom(self.ctx.ledger.settle(self.index, [c.samples for _, c in closing.contributions],
+                                                                 self.members.live()))
                 self._count_restart_cost()
                 self.last_islands, self.last_tokens = len(closing.contributions), summary.tokens
                 self.accumulator.reset()
@@ -358,15 +365,6 @@ class FragmentRounds:
             self.param_lock.release_write()
         log.info("%sround %d closed (%s) with %d islands", self.label, summary.round, closing.reason, len(closing.contributions))
         return summary
-
-    def _traffic_into(self, summary: pb.RoundSummary) -> None:
-        """Moves the round's per-island byte counts into its summary. Caller holds cond."""
-        for (round_, island_id), (up, down) in sorted(self.traffic.items()):
-            if round_ == self.round:
-                summary.traffic.add(island_id=island_id, bytes_up=up, bytes_down=down)
-                summary.bytes_up += up
-                summary.bytes_down += down
-        self.traffic = {k: v for k, v in self.traffic.items() if k[0] > self.round}
 
     def _count_restart_cost(self) -> None:
         """The first round closed since a restart: count what the restart cost. Caller holds cond."""

@@ -28,7 +28,7 @@ class Refused(Exception):
         return trailing_metadata(self.refusal)
 
 
-__all__ = ["Closed", "Closing", "Contribution", "Phase", "Reason", "Refused", "close_reason", "round_summary"]
+__all__ = ["Closed", "Closing", "Contribution", "Phase", "Reason", "Refused", "close_reason", "round_summary", "traffic_into"]
 
 
 class Phase(enum.Enum):
@@ -46,6 +46,7 @@ class Contribution:
     coverage: Coverage
     spools: list[Spool] = field(default_factory=list)
     state: str = "pending"  # pending -> folding -> committed
+    samples: list[tuple[int, int]] = field(default_factory=list)  # token corpus: the positions trained on
 
 
 @dataclass
@@ -94,3 +95,13 @@ def round_summary(round_: int, fragment: int, contributions: list, numel: int, c
         fragment=fragment,
         fragments=cfg.streaming.fragments,
     )
+
+
+def traffic_into(summary: pb.RoundSummary, traffic: dict[tuple[int, str], list[int]], round_: int) -> dict:
+    """Moves round_'s per-island byte counts ((round, island) -> [up, down]) into its summary; returns the rest."""
+    for (r, island_id), (up, down) in sorted(traffic.items()):
+        if r == round_:
+            summary.traffic.add(island_id=island_id, bytes_up=up, bytes_down=down)
+            summary.bytes_up += up
+            summary.bytes_down += down
+    return {k: v for k, v in traffic.items() if k[0] > round_}

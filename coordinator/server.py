@@ -18,11 +18,12 @@ import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from coordinator import durable
+from coordinator.ledger import DataLedger, account_dict
 from coordinator.service import CoordinatorService, add_to_server
 from coordinator.state import CoordinatorState
 from diloco.checkpoint import CheckpointStore
 from diloco.config import RunConfig
-from diloco.data import eval_batches
+from diloco.data import eval_batches, open_corpus, resolve_vocab
 from diloco.inner import evaluate
 from diloco.model import Transformer
 from diloco.params import fp32_copy
@@ -42,7 +43,7 @@ def make_evaluator(cfg: RunConfig):
     """Eval loss of the global parameters on the fixed held-out batches (None if disabled)."""
     if cfg.eval.batches <= 0:
         return None
-    batches = eval_batches(cfg.data, cfg.eval.batches, cfg.eval.batch_size)
+    batches = eval_batches(cfg.data, cfg.eval.batches, cfg.eval.batch_size, cfg.model.vocab_size)
     model = Transformer(cfg.model)
 
     def run(params: dict[str, torch.Tensor]) -> float:
@@ -96,6 +97,7 @@ class Coordinator:
                     "checksum": r.checksum,
                     "elements_folded": r.elements_folded,
                     "elements_expected": r.elements_expected,
+                    **({"data": account_dict(r.data)} if r.HasField("data") else {}),
                 }
                 for r in s.summaries
             ],
@@ -109,6 +111,7 @@ class Coordinator:
             "islands": {i.island_id: i.final_checksum for i in s.departed},
             "island_stats": {i.island_id: i.stats for i in s.departed},
             "events": dataclasses.asdict(s.events),
+            "data": s.data_report(),
         }
 
 
@@ -122,7 +125,15 @@ def start_coordinator(
     """
     spool = Path(spool_dir or tempfile.mkdtemp(prefix="diloco-spool-"))
     spool.mkdir(parents=True, exist_ok=True)
-    state = CoordinatorState(cfg, initial_parameters(cfg), spool, make_evaluator(cfg))
+    ledger, data_digest = None, ""
+    if cfg.data.source == "tokens":
+        resolve_vocab(cfg)
+        corpus = open_corpus(cfg.data, cfg.seed, cfg.model.vocab_size)
+        ledger, data_digest = DataLedger(corpus.samples.epoch_size, cfg.data.seq_len, cfg.streaming.fragments), corpus.digest
+        corpus.samples.store.close()
+        log.info("token corpus %s: %d samples of %d tokens an epoch, vocabulary %d", cfg.data.url,
+                 corpus.samples.epoch_size, cfg.data.seq_len, corpus.vocab_size)
+    state = CoordinatorState(cfg, initial_parameters(cfg), spool, make_evaluator(cfg), ledger=ledger, data_digest=data_digest)
     store = CheckpointStore(cfg.checkpoint.url, keep_last=cfg.checkpoint.keep_last) if cfg.checkpoint.url else None
     if resume:
         if store is None:

@@ -10,6 +10,7 @@ from contextlib import contextmanager
 
 import grpc
 
+from coordinator.ledger import ranges_of
 from coordinator.records import Reason, Refused
 from coordinator.state import CoordinatorState
 from diloco.codec import get_codec
@@ -99,6 +100,8 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             total_rounds=cfg.rounds.rounds,
             fragments=[pb.FragmentSpec(index=f.index, names=list(f.names), offset=f.offset) for f in state.layout],
             fragment_rounds=[f.round for f in state.fragments],
+            data_digest=state.data_digest,
+            data_epoch_size=state.ledger.epoch_size if state.ledger is not None else 0,
         )
 
     @_refusals
@@ -218,8 +221,17 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             "wall_s": request.wall_s, "inner_steps": request.inner_steps,
             "steady_compute_s": request.steady_compute_s, "steady_wall_s": request.steady_wall_s,
         }
-        matches, whole = self.state.leave(request.island_id, request.checksum, stats, list(request.fragment_checksums))
+        matches, whole = self.state.leave(request.island_id, request.checksum, stats, list(request.fragment_checksums),
+                                          untrained=ranges_of(request.untrained))
         return pb.LeaveResponse(checksum_matches=matches, checksum=whole)
+
+    @_refusals
+    def Lease(self, request: pb.LeaseRequest, context) -> pb.LeaseResponse:
+        ledger = self.state.ledger
+        if ledger is None:
+            raise Refused(Reason.BAD_REQUEST, "this run reads no token corpus (data.source is not 'tokens'): there is nothing to lease")
+        ranges = ledger.lease(request.island_id, request.index, request.samples, self.state.canonical_members())
+        return pb.LeaseResponse(index=request.index, ranges=[pb.SampleRange(start=a, stop=b) for a, b in ranges])
 
     def WatchRounds(self, request: pb.WatchRequest, context) -> Iterator[pb.RoundSummary]:
         yield from self.state.watch(request.from_round, self.stop)

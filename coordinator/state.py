@@ -25,7 +25,8 @@ from pathlib import Path
 import torch
 
 from coordinator.fragment import FragmentContext, FragmentRounds
-from coordinator.membership import Events, Island, Membership
+from coordinator.ledger import DataLedger, account_dict
+from coordinator.membership import Events, Island, Membership, canonical_order
 from coordinator.records import Closed, Phase, Reason, Refused
 from diloco.config import RunConfig
 from diloco.fragments import layout_for
@@ -53,6 +54,8 @@ class CoordinatorState:
         spool_dir: Path,
         evaluate: Callable[[dict[str, torch.Tensor]], float] | None = None,
         clock: Callable[[], float] = time.monotonic,
+        ledger: DataLedger | None = None,
+        data_digest: str = "",
     ):
         self.cfg = cfg
         self.codec = uplink_codec(cfg.wire)
@@ -61,6 +64,8 @@ class CoordinatorState:
         self.spool_dir = spool_dir
         self.evaluate = evaluate
         self.clock = clock
+        # A token corpus: who trains on which samples (coordinator/ledger.py), and the corpus's digest.
+        self.ledger, self.data_digest = ledger, data_digest
         self.cond = threading.Condition()
         r = cfg.rounds
         self.members = Membership(r.max_islands, cfg.data.shards, r.lease_s, self.cond, clock, on_leave=self._drop_pending)
@@ -68,7 +73,7 @@ class CoordinatorState:
         self._wave = _Wave()
         ctx = FragmentContext(
             cfg, self.codec, self.cond, clock, spool_dir, self.members,
-            run_finished=lambda: self.finished, fragment_of=self._fragment_of,
+            run_finished=lambda: self.finished, fragment_of=self._fragment_of, ledger=ledger,
         )
         self.fragments = [FragmentRounds(ctx, f.index, self.layout.subset(f.index, params)) for f in self.layout]
         # The published parameters of every fragment, in manifest order (the same tensors).
@@ -82,8 +87,15 @@ class CoordinatorState:
         return self.layout.fragment_of(name) if name in self.manifest.shapes else None
 
     def _drop_pending(self, island_id: str) -> None:
+        """An island left or its lease expired (caller holds cond)."""
         for f in self.fragments:
             f.drop_pending(island_id)
+        if self.ledger is not None:
+            self.ledger.release(island_id)
+
+    def canonical_members(self) -> list[str]:
+        with self.cond:
+            return canonical_order(self.members.islands)
 
     # --- membership (coordinator/membership.py) ----------------------------------------------
 
@@ -107,7 +119,7 @@ class CoordinatorState:
         return self.members.touch(island_id)
 
     def leave(self, island_id: str, island_checksum: str, stats: dict | None = None,
-              fragment_checksums: list[str] | None = None) -> tuple[bool, str]:
+              fragment_checksums: list[str] | None = None, untrained: list[tuple[int, int]] = ()) -> tuple[bool, str]:
         """An island leaves holding island_checksum (or, per fragment, fragment_checksums); returns whether
         that is the coordinator's, and the coordinator's whole checksum."""
         whole = self.checksum  # outside cond: it may take the fragments' read locks
@@ -118,6 +130,9 @@ class CoordinatorState:
         else:
             matches = island_checksum == whole
         self.members.leave(island_id, island_checksum, stats, matches)
+        if self.ledger is not None and untrained:
+            n = self.ledger.give_back(island_id, list(untrained))
+            log.info("%s handed back %d untrained samples", island_id, n)
         return matches, whole
 
     # --- the run as a whole ---------------------------------------------------------
@@ -245,6 +260,19 @@ class CoordinatorState:
             self._wave.pending -= 1
             self.cond.notify_all()
         return Closed(summary, total, finisher)
+
+    def data_report(self) -> dict | None:
+        """The token corpus's account at the end (per fragment, in tokens); None without a corpus."""
+        if self.ledger is None:
+            return None
+        with self.cond:
+            live = self.members.live()
+        per = [account_dict(self.ledger.account(f.index, live)) for f in self.fragments]
+        for a in per:
+            del a["folded_this_round"], a["samples"]
+        return {"tokens_trained": min(a["folded"] for a in per), "tokens_lost": max(a["lost"] for a in per),
+                "tokens_repeated": sum(a["repeated"] for a in per), "tokens_returned": per[0]["returned"],
+                "tokens_leased": per[0]["leased"], "fragments": per}
 
     # --- watching -------------------------------------------------------------------
 

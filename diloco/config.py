@@ -35,9 +35,19 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
-    # "synthetic": the embedded Markov language; "text": a byte-level text file.
+    # "synthetic": the embedded Markov language; "text": a byte-level text file; "tokens": a token
+    # corpus at `url` (made by `diloco-data prepare`, or a MosaicML MDS dataset with a token column),
+    # leased to islands so that every sample is trained on at most once an epoch.
     source: str = "synthetic"
     path: str = ""
+    url: str = ""
+    # Tokens: samples per shuffled block of the epoch order (diloco/samples.py).
+    shuffle_block: int = 256
+    # Tokens, local to each process (not part of the config digest): where shards are cached, how
+    # many bytes of them, how many shards ahead to download in the background.
+    cache_dir: str = ""
+    cache_gb: float = 8.0
+    prefetch_shards: int = 2
     seq_len: int = 128
     # Fraction of a text file held out (from its end) for evaluation.
     eval_fraction: float = 0.1
@@ -213,6 +223,8 @@ class RunConfig:
         body.pop("rounds")
         body.pop("eval")
         body.pop("checkpoint")
+        for local in ("cache_dir", "cache_gb", "prefetch_shards"):  # each machine's own
+            body["data"].pop(local)
         if self.streaming == StreamingConfig():
             body.pop("streaming")  # plain DiLoCo hashes as it did before streaming existed
         canonical = json.dumps(body, sort_keys=True, separators=(",", ":"))
@@ -224,8 +236,13 @@ class RunConfig:
             (m.d_model % m.n_heads == 0, "model.d_model must be divisible by model.n_heads"),
             ((m.d_model // max(m.n_heads, 1)) % 2 == 0, "model head dim must be even for RoPE"),
             (d.seq_len <= m.max_seq_len, "data.seq_len must not exceed model.max_seq_len"),
-            (d.source in ("synthetic", "text"), "data.source must be 'synthetic' or 'text'"),
+            (d.source in ("synthetic", "text", "tokens"), "data.source must be 'synthetic', 'text' or 'tokens'"),
             (d.source != "text" or bool(d.path), "data.source='text' needs data.path"),
+            (d.source != "tokens" or bool(d.url), "data.source='tokens' needs data.url (a local path or s3:// URL of a "
+             "dataset made by `diloco-data prepare`, or of an MDS dataset)"),
+            (d.shuffle_block >= 1 and d.cache_gb > 0 and d.prefetch_shards >= 0,
+             "need data.shuffle_block >= 1, data.cache_gb > 0 and data.prefetch_shards >= 0"),
+            (m.vocab_size >= 1 or d.source == "tokens", "model.vocab_size must be >= 1 (0, from the corpus, only with data.source='tokens')"),
             (i.optimizer in ("adamw", "sgd"), "inner.optimizer must be 'adamw' or 'sgd'"),
             (i.schedule in ("cosine", "constant"), "inner.schedule must be 'cosine' or 'constant'"),
             (i.steps_per_round >= 1, "inner.steps_per_round must be >= 1"),

@@ -1,7 +1,10 @@
-"""Training data: an embedded synthetic language and a byte-level text loader.
+"""Training data: an embedded synthetic language, a byte-level text loader, and token corpora.
 
-Both hand each island a disjoint shard and give the coordinator a fixed held-out
-set for evaluating the global parameters.
+The first two are endless: each island reads a disjoint shard, a batch a pure
+function of shard, slot and inner step. A token corpus (diloco/shards.py, read
+as numbered samples by diloco/samples.py) is finite, and the coordinator leases
+its samples to islands (coordinator/ledger.py). Every source gives the
+coordinator a fixed held-out set for evaluating the global parameters.
 
 The synthetic language is an order-k Markov chain over a small vocabulary in
 which every context allows a few next tokens with Dirichlet-drawn weights. Its
@@ -20,6 +23,7 @@ import numpy as np
 import torch
 
 from diloco.config import ConfigError, DataConfig
+from diloco.samples import WindowSamples, eval_windows
 
 log = logging.getLogger(__name__)
 
@@ -211,8 +215,62 @@ class StepIndexedStream:
         return self.stream.next_batch(batch_size)
 
 
-def eval_batches(cfg: DataConfig, n_batches: int, batch_size: int) -> list[Batch]:
+# --- a token corpus -------------------------------------------------------------
+
+
+@dataclass
+class Corpus:
+    """One split of a token corpus as numbered samples, and what identifies the data."""
+
+    samples: WindowSamples
+    digest: str  # of its manifest (or MDS index): islands refuse to train on other data than the coordinator's
+    vocab_size: int
+
+
+def open_store(cfg: DataConfig, split: str, vocab_size: int | None = None):
+    """One split of the corpus at cfg.url. vocab_size: the model's, checked against the corpus's (an MDS
+    dataset, which does not say, takes it)."""
+    from diloco.shards import open_store as open_split
+
+    store = open_split(cfg.url, split, cfg.cache_dir or None, int(cfg.cache_gb * (1 << 30)), cfg.prefetch_shards)
+    if store.vocab_size is None:
+        if not vocab_size:
+            raise ConfigError(f"the MDS dataset at {cfg.url} does not say its vocabulary size: set model.vocab_size")
+        store.vocab_size = vocab_size
+    if vocab_size and store.vocab_size != vocab_size:
+        raise ConfigError(f"the corpus at {cfg.url} has a vocabulary of {store.vocab_size}, the model {vocab_size}: "
+                          f"set model.vocab_size = {store.vocab_size} (or 0 to take it from the corpus)")
+    return store
+
+
+def open_corpus(cfg: DataConfig, seed: int, vocab_size: int | None = None, split: str = "train") -> Corpus:
+    """The corpus at cfg.url; vocab_size is the model's (None or 0: take the corpus's, which an MDS dataset lacks)."""
+    store = open_store(cfg, split, vocab_size)
+    return Corpus(WindowSamples(store, cfg.seq_len, seed, cfg.shuffle_block), corpus_digest(cfg.url, split), store.vocab_size)
+
+
+def corpus_digest(url: str, split: str = "train") -> str:
+    """SHA-256 (16 hex digits) of what defines the corpus: its manifest, or an MDS dataset's index."""
+    import hashlib
+
+    import fsspec
+
+    from diloco.mds import find_mds_index
+    from diloco.shards import MANIFEST
+
+    fs, root = fsspec.core.url_to_fs(url.rstrip("/"))
+    root = root.rstrip("/")
+    path = f"{root}/{MANIFEST}" if fs.exists(f"{root}/{MANIFEST}") else find_mds_index(fs, root, split)
+    return hashlib.sha256(fs.cat_file(path)).hexdigest()[:16]
+
+
+def eval_batches(cfg: DataConfig, n_batches: int, batch_size: int, vocab_size: int | None = None) -> list[Batch]:
     """A fixed held-out set: the same batches every time it is built."""
+    if cfg.source == "tokens":
+        store = open_store(cfg, "eval", vocab_size)
+        seqs = eval_windows(store, cfg.seq_len, n_batches * batch_size)
+        store.close()
+        return [(b[:, :-1], b[:, 1:]) for b in seqs.split(batch_size)]
     if cfg.source == "synthetic":
         stream = SyntheticStream(_language(cfg), cfg.seq_len, seed=0xE7A1, shard=0)
         return [stream.next_batch(batch_size) for _ in range(n_batches)]
@@ -228,3 +286,9 @@ def eval_batches(cfg: DataConfig, n_batches: int, batch_size: int) -> list[Batch
 def entropy_floor(cfg: DataConfig) -> float | None:
     """The lowest achievable loss in nats/token, where it is known."""
     return _language(cfg).entropy_rate() if cfg.source == "synthetic" else None
+
+
+def resolve_vocab(cfg) -> None:
+    """A run on a token corpus takes its vocabulary size from the corpus (model.vocab_size = 0), or checks it."""
+    if cfg.data.source == "tokens":
+        cfg.model.vocab_size = open_corpus(cfg.data, cfg.seed, cfg.model.vocab_size).vocab_size

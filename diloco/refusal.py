@@ -35,6 +35,7 @@ STATUS: dict[int, grpc.StatusCode] = {
     Reason.DROPPED: _C.FAILED_PRECONDITION,
     Reason.STILL_OPEN: _C.DEADLINE_EXCEEDED,
     Reason.BAD_REQUEST: _C.INVALID_ARGUMENT,
+    Reason.NOT_LEASED: _C.FAILED_PRECONDITION,
 }
 assert set(STATUS) == set(Reason.values()) - {Reason.REASON_UNSPECIFIED}, "every reason needs its status code"
 

@@ -300,13 +300,19 @@ class CoordinatorClient:
 
         return self._retry("push", attempt)
 
+    def lease(self, island_id: str, index: int, samples: int) -> pb.LeaseResponse:
+        """The island's lease number `index` of the corpus's sample positions (the same answer every time)."""
+        request = pb.LeaseRequest(island_id=island_id, index=index, samples=samples)
+        return self._retry("lease", lambda: self.stub.Lease(request, timeout=60))
+
     def leave(self, island_id: str, params_checksum: str, round_: int, stats: Mapping[str, float] | None = None,
-              fragment_checksums: list[str] | None = None) -> pb.LeaveResponse:
+              fragment_checksums: list[str] | None = None, untrained: list[tuple[int, int]] = ()) -> pb.LeaveResponse:
         """Leaves the run holding params_checksum (or, per fragment, fragment_checksums); stats (compute_s,
         wait_s, wall_s, inner_steps) go into the coordinator's report. A failed leave answers "no match"."""
         try:
             request = pb.LeaveRequest(island_id=island_id, checksum=params_checksum, round=round_,
-                                      fragment_checksums=fragment_checksums or [], **dict(stats or {}))
+                                      fragment_checksums=fragment_checksums or [], **dict(stats or {}),
+                                      untrained=[pb.SampleRange(start=a, stop=b) for a, b in untrained])
             return self.stub.Leave(request, timeout=30)
         except grpc.RpcError as e:
             log.warning("leave failed: %s %s", e.code().name, e.details())

@@ -39,9 +39,9 @@ from islands.outcome import Next, next_step, reason_name
 log = logging.getLogger(__name__)
 
 # Push outcomes, agreed across ranks and groups: the worst (largest) wins.
-NOBODY, PUSHED, LOST, REJOIN, RESET = 0, 1, 2, 3, 4
+NOBODY, PUSHED, LOST, REJOIN, RESET, RELEASE = 0, 1, 2, 3, 4, 5
 _STATUS = {Next.DELIVERED: PUSHED, Next.RESYNC: LOST, Next.PUSH_AGAIN: LOST, Next.FINISHED: LOST,
-           Next.REJOIN: REJOIN, Next.RESET: RESET}
+           Next.REJOIN: REJOIN, Next.RESET: RESET, Next.RELEASE: RELEASE}
 _PULL_WAIT_S = 10.0  # a pull waits at most this long per call, then looks whether it was cancelled
 
 
@@ -95,6 +95,7 @@ class Exchange:
     train_loss: float
     checksum: str  # of the global parameters the round was trained from
     pusher: bool  # this rank's group pushes
+    samples: list[tuple[int, int]] = field(default_factory=list)  # token corpus: the sample positions trained on
     pg: dict[str, torch.Tensor] | None = None  # snapshot of the pseudo-gradient shard (overlapped exchanges)
     staging: dict[str, torch.Tensor] | None = None  # where an overlapped pull writes theta_global_f
     estimate: dict[str, torch.Tensor] | None = None  # eager: the provisional global trained from meanwhile
@@ -121,7 +122,7 @@ class Exchange:
 
     def state_dict(self) -> dict:
         """What a healing peer needs to land this exchange (or take its push over)."""
-        keys = ("fragment", "round", "pushed_step", "due", "tokens", "inner_steps", "train_loss", "checksum")
+        keys = ("fragment", "round", "pushed_step", "due", "tokens", "inner_steps", "train_loss", "checksum", "samples")
         return {k: getattr(self, k) for k in keys} | {"pg": self.pg}
 
 
@@ -154,6 +155,7 @@ def push(shard: FragmentShard, ex: Exchange, wire: Wire) -> int:
     header = pb.PushHeader(
         island_id=wire.island_id(), round=ex.round, tokens=ex.tokens, train_loss=ex.train_loss, codec=wire.codec.name,
         inner_steps=ex.inner_steps, global_checksum=ex.checksum, fragment=ex.fragment,
+        samples=[pb.SampleRange(start=a, stop=b) for a, b in ex.samples],
     )
     try:
         wire.client.push(header, RegeneratingChunks(lambda start: pg_chunks(shard, ex, wire, start)))

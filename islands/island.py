@@ -36,7 +36,6 @@ import torch.distributed as dist
 
 from diloco.feedback import ErrorFeedback
 from diloco.config import RunConfig
-from diloco.data import StepIndexedStream
 from diloco.inner import build_inner_optimizer, inner_lr, train_step
 from diloco.params import checksum
 from diloco.streaming import EagerState, eager_gradient, mix_
@@ -46,6 +45,7 @@ from islands import exchange
 from islands.client import CoordinatorClient, MeanBuffer
 from islands.evidence import Evidence, maybe_fault
 from islands.exchange import Exchange, FragmentShard, Wire
+from islands.feed import make_feed
 from islands.fsdp import ShardLayout, build_island_model, local_views
 from islands.joining import check_join_reply
 from islands.landing import Landing
@@ -95,14 +95,12 @@ class Island(Landing):
         self.global_shard = ({n: torch.zeros(s, dtype=torch.float32) for n, s in self.manifest.shapes.items()}
                              if self.whole else self.shard.zeros())
         self.optimizer = build_inner_optimizer(self.model, cfg.inner)
-        slots = self.spec.groups * world.world_size
-        slot = self.spec.group * world.world_size + world.rank
-        self.data = StepIndexedStream(cfg.data, cfg.seed, joined.shard_index * slots + slot, cfg.data.shards * slots)
         self.feedback = (ErrorFeedback({r.name: r.numel for r in self.shard.ranges}, cfg.wire.decay, cfg.wire.feedback_in_model)
                          if cfg.wire.uses_error_feedback else None)
         self.fragments = [self._fragment_shard(f.index, f.names) for f in self.layout]
         p = len(self.fragments)
         self.state = IslandState(joined.island_id, list(joined.fragment_rounds) or [joined.round] * p, joined.total_rounds)
+        self.feed = make_feed(cfg, joined, world, self.spec, client, lambda: self.state.island_id)
         self.tau, self.alpha = cfg.streaming.overlap, cfg.streaming.alpha
         self.eager = [EagerState(cfg.outer) for _ in range(p)] if cfg.streaming.eager else None
         self.inflight: dict[int, Exchange] = {}
@@ -192,7 +190,7 @@ class Island(Landing):
     def _inner_step(self) -> None:
         cfg, s = self.cfg.inner, self.state
         total_steps = self.total_rounds * cfg.steps_per_round
-        batch = self.data.batch_at(s.step, cfg.batch_size)
+        batch = self.feed.batch(s, self.replicas.participating_rank(), self.replicas.participants())
         if self.world.device.type == "cuda":
             # Charge this step only, not GPU work queued before it (a landing's copies into the model).
             torch.cuda.synchronize(self.world.device)
@@ -211,6 +209,7 @@ class Island(Landing):
             s.loss[f][1] += 1
             s.tokens[f] += tokens
         s.step += 1
+        s.consume(self.feed.samples_per_step(self._participants))
         self._window.append(loss)
         if s.step % cfg.steps_per_round == 0:
             self.losses.append(sum(self._window) / len(self._window))
@@ -232,7 +231,7 @@ class Island(Landing):
         ex = Exchange(
             f, s.rounds[f], c, c + self.tau if background else c, tokens=max(s.tokens[f], self._tokens_per_step()),
             inner_steps=max(steps, 1), train_loss=loss_sum / n if n else 0.0, checksum=s.checksums[f],
-            pusher=self.replicas.participating_rank() == 0,
+            pusher=self.replicas.participating_rank() == 0, samples=s.positions(s.data_marks[f], s.data_cursor),
         )
         if background:
             ex.pg = {r.name: shard.flat_global(r.name) - shard.local[r.name].to("cpu", torch.float32) for r in shard.ranges}

@@ -10,6 +10,7 @@ import logging
 import grpc
 
 from diloco.config import RunConfig, config_from_toml
+from diloco.data import resolve_vocab
 from diloco.fragments import FragmentLayout, layout_for
 from diloco.v1 import diloco_pb2 as pb
 from diloco.wire import Manifest, uplink_codec
@@ -33,6 +34,8 @@ def join_run(
     coordinator's reason and message when it will not have us.
     """
     reply: bytes | tuple[str, str] | None = None
+    if cfg is not None and cfg.data.source == "tokens" and not cfg.model.vocab_size:
+        resolve_vocab(cfg)  # as the coordinator does, so that the digests agree
     if world.is_leader:
         codec = uplink_codec(cfg.wire).name if cfg is not None else ""
         try:

@@ -41,13 +41,13 @@ from diloco.streaming import mix_, swap_estimate_
 from diloco.v1 import diloco_pb2 as pb
 from islands import exchange
 from islands.evidence import digest, fault_due, maybe_fault
-from islands.exchange import LOST, NOBODY, PUSHED, REJOIN, RESET, Exchange
+from islands.exchange import LOST, NOBODY, PUSHED, REJOIN, RELEASE, RESET, Exchange
 from islands.outcome import Next, next_step
 
 log = logging.getLogger(__name__)
 
 _PULL_TROUBLE = {Next.RESYNC: LOST, Next.PUSH_AGAIN: LOST, Next.FINISHED: LOST, Next.WAIT: LOST, Next.REJOIN: REJOIN,
-                 Next.RESET: RESET}
+                 Next.RESET: RESET, Next.RELEASE: RELEASE}
 
 
 class Landing:
@@ -197,6 +197,9 @@ class Landing:
             self.optimizer = build_inner_optimizer(self.model, self.cfg.inner)
             if self.feedback is not None:
                 self.feedback.reset()
+        if why == RELEASE:
+            log.warning("%s: the coordinator does not know our leases of samples; taking new ones", s.island_id)
+            s.forget_leases()
         one = None if len(self.fragments) == 1 else f
         for _ in range(5):
             header = self.client.fetch(s.island_id, shard.global_, shard.manifest, shard.wire_ranges, fragment=one)
@@ -234,7 +237,8 @@ class Landing:
         if self.replicas.participating_rank() == 0 and self.world.is_leader:
             stats = {k: v for k, v in self.timing.items() if k in pb.LeaveRequest.DESCRIPTOR.fields_by_name}
             reply = self.client.leave(s.island_id, "", s.round, dict(stats, inner_steps=s.step),
-                                      fragment_checksums=list(s.checksums) if verified else ["shards-differ"])
+                                      fragment_checksums=list(s.checksums) if verified else ["shards-differ"],
+                                      untrained=s.untrained() if self.feed.leased else [])
             self.final_checksum = reply.checksum if reply.checksum_matches else "differs"
             return reply.checksum_matches
         return verified

@@ -18,6 +18,7 @@ class Next(enum.Enum):
     RESYNC = "resync"  # fetch the current global parameters and train for the coordinator's round
     REJOIN = "rejoin"  # the coordinator forgot us: join again under our id, then resync
     RESET = "reset"  # our pseudo-gradient was not finite: fresh inner optimizer and error feedback, then resync
+    RELEASE = "release"  # our samples are not ours (the coordinator forgot our leases): drop them, take new ones, resync
     PUSH_AGAIN = "push again"  # the coordinator holds no contribution from us (it restarted): resend the same chunks
     DELIVERED = "delivered"  # a duplicate: what we pushed is there already (another replica group's copy)
     WAIT = "wait"  # the round is still open, waiting for other islands: wait on
@@ -44,6 +45,7 @@ _NEXT: dict[int, Next] = {
     Reason.PUSH_AGAIN: Next.PUSH_AGAIN,
     Reason.DUPLICATE: Next.DELIVERED,
     Reason.STILL_OPEN: Next.WAIT,
+    Reason.NOT_LEASED: Next.RELEASE,
 }
 assert set(_NEXT) == set(Reason.values()), "every refusal reason needs an island decision"
 

@@ -40,6 +40,15 @@ class IslandState:
     finished: bool = False  # the coordinator said the run is over
     rounds_done: int = 0  # fragment 0's rounds landed here
     resyncs: int = 0
+    # Token corpus (islands/feed.py): the leased sample positions held, as [start, stop) pieces in
+    # training order. Samples are consumed through a virtual position that runs across the pieces:
+    # pieces[0] starts at data_base, data_cursor is where the next inner step reads, and data_marks
+    # is the cursor at each fragment's last sync (the push names the positions in between).
+    pieces: list[list[int]] = field(default_factory=list)
+    leases_taken: int = 0
+    data_base: int = 0
+    data_cursor: int = 0
+    data_marks: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         p = len(self.rounds)
@@ -47,6 +56,7 @@ class IslandState:
         self.last_sync = self.last_sync or [self.step] * p
         self.loss = self.loss or [[0.0, 0] for _ in range(p)]
         self.tokens = self.tokens or [0] * p
+        self.data_marks = self.data_marks or [self.data_cursor] * p
 
     @property
     def round(self) -> int:
@@ -59,6 +69,46 @@ class IslandState:
     def restart_fragment(self, f: int) -> None:
         """Fragment f's round begins now (after a landing or a resync)."""
         self.last_sync[f], self.loss[f], self.tokens[f] = self.step, [0.0, 0], 0
+        self.data_marks[f] = self.data_cursor
+
+    # --- the data position on a token corpus ---------------------------------------------------------
+
+    @property
+    def data_end(self) -> int:
+        """The virtual position after the last leased piece."""
+        return self.data_base + sum(b - a for a, b in self.pieces)
+
+    def add_lease(self, ranges: list[tuple[int, int]]) -> None:
+        self.pieces.extend([a, b] for a, b in ranges)
+        self.leases_taken += 1
+
+    def positions(self, lo: int, hi: int) -> list[tuple[int, int]]:
+        """The sample positions of virtual positions [lo, hi), as ranges in order."""
+        out, v = [], self.data_base
+        for a, b in self.pieces:
+            n = b - a
+            s, e = max(lo, v), min(hi, v + n)
+            if s < e:
+                out.append((a + s - v, a + e - v))
+            v += n
+        return out
+
+    def consume(self, n: int) -> None:
+        """A committed inner step read n samples; pieces nobody will name again are dropped."""
+        self.data_cursor += n
+        keep = min([self.data_cursor, *self.data_marks])
+        while self.pieces and self.data_base + self.pieces[0][1] - self.pieces[0][0] <= keep:
+            a, b = self.pieces.pop(0)
+            self.data_base += b - a
+
+    def untrained(self) -> list[tuple[int, int]]:
+        """Leased positions no inner step read: handed back at leave."""
+        return self.positions(self.data_cursor, self.data_end)
+
+    def forget_leases(self) -> None:
+        """The coordinator does not know our leases (it restarted from an older checkpoint): take new ones."""
+        self.pieces, self.data_base = [], self.data_cursor
+        self.data_marks = [self.data_cursor] * len(self.data_marks)
 
     def state_dict(self) -> dict:
         return dataclasses.asdict(self)

@@ -29,6 +29,7 @@ class Refusal(_message.Message):
         DROPPED: _ClassVar[Refusal.Reason]
         STILL_OPEN: _ClassVar[Refusal.Reason]
         BAD_REQUEST: _ClassVar[Refusal.Reason]
+        NOT_LEASED: _ClassVar[Refusal.Reason]
     REASON_UNSPECIFIED: Refusal.Reason
     PROTOCOL_MISMATCH: Refusal.Reason
     CONFIG_MISMATCH: Refusal.Reason
@@ -47,6 +48,7 @@ class Refusal(_message.Message):
     DROPPED: Refusal.Reason
     STILL_OPEN: Refusal.Reason
     BAD_REQUEST: Refusal.Reason
+    NOT_LEASED: Refusal.Reason
     REASON_FIELD_NUMBER: _ClassVar[int]
     RESEND_FROM_CHUNK_FIELD_NUMBER: _ClassVar[int]
     CURRENT_ROUND_FIELD_NUMBER: _ClassVar[int]
@@ -100,7 +102,7 @@ class FragmentState(_message.Message):
     def __init__(self, index: _Optional[int] = ..., round: _Optional[int] = ..., checksum: _Optional[str] = ...) -> None: ...
 
 class JoinResponse(_message.Message):
-    __slots__ = ("island_id", "config_digest", "config_toml", "round", "parameters", "codec", "max_chunk_bytes", "heartbeat_interval_s", "shard_index", "total_rounds", "downlink_codec", "fragments", "fragment_rounds")
+    __slots__ = ("island_id", "config_digest", "config_toml", "round", "parameters", "codec", "max_chunk_bytes", "heartbeat_interval_s", "shard_index", "total_rounds", "downlink_codec", "fragments", "fragment_rounds", "data_digest", "data_epoch_size")
     ISLAND_ID_FIELD_NUMBER: _ClassVar[int]
     CONFIG_DIGEST_FIELD_NUMBER: _ClassVar[int]
     CONFIG_TOML_FIELD_NUMBER: _ClassVar[int]
@@ -114,6 +116,8 @@ class JoinResponse(_message.Message):
     DOWNLINK_CODEC_FIELD_NUMBER: _ClassVar[int]
     FRAGMENTS_FIELD_NUMBER: _ClassVar[int]
     FRAGMENT_ROUNDS_FIELD_NUMBER: _ClassVar[int]
+    DATA_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    DATA_EPOCH_SIZE_FIELD_NUMBER: _ClassVar[int]
     island_id: str
     config_digest: str
     config_toml: str
@@ -127,7 +131,9 @@ class JoinResponse(_message.Message):
     downlink_codec: str
     fragments: _containers.RepeatedCompositeFieldContainer[FragmentSpec]
     fragment_rounds: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, island_id: _Optional[str] = ..., config_digest: _Optional[str] = ..., config_toml: _Optional[str] = ..., round: _Optional[int] = ..., parameters: _Optional[_Iterable[_Union[ParameterSpec, _Mapping]]] = ..., codec: _Optional[str] = ..., max_chunk_bytes: _Optional[int] = ..., heartbeat_interval_s: _Optional[float] = ..., shard_index: _Optional[int] = ..., total_rounds: _Optional[int] = ..., downlink_codec: _Optional[str] = ..., fragments: _Optional[_Iterable[_Union[FragmentSpec, _Mapping]]] = ..., fragment_rounds: _Optional[_Iterable[int]] = ...) -> None: ...
+    data_digest: str
+    data_epoch_size: int
+    def __init__(self, island_id: _Optional[str] = ..., config_digest: _Optional[str] = ..., config_toml: _Optional[str] = ..., round: _Optional[int] = ..., parameters: _Optional[_Iterable[_Union[ParameterSpec, _Mapping]]] = ..., codec: _Optional[str] = ..., max_chunk_bytes: _Optional[int] = ..., heartbeat_interval_s: _Optional[float] = ..., shard_index: _Optional[int] = ..., total_rounds: _Optional[int] = ..., downlink_codec: _Optional[str] = ..., fragments: _Optional[_Iterable[_Union[FragmentSpec, _Mapping]]] = ..., fragment_rounds: _Optional[_Iterable[int]] = ..., data_digest: _Optional[str] = ..., data_epoch_size: _Optional[int] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
     __slots__ = ("island_id", "round")
@@ -180,7 +186,7 @@ class TensorChunk(_message.Message):
     def __init__(self, name: _Optional[str] = ..., offset: _Optional[int] = ..., numel: _Optional[int] = ..., payload: _Optional[bytes] = ..., crc32: _Optional[int] = ...) -> None: ...
 
 class PushHeader(_message.Message):
-    __slots__ = ("island_id", "round", "tokens", "train_loss", "codec", "global_checksum", "inner_steps", "fragment")
+    __slots__ = ("island_id", "round", "tokens", "train_loss", "codec", "global_checksum", "inner_steps", "fragment", "samples")
     ISLAND_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -189,6 +195,7 @@ class PushHeader(_message.Message):
     GLOBAL_CHECKSUM_FIELD_NUMBER: _ClassVar[int]
     INNER_STEPS_FIELD_NUMBER: _ClassVar[int]
     FRAGMENT_FIELD_NUMBER: _ClassVar[int]
+    SAMPLES_FIELD_NUMBER: _ClassVar[int]
     island_id: str
     round: int
     tokens: int
@@ -197,7 +204,34 @@ class PushHeader(_message.Message):
     global_checksum: str
     inner_steps: int
     fragment: int
-    def __init__(self, island_id: _Optional[str] = ..., round: _Optional[int] = ..., tokens: _Optional[int] = ..., train_loss: _Optional[float] = ..., codec: _Optional[str] = ..., global_checksum: _Optional[str] = ..., inner_steps: _Optional[int] = ..., fragment: _Optional[int] = ...) -> None: ...
+    samples: _containers.RepeatedCompositeFieldContainer[SampleRange]
+    def __init__(self, island_id: _Optional[str] = ..., round: _Optional[int] = ..., tokens: _Optional[int] = ..., train_loss: _Optional[float] = ..., codec: _Optional[str] = ..., global_checksum: _Optional[str] = ..., inner_steps: _Optional[int] = ..., fragment: _Optional[int] = ..., samples: _Optional[_Iterable[_Union[SampleRange, _Mapping]]] = ...) -> None: ...
+
+class SampleRange(_message.Message):
+    __slots__ = ("start", "stop")
+    START_FIELD_NUMBER: _ClassVar[int]
+    STOP_FIELD_NUMBER: _ClassVar[int]
+    start: int
+    stop: int
+    def __init__(self, start: _Optional[int] = ..., stop: _Optional[int] = ...) -> None: ...
+
+class LeaseRequest(_message.Message):
+    __slots__ = ("island_id", "index", "samples")
+    ISLAND_ID_FIELD_NUMBER: _ClassVar[int]
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    island_id: str
+    index: int
+    samples: int
+    def __init__(self, island_id: _Optional[str] = ..., index: _Optional[int] = ..., samples: _Optional[int] = ...) -> None: ...
+
+class LeaseResponse(_message.Message):
+    __slots__ = ("index", "ranges")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    RANGES_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    ranges: _containers.RepeatedCompositeFieldContainer[SampleRange]
+    def __init__(self, index: _Optional[int] = ..., ranges: _Optional[_Iterable[_Union[SampleRange, _Mapping]]] = ...) -> None: ...
 
 class PushMessage(_message.Message):
     __slots__ = ("header", "chunk", "end")
@@ -288,7 +322,7 @@ class ResultMessage(_message.Message):
     def __init__(self, header: _Optional[_Union[ResultHeader, _Mapping]] = ..., chunk: _Optional[_Union[TensorChunk, _Mapping]] = ..., mean_chunk: _Optional[_Union[TensorChunk, _Mapping]] = ...) -> None: ...
 
 class LeaveRequest(_message.Message):
-    __slots__ = ("island_id", "checksum", "round", "compute_s", "wait_s", "wall_s", "inner_steps", "straggler_s", "steady_compute_s", "steady_wall_s", "fragment_checksums")
+    __slots__ = ("island_id", "checksum", "round", "compute_s", "wait_s", "wall_s", "inner_steps", "straggler_s", "steady_compute_s", "steady_wall_s", "fragment_checksums", "untrained")
     ISLAND_ID_FIELD_NUMBER: _ClassVar[int]
     CHECKSUM_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
@@ -300,6 +334,7 @@ class LeaveRequest(_message.Message):
     STEADY_COMPUTE_S_FIELD_NUMBER: _ClassVar[int]
     STEADY_WALL_S_FIELD_NUMBER: _ClassVar[int]
     FRAGMENT_CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
+    UNTRAINED_FIELD_NUMBER: _ClassVar[int]
     island_id: str
     checksum: str
     round: int
@@ -311,7 +346,8 @@ class LeaveRequest(_message.Message):
     steady_compute_s: float
     steady_wall_s: float
     fragment_checksums: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, island_id: _Optional[str] = ..., checksum: _Optional[str] = ..., round: _Optional[int] = ..., compute_s: _Optional[float] = ..., wait_s: _Optional[float] = ..., wall_s: _Optional[float] = ..., inner_steps: _Optional[int] = ..., straggler_s: _Optional[float] = ..., steady_compute_s: _Optional[float] = ..., steady_wall_s: _Optional[float] = ..., fragment_checksums: _Optional[_Iterable[str]] = ...) -> None: ...
+    untrained: _containers.RepeatedCompositeFieldContainer[SampleRange]
+    def __init__(self, island_id: _Optional[str] = ..., checksum: _Optional[str] = ..., round: _Optional[int] = ..., compute_s: _Optional[float] = ..., wait_s: _Optional[float] = ..., wall_s: _Optional[float] = ..., inner_steps: _Optional[int] = ..., straggler_s: _Optional[float] = ..., steady_compute_s: _Optional[float] = ..., steady_wall_s: _Optional[float] = ..., fragment_checksums: _Optional[_Iterable[str]] = ..., untrained: _Optional[_Iterable[_Union[SampleRange, _Mapping]]] = ...) -> None: ...
 
 class LeaveResponse(_message.Message):
     __slots__ = ("checksum_matches", "checksum")
@@ -338,7 +374,7 @@ class WatchRequest(_message.Message):
     def __init__(self, from_round: _Optional[int] = ...) -> None: ...
 
 class RoundSummary(_message.Message):
-    __slots__ = ("round", "islands", "tokens", "train_loss", "eval_loss", "bytes_up", "bytes_down", "seconds", "checksum", "run_finished", "initial_eval_loss", "ddp_bytes", "traffic", "dropped", "elements_folded", "elements_expected", "fragment", "fragments")
+    __slots__ = ("round", "islands", "tokens", "train_loss", "eval_loss", "bytes_up", "bytes_down", "seconds", "checksum", "run_finished", "initial_eval_loss", "ddp_bytes", "traffic", "dropped", "elements_folded", "elements_expected", "fragment", "fragments", "data")
     ROUND_FIELD_NUMBER: _ClassVar[int]
     ISLANDS_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -357,6 +393,7 @@ class RoundSummary(_message.Message):
     ELEMENTS_EXPECTED_FIELD_NUMBER: _ClassVar[int]
     FRAGMENT_FIELD_NUMBER: _ClassVar[int]
     FRAGMENTS_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
     round: int
     islands: _containers.RepeatedScalarFieldContainer[str]
     tokens: int
@@ -375,4 +412,27 @@ class RoundSummary(_message.Message):
     elements_expected: int
     fragment: int
     fragments: int
-    def __init__(self, round: _Optional[int] = ..., islands: _Optional[_Iterable[str]] = ..., tokens: _Optional[int] = ..., train_loss: _Optional[float] = ..., eval_loss: _Optional[float] = ..., bytes_up: _Optional[int] = ..., bytes_down: _Optional[int] = ..., seconds: _Optional[float] = ..., checksum: _Optional[str] = ..., run_finished: _Optional[bool] = ..., initial_eval_loss: _Optional[float] = ..., ddp_bytes: _Optional[float] = ..., traffic: _Optional[_Iterable[_Union[IslandTraffic, _Mapping]]] = ..., dropped: _Optional[_Iterable[str]] = ..., elements_folded: _Optional[int] = ..., elements_expected: _Optional[int] = ..., fragment: _Optional[int] = ..., fragments: _Optional[int] = ...) -> None: ...
+    data: DataAccount
+    def __init__(self, round: _Optional[int] = ..., islands: _Optional[_Iterable[str]] = ..., tokens: _Optional[int] = ..., train_loss: _Optional[float] = ..., eval_loss: _Optional[float] = ..., bytes_up: _Optional[int] = ..., bytes_down: _Optional[int] = ..., seconds: _Optional[float] = ..., checksum: _Optional[str] = ..., run_finished: _Optional[bool] = ..., initial_eval_loss: _Optional[float] = ..., ddp_bytes: _Optional[float] = ..., traffic: _Optional[_Iterable[_Union[IslandTraffic, _Mapping]]] = ..., dropped: _Optional[_Iterable[str]] = ..., elements_folded: _Optional[int] = ..., elements_expected: _Optional[int] = ..., fragment: _Optional[int] = ..., fragments: _Optional[int] = ..., data: _Optional[_Union[DataAccount, _Mapping]] = ...) -> None: ...
+
+class DataAccount(_message.Message):
+    __slots__ = ("leased", "folded", "returned", "lost", "held", "repeated", "folded_this_round", "epoch", "samples")
+    LEASED_FIELD_NUMBER: _ClassVar[int]
+    FOLDED_FIELD_NUMBER: _ClassVar[int]
+    RETURNED_FIELD_NUMBER: _ClassVar[int]
+    LOST_FIELD_NUMBER: _ClassVar[int]
+    HELD_FIELD_NUMBER: _ClassVar[int]
+    REPEATED_FIELD_NUMBER: _ClassVar[int]
+    FOLDED_THIS_ROUND_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    leased: int
+    folded: int
+    returned: int
+    lost: int
+    held: int
+    repeated: int
+    folded_this_round: int
+    epoch: int
+    samples: _containers.RepeatedCompositeFieldContainer[SampleRange]
+    def __init__(self, leased: _Optional[int] = ..., folded: _Optional[int] = ..., returned: _Optional[int] = ..., lost: _Optional[int] = ..., held: _Optional[int] = ..., repeated: _Optional[int] = ..., folded_this_round: _Optional[int] = ..., epoch: _Optional[int] = ..., samples: _Optional[_Iterable[_Union[SampleRange, _Mapping]]] = ...) -> None: ...

@@ -69,6 +69,11 @@ class CoordinatorStub:
                 request_serializer=diloco_dot_v1_dot_diloco__pb2.WatchRequest.SerializeToString,
                 response_deserializer=diloco_dot_v1_dot_diloco__pb2.RoundSummary.FromString,
                 _registered_method=True)
+        self.Lease = channel.unary_unary(
+                '/diloco.v1.Coordinator/Lease',
+                request_serializer=diloco_dot_v1_dot_diloco__pb2.LeaseRequest.SerializeToString,
+                response_deserializer=diloco_dot_v1_dot_diloco__pb2.LeaseResponse.FromString,
+                _registered_method=True)
 
 
 class CoordinatorServicer:
@@ -125,6 +130,16 @@ class CoordinatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Lease(self, request, context):
+        """With a token corpus (data.source = "tokens"): the island's lease number
+        `index`, a range of the data stream's sample positions nobody else gets
+        (coordinator/ledger.py). Asking again for the same index returns the same
+        lease, so every rank and replica group of an island can ask.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CoordinatorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -162,6 +177,11 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.WatchRounds,
                     request_deserializer=diloco_dot_v1_dot_diloco__pb2.WatchRequest.FromString,
                     response_serializer=diloco_dot_v1_dot_diloco__pb2.RoundSummary.SerializeToString,
+            ),
+            'Lease': grpc.unary_unary_rpc_method_handler(
+                    servicer.Lease,
+                    request_deserializer=diloco_dot_v1_dot_diloco__pb2.LeaseRequest.FromString,
+                    response_serializer=diloco_dot_v1_dot_diloco__pb2.LeaseResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -353,6 +373,33 @@ class Coordinator:
             '/diloco.v1.Coordinator/WatchRounds',
             diloco_dot_v1_dot_diloco__pb2.WatchRequest.SerializeToString,
             diloco_dot_v1_dot_diloco__pb2.RoundSummary.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Lease(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/diloco.v1.Coordinator/Lease',
+            diloco_dot_v1_dot_diloco__pb2.LeaseRequest.SerializeToString,
+            diloco_dot_v1_dot_diloco__pb2.LeaseResponse.FromString,
             options,
             channel_credentials,
             insecure,
