@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
+import urllib.request
 from contextlib import contextmanager
 import shlex
 import subprocess
@@ -49,6 +51,33 @@ def tiny_config(*overrides: str):
         "rounds.deadline_s=30", "wire.chunk_bytes=4096",
     ]
     return load_config(None, base + list(overrides))
+
+
+@pytest.fixture
+def s3(monkeypatch):
+    """A local S3-compatible server (moto) with a bucket; yields the bucket's s3:// URL prefix."""
+    moto_server = pytest.importorskip("moto.server")
+    import boto3
+    import s3fs
+
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)
+    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    try:
+        host, port = server.get_host_and_port()
+        for key, value in {
+            "AWS_ACCESS_KEY_ID": "test", "AWS_SECRET_ACCESS_KEY": "test", "AWS_DEFAULT_REGION": "us-east-1",
+            "AWS_ENDPOINT_URL": f"http://{host}:{port}",
+        }.items():
+            monkeypatch.setenv(key, value)
+        s3fs.S3FileSystem.clear_instance_cache()  # a cached client would still point at an old server
+        # moto keeps its buckets in process-wide memory: start every test from an empty store.
+        urllib.request.urlopen(urllib.request.Request(f"http://{host}:{port}/moto-api/reset", method="POST"), timeout=10)
+        boto3.client("s3").create_bucket(Bucket="diloco-test")
+        yield "s3://diloco-test"
+    finally:
+        s3fs.S3FileSystem.clear_instance_cache()
+        server.stop()
 
 
 @pytest.fixture
