@@ -37,8 +37,7 @@ import numpy as np
 import xxhash
 import zstandard
 
-from diloco.shards import DataError
-from diloco.shardstore import Shard, ShardStore
+from diloco.shardstore import DataError, Shard, ShardStore
 
 log = logging.getLogger(__name__)
 
@@ -135,7 +134,7 @@ def load_mds_file(path: str, shard: Shard, *, info: dict, col: int, dtype: np.dt
         raise DataError(f"{shard.url}: undecodable MDS shard ({type(e).__name__}: {e})") from e
 
 
-def _known_hashes(hashes: dict) -> dict[str, str]:
+def known_hashes(hashes: dict) -> dict[str, str]:
     return {a: h for a, h in (hashes or {}).items()
             if (a.startswith("xxh") and hasattr(xxhash, a)) or a in hashlib.algorithms_available}
 
@@ -166,7 +165,7 @@ def open_mds(fs, url: str, index_path: str, split: str, cache_root: Path, cache_
     for info in infos:
         file = info["zip_data"] if info.get("compression") else info["raw_data"]
         shards.append(Shard(url=f"{url}/{sub + '/' if sub else ''}{file['basename']}", path=f"{base}/{file['basename']}",
-                            nbytes=int(file["bytes"]), tokens=0, hashes=_known_hashes(file.get("hashes")),
+                            nbytes=int(file["bytes"]), tokens=0, hashes=known_hashes(file.get("hashes")),
                             name=f"{sub.replace('/', '__')}__{file['basename']}" if sub else file["basename"]))
     cache_dir = cache_root / xxhash.xxh3_64_hexdigest(raw_index)
     loads = [partial(load_mds_file, info=info, col=c, dtype=dtype, append_eos=append_eos, eos_id=eos_id)

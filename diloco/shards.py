@@ -41,19 +41,18 @@ import fsspec
 import numpy as np
 import xxhash
 
+from diloco.mds import find_mds_index, open_mds
+# DataError lives with the store (which raises most of them) and is the one error of this module too.
+from diloco.shardstore import BLOCK_BYTES, DataError, Shard, ShardStore
+
 MAGIC = b"DLTK"
 FORMAT = "diloco-tokens"
 FORMAT_VERSION = 1
 HEADER = struct.Struct("<4sHHQ")  # magic, version, token width, token count
-BLOCK_BYTES = 1 << 20
 SPLITS = ("train", "eval")
 MANIFEST = "manifest.json"
 TOKENIZER = "tokenizer.json"
 DEFAULT_CACHE = Path("~/.cache/diloco/tokens")
-
-
-class DataError(ValueError):
-    """Token data that is missing, truncated, corrupt or inconsistent; the message names where and what."""
 
 
 class TokenStore(Protocol):
@@ -201,9 +200,6 @@ def open_store(url: str, split: str = "train", cache_dir: str | os.PathLike | No
     (more only while shards are being read). prefetch_shards: how many shards past the last read
     to download in the background.
     """
-    from diloco.mds import find_mds_index, open_mds
-    from diloco.shardstore import ShardStore, Shard
-
     url = url.rstrip("/")
     fs, root = fsspec.core.url_to_fs(url, **(storage_options or {}))
     root = root.rstrip("/")

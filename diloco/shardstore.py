@@ -31,11 +31,10 @@ from pathlib import Path
 import numpy as np
 import xxhash
 
-from diloco.shards import BLOCK_BYTES, DataError
-
 log = logging.getLogger(__name__)
 
 CHUNK = 8 << 20  # download granularity
+BLOCK_BYTES = 1 << 20  # the manifest's default: each block's checksum verifies a ranged read
 BLOCK_CACHE = 8  # verified blocks kept for ranged reads (sequential reads mostly hit the last one)
 
 
@@ -63,6 +62,10 @@ def check_hashes(shard: Shard, digests: dict[str, str]) -> None:
     for algorithm, want in shard.hashes.items():
         if digests[algorithm] != want:
             raise DataError(f"{shard.url}: checksum mismatch ({algorithm} {digests[algorithm]}, expected {want})")
+
+
+class DataError(ValueError):
+    """Token data that is missing, truncated, corrupt or inconsistent; the message names where and what."""
 
 
 class _Closed(Exception):
