@@ -44,7 +44,7 @@ class Events:
     restarts: int = 0  # of the coordinator
     rounds_lost: int = 0
     recovery_s: float = 0.0  # coordinator restarts: from restore to the first round closed again
-    island_restarts: int = 0  # an island came back under its own id (e.g. `join --resume`) while still a member
+    island_restarts: int = 0  # an island came back under its own id (e.g. `join --resume`), a member still or expired
     island_silent_s: float = 0.0  # those islands' silence before they came back: last heartbeat to rejoin
 
 
@@ -61,6 +61,7 @@ class Membership:
         self.on_leave = on_leave  # drops the island's half-pushed contributions; called holding cond
         self.islands: dict[str, Island] = {}
         self.departed: list[Island] = []
+        self.expired: dict[str, Island] = {}  # islands whose lease ran out: a restarted one may come back as itself
         self.joined = 0
         self.events = Events()
 
@@ -90,6 +91,13 @@ class Membership:
             if run_finished:
                 raise Refused(Reason.RUN_FINISHED, "the run has finished; nothing to join")
             self.expire_leases()
+            if island_id in self.expired:  # back after its lease ran out (a restart that took long): as itself
+                self.islands[island_id] = self.expired.pop(island_id)
+                self.events.island_restarts += 1
+                self.events.island_silent_s += self.clock() - self.islands[island_id].last_seen
+                self.islands[island_id].last_seen = self.clock()
+                log.info("%s rejoined from %s at round %d after its lease had run out", island_id, hostname, round_)
+                return self.islands[island_id]
             explicit_id = bool(island_id) and island_id in self.islands
             if key and not explicit_id:
                 island_id = next((i.island_id for i in self.islands.values() if i.key == key), island_id)
@@ -128,7 +136,7 @@ class Membership:
             if now - island.last_seen > self.lease_s:
                 log.warning("%s missed its %.1fs lease; removed from the run", island_id, self.lease_s)
                 self.events.leases_expired += 1
-                del self.islands[island_id]
+                self.expired[island_id] = self.islands.pop(island_id)
                 self.on_leave(island_id)
 
     # --- checkpoints -------------------------------------------------------------------------
@@ -139,6 +147,7 @@ class Membership:
             "islands": [{"island_id": i.island_id, "hostname": i.hostname, "shard": i.shard, "key": i.key}
                         for i in self.islands.values()],
             "departed": [dataclasses.asdict(i) for i in self.departed],
+            "expired": [dataclasses.asdict(i) for i in self.expired.values()],
             "events": dataclasses.asdict(self.events),
         }
 
@@ -150,5 +159,6 @@ class Membership:
             self.islands = {i["island_id"]: Island(i["island_id"], i["hostname"], i["shard"], now, key=i.get("key", ""))
                             for i in state["islands"]}
             self.departed = [Island(**i) for i in state["departed"]]
+            self.expired = {i["island_id"]: Island(**i) for i in state.get("expired", [])}
             self.events = Events(**state["events"])
             self.events.restarts += 1

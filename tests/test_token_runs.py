@@ -1,0 +1,131 @@
+"""Runs on a token corpus: leases from the coordinator, every sample folded at most once, the account."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from conftest import island_on, tiny_config
+from diloco.config import ConfigError
+from diloco.prepare import PrepareConfig, prepare
+
+WORDS = ("the quick brown fox jumps over lazy dog and runs far away from home while birds sing "
+         "in tall green trees near a quiet river under the bright morning sun").split()
+
+
+def write_corpus(root, docs: int = 400, seed: int = 0) -> str:
+    """A small tokenized corpus (BPE trained on it) at root/tokens; returns its URL."""
+    rng = random.Random(seed)
+    text = "\n\n".join(" ".join(rng.choice(WORDS) for _ in range(rng.randrange(40, 120))) for _ in range(docs))
+    (root / "corpus.txt").write_text(text)
+    url = str(root / "tokens")
+    prepare(PrepareConfig([str(root / "corpus.txt")], url, vocab_size=300, eval_fraction=0.1, shard_tokens=4096, workers=1))
+    return url
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> str:
+    return write_corpus(tmp_path_factory.mktemp("corpus"))
+
+
+def token_config(url: str, tmp_path, *overrides: str):
+    return tiny_config("data.source=tokens", f"data.url={url!r}", "model.vocab_size=0", f"data.cache_dir={str(tmp_path / 'cache')!r}",
+                       "data.shuffle_block=8", *overrides)
+
+
+def _positions(ranges) -> list[int]:
+    return [p for a, b in ranges for p in range(a, b)]
+
+
+def test_an_island_trains_every_leased_sample_once_and_the_account_adds_up(corpus, tmp_path, make_coordinator):
+    cfg = token_config(corpus, tmp_path, "rounds.rounds=3", "inner.steps_per_round=3", "eval.batches=2")
+    coordinator = make_coordinator(cfg)
+    assert cfg.model.vocab_size == 300  # resolved from the corpus's manifest
+    with island_on(coordinator, cfg) as island:
+        result = island.run()
+    assert result.rounds == 3 and result.checksum_matches
+    report = coordinator.report()
+    seq, per_round = cfg.data.seq_len, cfg.inner.steps_per_round * cfg.inner.batch_size
+    folded: list[int] = []
+    for r in report["rounds"]:
+        data = r["data"]
+        # The aggregate's tokens are exactly the tokens of the positions folded, and no position twice.
+        assert data["folded_this_round"] == r["tokens"] == per_round * seq
+        folded += _positions(data["samples"])
+    assert len(folded) == len(set(folded)) == 3 * per_round
+    d = report["data"]
+    assert d["tokens_trained"] == 3 * per_round * seq and d["tokens_repeated"] == 0 and d["tokens_lost"] == 0
+    # One lease a round, all of it trained: nothing to hand back, nothing held after the island left.
+    assert d["tokens_leased"] == d["tokens_trained"] + d["tokens_returned"] and d["fragments"][0]["held"] == 0
+    assert report["rounds"][-1]["eval_loss"] < report["initial_eval_loss"]
+
+
+def test_a_model_whose_vocabulary_is_not_the_corpus_is_refused_at_start(corpus, tmp_path, make_coordinator):
+    with pytest.raises(ConfigError, match="vocabulary of .* the model 64"):
+        make_coordinator(token_config(corpus, tmp_path, "model.vocab_size=64"))
+
+
+def _sim_token_config(url: str, tmp_path, rounds: int, islands: int, *extra: str):
+    return token_config(
+        url, tmp_path, f"rounds.rounds={rounds}", f"rounds.min_islands={islands}", "inner.steps_per_round=4",
+        "inner.lr=1e-2", "inner.warmup_steps=2", "eval.batches=4", "checkpoint.every_rounds=1", "rounds.heartbeat_s=0.5",
+        "rounds.lease_s=8", *extra,
+    )
+
+
+def check_exactly_once(report: dict, seq_len: int) -> dict:
+    """Every round's tokens are its folded positions' tokens; no position folded twice; the account adds up."""
+    folded: list[int] = []
+    for r in report["rounds"]:
+        assert r["data"]["folded_this_round"] == r["tokens"] > 0, r
+        positions = _positions(r["data"]["samples"])
+        assert len(positions) * seq_len == r["tokens"]
+        folded += positions
+    assert len(folded) == len(set(folded)), "a sample position was folded twice"
+    d = report["data"]
+    assert d["tokens_trained"] == len(folded) * seq_len and d["tokens_repeated"] == 0
+    assert d["tokens_leased"] == d["tokens_trained"] + d["tokens_returned"] + d["tokens_lost"] + d["fragments"][0]["held"]
+    return d
+
+
+def test_a_stopped_and_resumed_run_on_tokens_ends_bit_identical(corpus, tmp_path):
+    from conftest import kill_all_and_resume
+    from islands.sim.simulation import Simulation, run_sim
+
+    cfg = _sim_token_config(corpus, tmp_path, 5, 2)
+    straight = run_sim(cfg, 2, tmp_path / "straight", timeout_s=300, echo=lambda s: None)
+    sim = Simulation(cfg, 2, tmp_path / "stopped", checkpoints=True)
+    try:
+        sim.start()
+        kill_all_and_resume(sim, step=2, islands=2, timeout_s=120)
+        for _ in sim.watch(300):
+            pass
+        resumed = sim.finish(300)
+    finally:
+        sim.close()
+    assert resumed.report["events"]["restarts"] == 1
+    # The same islands trained on the same samples: the data cursors and leases came back exactly.
+    assert resumed.report["checksum"] == straight.report["checksum"]
+    assert [r["data"]["samples"] for r in resumed.report["rounds"]] == [r["data"]["samples"] for r in straight.report["rounds"]]
+    check_exactly_once(resumed.report, cfg.data.seq_len)
+
+
+def test_a_chaos_run_on_tokens_folds_every_sample_at_most_once_and_accounts_for_the_rest(corpus, tmp_path):
+    from islands.sim.chaos import ChaosPlan, run_chaos
+
+    # Rounds close without a dead island (min_islands 2) and short leases expire while the coordinator
+    # restarts: islands come back as themselves, after their leases were granted ahead of them.
+    rounds, islands = 10, 3
+    cfg = _sim_token_config(corpus, tmp_path, rounds, islands, "inner.steps_per_round=40", "rounds.min_islands=2",
+                            "rounds.lease_s=3")
+    result, chaos = run_chaos(cfg, islands, tmp_path / "chaos",
+                              ChaosPlan(island_every=3, coordinator_at=3, seed=2, kill_delay_s=(0.0, 0.05)),
+                              timeout_s=400, echo=lambda s: None)
+    report = result.report
+    who = [k[0] for k in chaos.kills]
+    assert "coordinator" in who and sum(w.startswith("island") for w in who) >= 1, who
+    assert [r["round"] for r in report["rounds"]] == list(range(rounds))
+    assert set(report["islands"].values()) == {report["checksum"]}
+    d = check_exactly_once(report, cfg.data.seq_len)
+    assert d["fragments"][0]["held"] == 0  # every island left: nothing is still out
