@@ -11,6 +11,11 @@
    latency of the very first window of a fresh store. The target: twice the 457,671 tokens/s
    a 125M island consumes on one H100, from one core with the cache warm; a cold first read
    under 1 s.
+3. The island's loader: what an island's feed does each inner step (islands/feed.py): a batch of
+   --batch windows of 1024 + 1 tokens at consecutive stream positions (a lease), read through
+   WindowSamples's shuffled epoch order (diloco/samples.py) into an int64 tensor, for
+   --loader-steps steps. "first step" is the wait from opening the corpus with an empty cache to
+   the first batch in hand (what a cold start adds to the first step); then steps/s and tokens/s.
 
 Run from the repository root:  python benchmarks/data.py   (about half a minute on 2 cores)
 """
@@ -71,11 +76,37 @@ def bench_reads(url: str, label: str, cache: Path, seq: int = 1025, batch: int =
         print(f"reads {label:5s} {state}: first read {first * 1000:.1f} ms, {n / elapsed:,.0f} tokens/s{verdict}")
 
 
+def bench_loader(url: str, label: str, cache: Path, batch: int, steps: int, seq_len: int = 1024) -> None:
+    from diloco.samples import WindowSamples
+
+    for state in ("cold", "warm"):
+        if state == "cold":
+            shutil.rmtree(cache, ignore_errors=True)
+        t = time.perf_counter()
+        samples = WindowSamples(open_store(url, cache_dir=cache, prefetch_shards=2), seq_len, seed=0)
+        samples.prefetch(0, steps * batch)  # the island prefetches each lease as it gets it
+        first = samples.sequences(0, batch)
+        first_s = time.perf_counter() - t
+        t = time.perf_counter()
+        for step in range(1, steps + 1):
+            seqs = samples.sequences(step * batch, batch)
+            inputs, targets = seqs[:, :-1], seqs[:, 1:]
+        elapsed = time.perf_counter() - t
+        assert inputs.shape == targets.shape == first[:, :-1].shape
+        samples.store.close()
+        tokens = steps * batch * seq_len
+        print(f"loader {label:5s} {state}: first step {first_s * 1000:.1f} ms, {steps / elapsed:,.1f} steps/s of "
+              f"{batch} x {seq_len}, {tokens / elapsed:,.0f} tokens/s "
+              f"({tokens / elapsed / TARGET * 2:.0f}x the 457,671 an H100 consumes)")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--vocab-size", type=int, default=8192)
     p.add_argument("--workers", type=int, default=os.cpu_count() or 1)
     p.add_argument("--shard-tokens", type=int, default=1 << 18, help="small, so the reads cross shards")
+    p.add_argument("--batch", type=int, default=32, help="loader: windows a step (the 125M preset's batch)")
+    p.add_argument("--loader-steps", type=int, default=200, help="loader: steps timed")
     args = p.parse_args()
     inputs = [str(DATA / n) for n in ("wikitext2-valid.txt", "wikitext2-test.txt")]
     missing = [i for i in inputs if not Path(i).exists()]
@@ -85,6 +116,7 @@ def main() -> None:
         work = Path(tmp)
         local = bench_prepare(work, inputs, args.vocab_size, args.workers, args.shard_tokens)
         bench_reads(local, "local", work / "cache-local")
+        bench_loader(local, "local", work / "loader-local", args.batch, args.loader_steps)
         from moto.server import ThreadedMotoServer
 
         server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
@@ -102,6 +134,7 @@ def main() -> None:
             fs.mkdir("bench")
             fs.put(local, "bench/data", recursive=True)
             bench_reads("s3://bench/data", "s3", work / "cache-s3")
+            bench_loader("s3://bench/data", "s3", work / "loader-s3", args.batch, args.loader_steps)
         finally:
             server.stop()
 

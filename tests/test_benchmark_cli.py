@@ -62,3 +62,19 @@ def test_exchange_benchmark_moves_the_same_bytes_as_its_bare_transfer(tmp_path):
         assert abs(exchanged - bare) <= 0.01 * bare, (direction, exchanged, bare)
     assert row["exchange_s"] > 0 and row["bare_s"] > 0 and row["coordinator_peak_rss"] > 0
     assert "| 1.0M | int8 | 2 |" in run.stdout
+
+
+def test_data_benchmark_prepares_reads_and_feeds_from_disk_and_s3():
+    shared = ROOT.parent / "shared" / "data"
+    if not (shared / "wikitext2-valid.txt").exists():
+        pytest.skip(f"needs the shared data folder ({shared})")
+    pytest.importorskip("moto.server", reason="install the test extras: pip install -e '.[test]'")
+    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "data.py"), "--vocab-size", "1024", "--workers", "1",
+                          "--loader-steps", "5", "--batch", "4"], capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert run.returncode == 0, run.stderr[-2000:]
+    lines = run.stdout.splitlines()
+    assert lines[0].startswith("prepare (1 workers, ") and "tokens/s" in lines[0]
+    for kind in ("reads", "loader"):
+        for where in ("local", "s3"):
+            for state in ("cold", "warm"):
+                assert any(line.startswith(f"{kind} {where:5s} {state}: first ") for line in lines), (kind, where, state, lines)
