@@ -129,3 +129,20 @@ def test_a_chaos_run_on_tokens_folds_every_sample_at_most_once_and_accounts_for_
     assert set(report["islands"].values()) == {report["checksum"]}
     d = check_exactly_once(report, cfg.data.seq_len)
     assert d["fragments"][0]["held"] == 0  # every island left: nothing is still out
+
+
+def test_a_corrupt_shard_stops_the_island_with_one_line_naming_it(tmp_path, make_coordinator):
+    from diloco.shards import DataError
+
+    url = write_corpus(tmp_path, docs=150)
+    cfg = token_config(url, tmp_path, "rounds.rounds=2")
+    coordinator = make_coordinator(cfg)  # it reads the manifest and the eval split only
+    shards = sorted((tmp_path / "tokens" / "train").glob("shard-*.bin"))
+    for shard in shards:  # every one: whichever the island reads first is found out
+        data = bytearray(shard.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        shard.write_bytes(bytes(data))
+    with island_on(coordinator, cfg) as island, pytest.raises(DataError) as e:
+        island.run()
+    message = str(e.value)
+    assert any(f"train/{s.name}" in message for s in shards) and "\n" not in message and "checksum" in message, message
