@@ -117,7 +117,9 @@ def load(args) -> RunConfig:
         path = REPO_ROOT / path
     forced = [f"rounds.rounds={args.rounds}", f"inner.steps_per_round={args.steps_per_round}"]
     try:
-        return load_config(path, ["eval.batches=0", *args.overrides, *forced])
+        # The synthetic language at the preset's shapes: throughput needs no corpus (--set data.* to read one).
+        synthetic = ["data.source=synthetic", "model.vocab_size=50304"]
+        return load_config(path, ["eval.batches=0", *synthetic, *args.overrides, *forced])
     except ConfigError as e:
         fail(PROG, str(e))
 

@@ -230,9 +230,15 @@ class Corpus:
 def open_store(cfg: DataConfig, split: str, vocab_size: int | None = None):
     """One split of the corpus at cfg.url. vocab_size: the model's, checked against the corpus's (an MDS
     dataset, which does not say, takes it)."""
-    from diloco.shards import open_store as open_split
+    from diloco.shards import DataError, open_store as open_split
 
-    store = open_split(cfg.url, split, cfg.cache_dir or None, int(cfg.cache_gb * (1 << 30)), cfg.prefetch_shards)
+    try:
+        store = open_split(cfg.url, split, cfg.cache_dir or None, int(cfg.cache_gb * (1 << 30)), cfg.prefetch_shards)
+    except DataError:
+        raise
+    except Exception as e:  # the storage's own errors (no credentials, no such bucket, unreachable)
+        raise ConfigError(f"cannot open the token corpus at {cfg.url} ({type(e).__name__}: {e}); check data.url "
+                          "and the storage's credentials (for s3://, AWS_* variables or ~/.aws)") from e
     if store.vocab_size is None:
         if not vocab_size:
             raise ConfigError(f"the MDS dataset at {cfg.url} does not say its vocabulary size: set model.vocab_size")

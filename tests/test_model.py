@@ -51,6 +51,9 @@ def test_rejects_sequences_longer_than_max_seq_len():
 @pytest.mark.parametrize("preset, low, high", [("tiny", 0.5e6, 1.5e6), ("125m", 100e6, 150e6), ("1b", 0.9e9, 1.5e9), ("7b", 6e9, 8e9)])
 def test_presets_have_their_advertised_size(preset, low, high):
     cfg = load_config(ROOT / "configs" / f"{preset}.toml")
+    if cfg.data.source == "tokens":
+        assert cfg.model.vocab_size == 0  # taken from the corpus: size it with a GPT-2-sized vocabulary
+        cfg.model.vocab_size = 50304
     with torch.device("meta"):
         n = Transformer(cfg.model).num_parameters()
     assert low <= n <= high, f"{preset}: {n / 1e6:.1f}M parameters"
