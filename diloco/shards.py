@@ -35,13 +35,14 @@ import os
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import fsspec
 import numpy as np
 import xxhash
 
 from diloco.mds import find_mds_index, open_mds
+from diloco.samples import TokenStore
 # DataError lives with the store (which raises most of them) and is the one error of this module too.
 from diloco.shardstore import BLOCK_BYTES, DataError, Shard, ShardStore
 
@@ -53,18 +54,6 @@ SPLITS = ("train", "eval")
 MANIFEST = "manifest.json"
 TOKENIZER = "tokenizer.json"
 DEFAULT_CACHE = Path("~/.cache/diloco/tokens")
-
-
-class TokenStore(Protocol):
-    """What diloco/samples.py reads: one split's concatenated token stream."""
-
-    total: int
-    vocab_size: int
-    eos_id: int
-
-    def read(self, start: int, stop: int) -> np.ndarray: ...
-    def prefetch(self, start: int, stop: int) -> None: ...
-    def close(self) -> None: ...
 
 
 def token_dtype(vocab_size: int) -> np.dtype:

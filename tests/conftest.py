@@ -197,3 +197,20 @@ def kill_all_and_resume(sim, step: int, islands: int, timeout_s: float) -> None:
     sim.start_coordinator(resume=True)
     for i in range(islands):
         sim.start_island(i, resume=True)
+
+
+def straight_and_resumed(cfg, islands: int, workdir: Path, step: int = 2, timeout_s: float = 300):
+    """The same run twice: straight through, and with every process SIGKILLed once checkpoint `step`
+    is in, then resumed. Returns both SimResults."""
+    from islands.sim.simulation import Simulation, run_sim
+
+    straight = run_sim(cfg, islands, workdir / "straight", timeout_s=timeout_s, echo=lambda s: None)
+    sim = Simulation(cfg, islands, workdir / "stopped", checkpoints=True)
+    try:
+        sim.start()
+        kill_all_and_resume(sim, step=step, islands=islands, timeout_s=120)
+        for _ in sim.watch(timeout_s):
+            pass
+        return straight, sim.finish(timeout_s)
+    finally:
+        sim.close()

@@ -9,10 +9,10 @@ import time
 import pytest
 import torch
 
-from conftest import ended, kill_all_and_resume, random_like, tiny_config, wait_for_round
+from conftest import ended, random_like, straight_and_resumed, tiny_config, wait_for_round
 from islands.sim.chaos import ChaosPlan, parse_chaos, run_chaos
 from diloco.codec import Fp32Codec
-from islands.sim.simulation import Simulation, run_sim
+from islands.sim.simulation import run_sim
 from diloco.v1 import diloco_pb2 as pb
 from diloco.wire import PROTOCOL_VERSION, tensor_chunks
 
@@ -60,18 +60,8 @@ def test_coordinator_resume_restores_parameters_momentum_round_and_members(make_
 
 def test_stopped_and_resumed_run_ends_bit_identical(tmp_path):
     cfg = _sim_config(6, 2, "inner.steps_per_round=25")
-    straight = run_sim(cfg, 2, tmp_path / "straight", timeout_s=300, echo=lambda s: None)
-
-    sim = Simulation(cfg, 2, tmp_path / "stopped", checkpoints=True)
-    try:
-        sim.start()
-        # Pull the plug on everything in the middle of round 2, once its checkpoints are in.
-        kill_all_and_resume(sim, step=2, islands=2, timeout_s=120)
-        for _ in sim.watch(300):
-            pass
-        resumed = sim.finish(300)
-    finally:
-        sim.close()
+    # Pull the plug on everything in the middle of round 2, once its checkpoints are in.
+    straight, resumed = straight_and_resumed(cfg, 2, tmp_path, step=2)
     assert resumed.report["events"]["restarts"] == 1
     assert resumed.report["checksum"] == straight.report["checksum"]
     assert set(resumed.report["islands"].values()) == {resumed.report["checksum"]}

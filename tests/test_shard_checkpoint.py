@@ -25,7 +25,6 @@ from islands.fsdp import ShardLayout, build_island_model, local_views
 from islands.replicas import Solo
 from islands.state import IslandState, ReplicaSpec
 from islands.world import IslandWorld
-from test_checkpoint import s3  # noqa: F401  (fixture)
 
 
 

@@ -90,20 +90,10 @@ def check_exactly_once(report: dict, seq_len: int) -> dict:
 
 
 def test_a_stopped_and_resumed_run_on_tokens_ends_bit_identical(corpus, tmp_path):
-    from conftest import kill_all_and_resume
-    from islands.sim.simulation import Simulation, run_sim
+    from conftest import straight_and_resumed
 
     cfg = _sim_token_config(corpus, tmp_path, 5, 2)
-    straight = run_sim(cfg, 2, tmp_path / "straight", timeout_s=300, echo=lambda s: None)
-    sim = Simulation(cfg, 2, tmp_path / "stopped", checkpoints=True)
-    try:
-        sim.start()
-        kill_all_and_resume(sim, step=2, islands=2, timeout_s=120)
-        for _ in sim.watch(300):
-            pass
-        resumed = sim.finish(300)
-    finally:
-        sim.close()
+    straight, resumed = straight_and_resumed(cfg, 2, tmp_path, step=2)
     assert resumed.report["events"]["restarts"] == 1
     # The same islands trained on the same samples: the data cursors and leases came back exactly.
     assert resumed.report["checksum"] == straight.report["checksum"]
