@@ -139,6 +139,14 @@ def main(argv: list[str] | None = None) -> None:
         pass
     finally:
         world.shutdown()
+    if launched:
+        # A rank's work is done and reported: skip the interpreter's teardown, where gloo's worker threads
+        # can still hold tensors and abort the process ("terminate called without an active exception",
+        # pytorch/pytorch#179291), which torchrun would report as a failed island.
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
 
 
 if __name__ == "__main__":

@@ -158,13 +158,16 @@ def two_islands(workdir: Path) -> None:
         run.close()
 
 
-def faults(workdir: Path) -> None:
+def faults(workdir: Path, corpus: str = "") -> None:
     """SIGKILL replica group 1 while round 1 is open; in round 3 the pushing group 0 dies mid-push
     (one rank delivered its shard, the other died before pushing). A puppet island holds rounds 2
-    and 4 open until the killed group is back, so that it rejoins while the run still has rounds."""
+    and 4 open until the killed group is back, so that it rejoins while the run still has rounds.
+    With a corpus URL the island reads that token corpus through leases."""
+    tokens = ["data.source=tokens", f"data.url={corpus!r}", "model.vocab_size=0", f"data.cache_dir={str(workdir / 'cache')!r}",
+              "data.shuffle_block=8"] if corpus else []
     cfg = tiny_config(
         "model.n_layers=2", "inner.steps_per_round=3", "rounds.rounds=7", "rounds.min_islands=2", "data.shards=2",
-        "rounds.deadline_s=120", "rounds.heartbeat_s=0.5", "rounds.lease_s=30",
+        "rounds.deadline_s=120", "rounds.heartbeat_s=0.5", "rounds.lease_s=30", *tokens,
     )
     run = Run(workdir, cfg, deadline_s=230)
     reports = workdir / "sharded"

@@ -120,8 +120,21 @@ def _heal_matches_peer(reports: Path, healed_tag: str, peer_tags: list[str]) -> 
 
 
 @pytest.mark.timeout(300)
-def test_killed_replica_group_heals_and_a_dead_pusher_is_taken_over(tmp_path):
-    result = _scenario("faults", tmp_path, timeout_s=260)
+@pytest.mark.parametrize("data", ["synthetic", "tokens"])
+def test_killed_replica_group_heals_and_a_dead_pusher_is_taken_over(tmp_path, data):
+    if data == "tokens":
+        from test_token_runs import write_corpus
+
+        result = run_scenario("fsdp_scenarios.py", "faults", tmp_path, 260, write_corpus(tmp_path / "corpus", docs=300))
+        # Each round folded exactly the island's leased positions it names (the puppet adds one token and no
+        # samples), and no position twice: group 1's death and both heals kept the data cursor exact.
+        folded = []
+        for r in result["rounds"]:
+            assert r["data"]["folded_this_round"] == r["tokens"] - 1 > 0, r
+            folded += [p for a, b in r["data"]["samples"] for p in range(a, b)]
+        assert len(folded) == len(set(folded)) and result["data"]["tokens_repeated"] == 0
+    else:
+        result = _scenario("faults", tmp_path, timeout_s=260)
     reports, notes = tmp_path / "sharded", result["notes"]
     assert notes["exit_codes"] == {"sharded": 0} and notes["killed"]["round"] == 1
     # Every round completed with the sharded island's whole contribution, through both failures.

@@ -9,17 +9,19 @@ import pytest
 from conftest import island_on, tiny_config
 from diloco.config import ConfigError
 from diloco.prepare import PrepareConfig, prepare
+from diloco.shards import read_manifest
 
 WORDS = ("the quick brown fox jumps over lazy dog and runs far away from home while birds sing "
          "in tall green trees near a quiet river under the bright morning sun").split()
 
 
-def write_corpus(root, docs: int = 400, seed: int = 0) -> str:
-    """A small tokenized corpus (BPE trained on it) at root/tokens; returns its URL."""
+def write_corpus(root, docs: int = 400, seed: int = 0, url: str = "") -> str:
+    """A small tokenized corpus (BPE trained on it) at url (default root/tokens); returns its URL."""
     rng = random.Random(seed)
     text = "\n\n".join(" ".join(rng.choice(WORDS) for _ in range(rng.randrange(40, 120))) for _ in range(docs))
+    root.mkdir(parents=True, exist_ok=True)
     (root / "corpus.txt").write_text(text)
-    url = str(root / "tokens")
+    url = url or str(root / "tokens")
     prepare(PrepareConfig([str(root / "corpus.txt")], url, vocab_size=300, eval_fraction=0.1, shard_tokens=4096, workers=1))
     return url
 
@@ -38,10 +40,13 @@ def _positions(ranges) -> list[int]:
     return [p for a, b in ranges for p in range(a, b)]
 
 
-def test_an_island_trains_every_leased_sample_once_and_the_account_adds_up(corpus, tmp_path, make_coordinator):
+@pytest.mark.parametrize("where", ["local", "s3"])
+def test_an_island_trains_every_leased_sample_once_and_the_account_adds_up(where, corpus, tmp_path, make_coordinator, request):
+    if where == "s3":  # prepared into a real S3 API (moto on 127.0.0.1), streamed from there by both sides
+        corpus = write_corpus(tmp_path, docs=200, url=f"{request.getfixturevalue('s3')}/tokens")
     cfg = token_config(corpus, tmp_path, "rounds.rounds=3", "inner.steps_per_round=3", "eval.batches=2")
     coordinator = make_coordinator(cfg)
-    assert cfg.model.vocab_size == 300  # resolved from the corpus's manifest
+    assert cfg.model.vocab_size == read_manifest(corpus)[0].vocab_size > 256  # resolved from the corpus's manifest
     with island_on(coordinator, cfg) as island:
         result = island.run()
     assert result.rounds == 3 and result.checksum_matches
@@ -103,6 +108,7 @@ def test_a_stopped_and_resumed_run_on_tokens_ends_bit_identical(corpus, tmp_path
 
 def test_a_chaos_run_on_tokens_folds_every_sample_at_most_once_and_accounts_for_the_rest(corpus, tmp_path):
     from islands.sim.chaos import ChaosPlan, run_chaos
+    from islands.sim.simulation import summarize
 
     # Rounds close without a dead island (min_islands 2) and short leases expire while the coordinator
     # restarts: islands come back as themselves, after their leases were granted ahead of them.
@@ -119,6 +125,10 @@ def test_a_chaos_run_on_tokens_folds_every_sample_at_most_once_and_accounts_for_
     assert set(report["islands"].values()) == {report["checksum"]}
     d = check_exactly_once(report, cfg.data.seq_len)
     assert d["fragments"][0]["held"] == 0  # every island left: nothing is still out
+    lines: list[str] = []
+    summarize(result, cfg, echo=lines.append)
+    assert (f"token corpus: {d['tokens_trained']:,} tokens trained, {d['tokens_lost']:,} lost with discarded rounds, "
+            f"{d['tokens_returned']:,} leased and handed back untrained, 0 trained twice") in lines, lines
 
 
 def test_a_corrupt_shard_stops_the_island_with_one_line_naming_it(tmp_path, make_coordinator):

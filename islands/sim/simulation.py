@@ -258,6 +258,10 @@ def summarize(result: SimResult, cfg: RunConfig, echo=print) -> None:
         echo(f"entropy floor of the synthetic language: {floor:.4f} nats/token (gap {evals[-1] - floor:.4f})")
     echo(f"bytes up {_fmt_bytes(up)}, down {_fmt_bytes(down)}"
          + (f"; data-parallel would have sent {_fmt_bytes(ddp)} ({ddp / (up + down):.1f}x more)" if ddp and up + down else ""))
+    data = rep.get("data")
+    if data:
+        echo(f"token corpus: {data['tokens_trained']:,} tokens trained, {data['tokens_lost']:,} lost with discarded rounds, "
+             f"{data['tokens_returned']:,} leased and handed back untrained, {data['tokens_repeated']:,} trained twice")
     ev = rep.get("events", {})
     failures = {k: v for k, v in ev.items() if v}
     if failures:
