@@ -8,6 +8,10 @@ the same number of inner steps T, and is scored by the eval loss of its final
 the last 10% of the file). A global batch of B sequences is split B/M across
 M islands; each island reads its own disjoint shard of the training split
 (`diloco.data.train_stream(cfg.data, seed, shard, M)`: every M-th 4 KiB stripe).
+With --tokens URL every method reads a token corpus (`diloco-data prepare`) in
+place of the bytes: the islands read disjoint position ranges of its samples as
+the coordinator's leases would (benchmarks/convergence_data.py), the eval is its
+eval split, and the vocabulary is its manifest's.
 
 - ddp: one model trained with batch B for T steps. Its batch is the
   concatenation of the M shard streams' B/M-sequence batches, so it sees exactly
@@ -49,24 +53,23 @@ from pathlib import Path
 
 import torch
 
-from coordinator.publish import Publication  # the coordinator's own downlink arithmetic
-from diloco.codec import get_codec
-from diloco.feedback import ErrorFeedback
+from diloco.cli import fail
 from diloco.config import ConfigError, RunConfig, load_config
-from diloco.data import Batch, TokenStream, eval_batches, train_stream
+from diloco.data import Batch, eval_batches
 from diloco.inner import build_inner_optimizer, evaluate, inner_lr, train_step
 from diloco.model import Transformer
 from diloco.outer import OuterOptimizer, PseudoGradientAccumulator, pseudo_gradient
 from diloco.params import fp32_copy
-from diloco.v1 import diloco_pb2 as pb
-from diloco.wire import Manifest, decode_chunk, downlink_codec, tensor_chunks, uplink_codec
+from diloco.shards import DataError
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from convergence_report import markdown, summarize  # noqa: E402  (beside this file)
+# Beside this file (split from it to keep each file short).
+from convergence_data import corpus_vocab, data_overrides, island_streams  # noqa: E402
+from convergence_report import markdown, summarize  # noqa: E402
+from convergence_wire import CODEC_FLAGS, Wire, apply_codec_spec  # noqa: E402, F401  (CODEC_FLAGS: re-exported)
 
 log = logging.getLogger("convergence")
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_DATA = "../shared/data/tinyshakespeare.txt"
 METHODS = ("ddp", "diloco", "fedavg", "single")
 # Outer settings fixed by the benchmark's spec.
@@ -105,16 +108,8 @@ class JobResult:
 # --- configuration ----------------------------------------------------------------
 
 
-def resolve_data(path: str) -> Path:
-    """A relative --data path is taken relative to the repository root, not the cwd."""
-    p = Path(path).expanduser()
-    return p if p.is_absolute() else (REPO_ROOT / p).resolve()
-
-
 def build_setup(args: argparse.Namespace) -> Setup:
-    data = resolve_data(args.data)
-    if not data.is_file():
-        raise SystemExit(f"convergence: error: data file not found: {data}")
+    source = data_overrides(args.tokens, args.data)
     if args.quick:
         model = ["model.d_model=32", "model.n_layers=1", "model.n_heads=2", "model.d_ff=64", "model.max_seq_len=32"]
         seq_len, steps, batch, eval_n, eval_bs = 32, 100, 8, 4, 16
@@ -133,11 +128,10 @@ def build_setup(args: argparse.Namespace) -> Setup:
     if batch % args.islands:
         raise SystemExit(f"convergence: error: --batch {batch} must be divisible by M={args.islands}")
     overrides = [
-        "data.source='text'",
-        f"data.path='{data}'",
+        *source,
         f"data.seq_len={seq_len}",
         f"data.shards={args.islands}",
-        "model.vocab_size=256",
+        "model.vocab_size=0" if args.tokens else "model.vocab_size=256",
         *model,
         f"inner.lr={args.lr}",
         f"inner.warmup_steps={args.warmup}",
@@ -146,6 +140,12 @@ def build_setup(args: argparse.Namespace) -> Setup:
         f"inner.steps_per_round={h}",
         *args.overrides,
     ]
+    if args.tokens:  # the model's vocabulary is the corpus's
+        try:
+            vocab = corpus_vocab(load_config(None, overrides))
+        except (ConfigError, DataError) as e:
+            fail("convergence", f"--tokens {args.tokens}: {e}")
+        overrides[overrides.index("model.vocab_size=0")] = f"model.vocab_size={vocab}"
     eval_every = max(h, (steps // 4) // h * h)
     setup = Setup(tuple(overrides), steps, batch, args.islands, eval_n, eval_bs, eval_every)
     setup.config(0)  # validate once, here, with a readable error
@@ -171,10 +171,6 @@ def concat_batches(batches: list[Batch]) -> Batch:
     return torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches])
 
 
-def shard_streams(cfg: RunConfig, islands: int) -> list[TokenStream]:
-    return [train_stream(cfg.data, cfg.seed, shard, islands) for shard in range(islands)]
-
-
 # --- methods ---------------------------------------------------------------------
 
 
@@ -194,53 +190,15 @@ def run_single_model(
 
 
 def run_ddp(cfg: RunConfig, setup: Setup, evaluate_at: Callable[[int, torch.nn.Module], None]) -> float:
-    streams = shard_streams(cfg, setup.islands)
+    streams = island_streams(cfg, setup.islands)
     per_island = setup.batch // setup.islands
     return run_single_model(cfg, setup, lambda: concat_batches([s.next_batch(per_island) for s in streams]), evaluate_at)
 
 
 def run_single(cfg: RunConfig, setup: Setup, evaluate_at: Callable[[int, torch.nn.Module], None]) -> float:
-    stream = train_stream(cfg.data, cfg.seed, 0, setup.islands)
+    (stream,) = island_streams(cfg, setup.islands, [0])
     per_island = setup.batch // setup.islands
     return run_single_model(cfg, setup, lambda: stream.next_batch(per_island), evaluate_at)
-
-
-class Wire:
-    """The coordinator's and islands' arithmetic for one round trip through the codecs.
-
-    Uplink: each island's pseudo-gradient goes through `tensor_chunks` (with the
-    island's error feedback where the config asks for it), and the decoded chunks
-    are folded into the accumulator exactly as the coordinator folds them.
-    Downlink: `coordinator.publish.Publication` compresses the update and keeps
-    its error feedback; islands hold its published parameters. With fp32 both
-    ways this is bit for bit the uncompressed arithmetic.
-    """
-
-    def __init__(self, cfg: RunConfig, outer_params: dict[str, torch.Tensor], islands: int):
-        self.cfg = cfg
-        self.codec = uplink_codec(cfg.wire)
-        self.manifest = Manifest.of(outer_params)
-        shapes = self.manifest.shapes
-        self.feedback = [ErrorFeedback(shapes, cfg.wire.decay, cfg.wire.feedback_in_model) if cfg.wire.uses_error_feedback else None
-                         for _ in range(islands)]
-        self.publication = Publication(outer_params, downlink_codec(cfg.wire), cfg.wire.chunk_bytes)
-        self.bytes_up = self.bytes_down = 0
-
-    def push(self, island: int, pg: dict[str, torch.Tensor], accumulator: PseudoGradientAccumulator, tokens: int) -> None:
-        scale = accumulator.scale_for(tokens)
-        for chunk in tensor_chunks(pg, self.codec, self.cfg.wire.chunk_bytes, feedback=self.feedback[island]):
-            self.bytes_up += pb.PushMessage(chunk=chunk).ByteSize()
-            accumulator.add_chunk(chunk.name, chunk.offset, decode_chunk(chunk, self.manifest, self.codec), scale)
-        accumulator.commit(tokens)
-
-    def publish(self, islands: int) -> dict[str, torch.Tensor]:
-        """After the outer step: what every island now holds as theta_global."""
-        self.publication.publish()
-        per_island = sum(pb.ResultMessage(chunk=c).ByteSize() for c in self.publication.delta_chunks) or sum(
-            pb.ResultMessage(chunk=c).ByteSize() for c in tensor_chunks(self.publication.params, self.publication.codec, self.cfg.wire.chunk_bytes)
-        )
-        self.bytes_down += islands * per_island
-        return self.publication.params
 
 
 def run_outer(
@@ -261,7 +219,7 @@ def run_outer(
     accumulator = PseudoGradientAccumulator({n: tuple(t.shape) for n, t in outer_params.items()})
     models = [new_model(cfg) for _ in range(setup.islands)]
     optimizers = [build_inner_optimizer(m, cfg.inner) for m in models]
-    streams = shard_streams(cfg, setup.islands)
+    streams = island_streams(cfg, setup.islands)
     round_losses: list[float] = []
     rounds = setup.steps // h
     for round_ in range(rounds):
@@ -290,52 +248,6 @@ def tokens_processed(method: str, setup: Setup, seq_len: int) -> int:
     return setup.steps * per_step * seq_len
 
 
-CODEC_FLAGS = (
-    "@ef (error feedback on the islands), @noef (top-k without error feedback), @dDENSITY (top-k density, e.g. @d0.05), "
-    "@bBITS (top-k value bits), @decayD (error-feedback decay), @carry (error feedback kept in the model), "
-    "@lrLR and @mMOMENTUM (outer optimizer) and @sgd (outer lr 1, no momentum, as SparseLoCo)"
-)
-
-
-def apply_codec_spec(cfg: RunConfig, spec: str) -> None:
-    """Sets cfg for "UP[/DOWN][@FLAG...]"; raises ValueError naming a bad flag or codec."""
-    codecs, *flags = spec.split("@")
-    up, _, down = codecs.partition("/")
-    cfg.wire.codec, cfg.wire.downlink_codec = up, down or up
-    for flag in flags:
-        number = flag.lstrip("abcdefghijklmnopqrstuvwxyz")
-        name = flag[: len(flag) - len(number)]
-        try:
-            if (name, number) == ("ef", ""):
-                cfg.wire.error_feedback = True
-            elif (name, number) == ("noef", ""):
-                cfg.wire.topk_error_feedback = False
-            elif (name, number) == ("carry", ""):
-                cfg.wire.feedback_in_model = True
-            elif (name, number) == ("sgd", ""):  # SparseLoCo: error feedback stands in for outer momentum
-                cfg.outer.lr, cfg.outer.momentum = 1.0, 0.0
-            elif name == "decay":
-                cfg.wire.feedback_decay = float(number)
-            elif name == "d":
-                cfg.wire.topk_density = float(number)
-            elif name == "b":
-                cfg.wire.topk_bits = int(number)
-            elif name == "lr":
-                cfg.outer.lr = float(number)
-            elif name == "m":
-                cfg.outer.momentum = float(number)
-            else:
-                raise ValueError
-        except ValueError:
-            raise ValueError(f"bad suffix @{flag}; suffixes are {CODEC_FLAGS}") from None
-    try:
-        for name in (up, down or up):
-            get_codec(name, density=cfg.wire.topk_density, topk_bits=cfg.wire.topk_bits)
-        cfg.validate()
-    except ConfigError as e:
-        raise ValueError(str(e)) from None
-
-
 def run_job(job: tuple[str, int, Setup]) -> JobResult:
     """One (method, seed) run in a worker process."""
     method, seed, setup = job
@@ -346,7 +258,7 @@ def run_job(job: tuple[str, int, Setup]) -> JobResult:
         cfg.outer.lr, cfg.outer.momentum, cfg.outer.nesterov = lr, momentum, True
     if codecs:
         apply_codec_spec(cfg, codecs)
-    held_out = eval_batches(cfg.data, setup.eval_batches, setup.eval_batch_size)
+    held_out = eval_batches(cfg.data, setup.eval_batches, setup.eval_batch_size, cfg.model.vocab_size)
     curve: list[tuple[int, float]] = []
     started = time.monotonic()
 
@@ -390,6 +302,8 @@ def run_all(setup: Setup, methods: list[str], seeds: list[int], workers: int,
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="convergence", description=__doc__.split("\n\n")[0])
     p.add_argument("--data", default=DEFAULT_DATA, help=f"text file, relative to the repo root (default {DEFAULT_DATA})")
+    p.add_argument("--tokens", metavar="URL", help="train on this token corpus (diloco-data prepare's output: a local path, "
+                   "relative to the repo root, or an fsspec URL) in place of --data's bytes; the vocabulary is its manifest's")
     p.add_argument("--seeds", default="0,1,2", help="comma-separated seeds (default 0,1,2)")
     p.add_argument("--steps", type=int, help="T, inner steps per model (default 6000; 100 with --quick)")
     p.add_argument("--batch", type=int, help="global batch B in sequences (default 32; 8 with --quick)")

@@ -73,8 +73,9 @@ def targets(summary: dict[str, Summary]) -> list[str]:
 
 def markdown(summary: dict[str, Summary], setup: Setup, cfg: RunConfig, seeds: list[int]) -> str:
     m = cfg.model
+    kind = f"BPE (vocab {m.vocab_size})" if cfg.data.source == "tokens" else "Byte-level"
     header = (
-        f"Byte-level Transformer ({Transformer(m).num_parameters() / 1e6:.2f}M params: d_model {m.d_model}, "
+        f"{kind} Transformer ({Transformer(m).num_parameters() / 1e6:.2f}M params: d_model {m.d_model}, "
         f"{m.n_layers} layers, {m.n_heads} heads, d_ff {m.d_ff}), seq_len {cfg.data.seq_len}, "
         f"T={setup.steps} inner steps, global batch B={setup.batch} split {setup.batch // setup.islands} x M={setup.islands}, "
         f"H={cfg.inner.steps_per_round}; inner AdamW lr {cfg.inner.lr:g} (warmup {cfg.inner.warmup_steps}, cosine to "
