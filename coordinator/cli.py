@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import torch
 
 from coordinator.server import serve
+from diloco.credentials import RevocationList, coordinator_files
 from diloco.cli import ArgumentParser, add_config_flags, config_from_args, fail, setup_logging
 
 
@@ -26,6 +28,11 @@ def build_parser() -> ArgumentParser:
     s.add_argument("--checkpoint", metavar="URL", help="checkpoint location (local path or s3://...); sets checkpoint.url")
     s.add_argument("--linger", type=float, default=30.0, help="seconds to wait for islands to leave after the last round (default 30)")
     s.add_argument("--threads", type=int, default=0, help="torch CPU threads (default: torch's choice)")
+    s.add_argument("--tls", metavar="DIR", help="serve mutual TLS with the run's certificates in DIR (ca.pem, coordinator.pem, "
+                   "coordinator.key: `diloco-certs init`); islands are who their certificates say")
+    s.add_argument("--revoked", metavar="FILE", help="revoked island names (default DIR/revoked.json with --tls: "
+                   "`diloco-certs revoke`), re-read while the run goes on")
+    s.add_argument("--insecure", action="store_true", help="allow plaintext on an address other than loopback (a warning is logged)")
     s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return parser
 
@@ -41,8 +48,14 @@ def main(argv: list[str] | None = None) -> None:
     setup_logging(args.log_level, "coordinator")
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.tls and args.insecure:
+        fail(parser.prog, "--tls and --insecure contradict each other; give one")
+    if args.revoked and not args.tls:
+        fail(parser.prog, "--revoked needs --tls: revocation applies to certificates")
     try:
-        serve(cfg, args.host, args.port, args.report, args.linger, args.port_file, args.resume)
+        tls = coordinator_files(args.tls) if args.tls else None
+        revocations = RevocationList(args.revoked or Path(args.tls) / "revoked.json") if args.tls else None
+        serve(cfg, args.host, args.port, args.report, args.linger, args.port_file, args.resume, tls, args.insecure, revocations)
     except (OSError, ValueError) as e:
         fail(parser.prog, str(e))
     except KeyboardInterrupt:

@@ -101,8 +101,8 @@ class FragmentRounds:
                 raise Refused(Reason.DROPPED, f"{header.island_id} was dropped from {self.label}round {self.round}")
             if header.codec != self.codec.name:
                 raise Refused(Reason.CODEC_MISMATCH, f"codec {header.codec!r} does not match the run's {self.codec.name!r}")
-            if header.tokens <= 0:
-                raise Refused(Reason.BAD_REQUEST, f"tokens must be positive, got {header.tokens}")
+            if header.tokens < 0:
+                raise Refused(Reason.BAD_REQUEST, f"tokens must be >= 0, got {header.tokens}")
             if header.global_checksum and header.global_checksum != self.checksum:
                 self.members.events.checksum_resyncs += 1
                 log.warning(

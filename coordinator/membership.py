@@ -31,6 +31,8 @@ class Island:
     key: str = ""
     # What the island reported when it left: compute_s, wait_s, wall_s, inner_steps.
     stats: dict = field(default_factory=dict)
+    # With mutual TLS, the name on the client certificate that made it: only that credential may act as it.
+    owner: str = ""
 
 
 @dataclass
@@ -46,6 +48,7 @@ class Events:
     recovery_s: float = 0.0  # coordinator restarts: from restore to the first round closed again
     island_restarts: int = 0  # an island came back under its own id (e.g. `join --resume`), a member still or expired
     island_silent_s: float = 0.0  # those islands' silence before they came back: last heartbeat to rejoin
+    revoked: int = 0  # islands removed because their credential was revoked
 
 
 def canonical_order(island_ids) -> list[str]:
@@ -55,10 +58,12 @@ def canonical_order(island_ids) -> list[str]:
 
 class Membership:
     def __init__(self, max_islands: int, shards: int, lease_s: float, cond: threading.Condition,
-                 clock: Callable[[], float], on_leave: Callable[[str], None] = lambda island_id: None):
+                 clock: Callable[[], float], on_leave: Callable[[str], None] = lambda island_id: None,
+                 revoked: Callable[[str], bool] = lambda owner: False):
         self.max_islands, self.shards, self.lease_s = max_islands, shards, lease_s
         self.cond, self.clock = cond, clock
         self.on_leave = on_leave  # drops the island's half-pushed contributions; called holding cond
+        self.revoked = revoked  # whether an owner's credential is revoked (mutual TLS)
         self.islands: dict[str, Island] = {}
         self.departed: list[Island] = []
         self.expired: dict[str, Island] = {}  # islands whose lease ran out: a restarted one may come back as itself
@@ -83,10 +88,29 @@ class Membership:
     def is_member(self, island_id: str) -> bool:
         return island_id in self.islands
 
+    def check_owner(self, island_id: str, owner: str | None) -> None:
+        """Refuses a caller acting as an island its credential did not make (owner None: no TLS, no check)."""
+        if owner is None:
+            return
+        if self.revoked(owner):
+            raise Refused(Reason.REVOKED, f"the credential {owner!r} was revoked; it is out of the run")
+        with self.cond:
+            island = self.islands.get(island_id) or self.expired.get(island_id)
+        if island is not None and island.owner != owner:
+            log.warning("%r tried to act as %s, which belongs to %r; refused", owner, island_id, island.owner)
+            raise Refused(Reason.NOT_YOURS, f"{island_id} is not yours: it belongs to another credential")
+
     # --- joining and leaving --------------------------------------------------------------
 
-    def join(self, hostname: str, island_id: str = "", key: str = "", run_finished: bool = False, round_: int = 0) -> Island:
-        """Admits an island; a known island_id rejoins as itself, a known key gets its island (another replica group)."""
+    def join(self, hostname: str, island_id: str = "", key: str = "", run_finished: bool = False, round_: int = 0,
+             owner: str | None = None) -> Island:
+        """Admits an island; a known island_id rejoins as itself, a known key gets its island (another replica group).
+
+        With an owner (mutual TLS: the client certificate's name) the owner is the key, so the replica groups of
+        one credential are one island, and only the owner may rejoin as an island it made."""
+        if owner is not None:
+            self.check_owner(island_id, owner)
+            key = f"owner:{owner}"
         with self.cond:
             if run_finished:
                 raise Refused(Reason.RUN_FINISHED, "the run has finished; nothing to join")
@@ -111,7 +135,7 @@ class Membership:
                 return island
             if len(self.islands) >= self.max_islands:
                 raise Refused(Reason.RUN_FULL, f"run is full: {len(self.islands)} islands (rounds.max_islands={self.max_islands})")
-            island = Island(f"island-{self.joined}", hostname, self.joined % self.shards, self.clock(), key=key)
+            island = Island(f"island-{self.joined}", hostname, self.joined % self.shards, self.clock(), key=key, owner=owner or "")
             self.joined += 1
             self.islands[island.island_id] = island
             log.info("%s joined from %s at round %d (shard %d)", island.island_id, hostname, round_, island.shard)
@@ -133,7 +157,12 @@ class Membership:
         """Removes islands whose lease ran out (and their half-pushed contributions). Caller holds cond."""
         now = self.clock()
         for island_id, island in list(self.islands.items()):
-            if now - island.last_seen > self.lease_s:
+            if island.owner and self.revoked(island.owner):
+                log.warning("%s: the credential %r was revoked; removed from the run", island_id, island.owner)
+                self.events.revoked += 1
+                del self.islands[island_id]
+                self.on_leave(island_id)
+            elif now - island.last_seen > self.lease_s:
                 log.warning("%s missed its %.1fs lease; removed from the run", island_id, self.lease_s)
                 self.events.leases_expired += 1
                 self.expired[island_id] = self.islands.pop(island_id)
@@ -144,7 +173,7 @@ class Membership:
     def state_dict(self) -> dict:
         return {
             "joined": self.joined,
-            "islands": [{"island_id": i.island_id, "hostname": i.hostname, "shard": i.shard, "key": i.key}
+            "islands": [{"island_id": i.island_id, "hostname": i.hostname, "shard": i.shard, "key": i.key, "owner": i.owner}
                         for i in self.islands.values()],
             "departed": [dataclasses.asdict(i) for i in self.departed],
             "expired": [dataclasses.asdict(i) for i in self.expired.values()],
@@ -156,8 +185,8 @@ class Membership:
         with self.cond:
             now = self.clock()
             self.joined = state["joined"]
-            self.islands = {i["island_id"]: Island(i["island_id"], i["hostname"], i["shard"], now, key=i.get("key", ""))
-                            for i in state["islands"]}
+            self.islands = {i["island_id"]: Island(i["island_id"], i["hostname"], i["shard"], now, key=i.get("key", ""),
+                                                   owner=i.get("owner", "")) for i in state["islands"]}
             self.departed = [Island(**i) for i in state["departed"]]
             self.expired = {i["island_id"]: Island(**i) for i in state.get("expired", [])}
             self.events = Events(**state["events"])

@@ -88,7 +88,7 @@ def round_summary(round_: int, fragment: int, contributions: list, numel: int, c
         round=round_,
         islands=sorted(i for i, _ in contributions),
         tokens=tokens,
-        train_loss=sum(c.train_loss * c.tokens for _, c in contributions) / tokens,
+        train_loss=sum(c.train_loss * c.tokens for _, c in contributions) / tokens if tokens else math.nan,
         eval_loss=math.nan,
         # A ring all-reduce of fp32 gradients every inner step over the same islands (this fragment's share).
         ddp_bytes=2.0 * (n - 1) * 4 * numel * cfg.inner.steps_per_round,

@@ -23,6 +23,8 @@ from coordinator.service import CoordinatorService, add_to_server
 from coordinator.state import CoordinatorState
 from diloco.checkpoint import CheckpointStore
 from diloco.config import RunConfig
+from diloco.credentials import RevocationList, TlsFiles
+from diloco.net import is_loopback
 from diloco.data import eval_batches, open_corpus, resolve_vocab
 from diloco.inner import evaluate
 from diloco.model import Transformer
@@ -116,13 +118,26 @@ class Coordinator:
 
 
 def start_coordinator(
-    cfg: RunConfig, host: str = "127.0.0.1", port: int = 0, spool_dir: str | None = None, resume: bool = False
+    cfg: RunConfig, host: str = "127.0.0.1", port: int = 0, spool_dir: str | None = None, resume: bool = False,
+    tls: TlsFiles | None = None, insecure: bool = False, revocations: RevocationList | None = None,
 ) -> Coordinator:
     """Starts serving on host:port (port 0 picks a free one) and returns at once.
 
     With resume, state comes from the newest committed checkpoint at
-    cfg.checkpoint.url (a fresh run if there is none yet).
+    cfg.checkpoint.url (a fresh run if there is none yet). With tls, the port
+    speaks mutual TLS: every caller shows a client certificate of the run's CA,
+    whose name binds it to the islands it makes (revocations: names refused
+    from then on). Plaintext on anything but loopback needs insecure.
     """
+    if tls is None and not is_loopback(host):
+        if not insecure:
+            raise ValueError(f"the coordinator would serve {host}:{port} in plaintext: give it the run's certificates "
+                             "(--tls DIR, made by `diloco-certs init`), or --insecure on a network you trust")
+        log.warning("serving %s:%d in PLAINTEXT (--insecure): anyone who reaches the port can act as any island", host, port)
+    credentials = None
+    if tls is not None:
+        ca, cert, key = tls.read()
+        credentials = grpc.ssl_server_credentials([(key, cert)], root_certificates=ca, require_client_auth=True)
     spool = Path(spool_dir or tempfile.mkdtemp(prefix="diloco-spool-"))
     spool.mkdir(parents=True, exist_ok=True)
     ledger, data_digest = None, ""
@@ -133,7 +148,8 @@ def start_coordinator(
         corpus.samples.store.close()
         log.info("token corpus %s: %d samples of %d tokens an epoch, vocabulary %d", cfg.data.url,
                  corpus.samples.epoch_size, cfg.data.seq_len, corpus.vocab_size)
-    state = CoordinatorState(cfg, initial_parameters(cfg), spool, make_evaluator(cfg), ledger=ledger, data_digest=data_digest)
+    state = CoordinatorState(cfg, initial_parameters(cfg), spool, make_evaluator(cfg), ledger=ledger, data_digest=data_digest,
+                             revoked=revocations.is_revoked if revocations is not None else (lambda owner: False))
     store = CheckpointStore(cfg.checkpoint.url, keep_last=cfg.checkpoint.keep_last) if cfg.checkpoint.url else None
     if resume:
         if store is None:
@@ -147,10 +163,11 @@ def start_coordinator(
     stop = threading.Event()
     # Every island holds a thread while it waits for a round to close.
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=2 * cfg.rounds.max_islands + 16))
-    add_to_server(CoordinatorService(state, stop), server)
+    add_to_server(CoordinatorService(state, stop, mutual_tls=tls is not None), server)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    bound = server.add_insecure_port(f"{host}:{port}")
+    bound = (server.add_secure_port(f"{host}:{port}", credentials) if credentials is not None
+             else server.add_insecure_port(f"{host}:{port}"))
     if bound == 0:
         raise OSError(f"could not bind {host}:{port}; is the port in use?")
     server.start()
@@ -180,7 +197,7 @@ def start_coordinator(
     ]
     for driver in drivers:
         driver.start()
-    log.info("coordinator serving on %s:%d", host, bound)
+    log.info("coordinator serving on %s:%d (%s)", host, bound, "mutual TLS" if tls is not None else "plaintext")
     return Coordinator(state, server, bound, stop, drivers, health_servicer)
 
 
@@ -192,9 +209,12 @@ def serve(
     linger_s: float,
     port_file: str | None = None,
     resume: bool = False,
+    tls: TlsFiles | None = None,
+    insecure: bool = False,
+    revocations: RevocationList | None = None,
 ) -> None:
     """Serves until the run finishes and islands have left (or linger_s passed), then stops."""
-    coordinator = start_coordinator(cfg, host, port, resume=resume)
+    coordinator = start_coordinator(cfg, host, port, resume=resume, tls=tls, insecure=insecure, revocations=revocations)
     if port_file:
         Path(port_file).write_text(str(coordinator.port))
     try:

@@ -14,6 +14,7 @@ from coordinator.ledger import ranges_of
 from coordinator.records import Reason, Refused
 from coordinator.state import CoordinatorState
 from diloco.codec import get_codec
+from diloco.credentials import identity_from_auth_context
 from diloco.params import ranges_checksum
 from diloco.v1 import diloco_pb2 as pb
 from diloco.v1 import diloco_pb2_grpc as pb_grpc
@@ -61,9 +62,20 @@ def _guard(stream: Iterator, context: grpc.ServicerContext) -> Iterator:
 
 
 class CoordinatorService(pb_grpc.CoordinatorServicer):
-    def __init__(self, state: CoordinatorState, stop: threading.Event):
+    def __init__(self, state: CoordinatorState, stop: threading.Event, mutual_tls: bool = False):
         self.state = state
         self.stop = stop
+        self.mutual_tls = mutual_tls  # callers present a client certificate of the run's CA: their name is who they are
+
+    def _caller(self, context, island_id: str) -> str | None:
+        """The caller's name (its client certificate's), refused unless island_id is its own; None without TLS."""
+        if not self.mutual_tls:
+            return None
+        owner = identity_from_auth_context(context.auth_context())
+        if owner is None:
+            raise Refused(Reason.NOT_YOURS, "the client certificate names no island; issue one with `diloco-certs island`")
+        self.state.members.check_owner(island_id, owner)
+        return owner
 
     @_refusals
     def Join(self, request: pb.JoinRequest, context) -> pb.JoinResponse:
@@ -85,7 +97,8 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                 f"config mismatch: the island's config digest is {request.config_digest}, the coordinator's is "
                 f"{cfg.digest()}; start the island with the coordinator's config file, or without --config to adopt it",
             )
-        island = state.join(request.hostname or context.peer(), request.island_id, request.island_key)
+        owner = self._caller(context, request.island_id)
+        island = state.join(request.hostname or context.peer(), request.island_id, request.island_key, owner)
         return pb.JoinResponse(
             island_id=island.island_id,
             config_digest=cfg.digest(),
@@ -106,6 +119,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
 
     @_refusals
     def Heartbeat(self, request: pb.HeartbeatRequest, context) -> pb.HeartbeatResponse:
+        self._caller(context, request.island_id)
         self.state.touch(request.island_id)
         return pb.HeartbeatResponse(round=self.state.round, run_finished=self.state.phase.value == "finished")
 
@@ -173,6 +187,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
 
     @_refusals
     def FetchParameters(self, request: pb.FetchRequest, context) -> Iterator[pb.ResultMessage]:
+        self._caller(context, request.island_id)
         if request.island_id:
             self.state.touch(request.island_id)
         fragment = request.fragment if request.HasField("fragment") else None
@@ -203,10 +218,12 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             raise Refused(Reason.BAD_REQUEST, f"the push stream ended after {n} chunks without its PushEnd (cut off?); "
                           "nothing of it was kept: push again")
 
+        self._caller(context, first.header.island_id)
         return self.state.receive(first.header, chunks())
 
     @_refusals
     def PullRoundResult(self, request: pb.PullRequest, context) -> Iterator[pb.ResultMessage]:
+        self._caller(context, request.island_id)
         self.state.touch(request.island_id)
         ranges = self._ranges(request.ranges, request.fragment)
         held = self.state.wait_for_result(request.island_id, request.round, request.timeout_s or 600.0, request.fragment, ranges)
@@ -216,6 +233,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
 
     @_refusals
     def Leave(self, request: pb.LeaveRequest, context) -> pb.LeaveResponse:
+        self._caller(context, request.island_id)
         stats = {
             "compute_s": request.compute_s, "wait_s": request.wait_s, "straggler_s": request.straggler_s,
             "wall_s": request.wall_s, "inner_steps": request.inner_steps,
@@ -230,6 +248,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         ledger = self.state.ledger
         if ledger is None:
             raise Refused(Reason.BAD_REQUEST, "this run reads no token corpus (data.source is not 'tokens'): there is nothing to lease")
+        self._caller(context, request.island_id)
         ranges = ledger.lease(request.island_id, request.index, request.samples, self.state.canonical_members())
         return pb.LeaseResponse(index=request.index, ranges=[pb.SampleRange(start=a, stop=b) for a, b in ranges])
 

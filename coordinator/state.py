@@ -56,6 +56,7 @@ class CoordinatorState:
         clock: Callable[[], float] = time.monotonic,
         ledger: DataLedger | None = None,
         data_digest: str = "",
+        revoked: Callable[[str], bool] = lambda owner: False,
     ):
         self.cfg = cfg
         self.codec = uplink_codec(cfg.wire)
@@ -68,7 +69,8 @@ class CoordinatorState:
         self.ledger, self.data_digest = ledger, data_digest
         self.cond = threading.Condition()
         r = cfg.rounds
-        self.members = Membership(r.max_islands, cfg.data.shards, r.lease_s, self.cond, clock, on_leave=self._drop_pending)
+        self.members = Membership(r.max_islands, cfg.data.shards, r.lease_s, self.cond, clock, on_leave=self._drop_pending,
+                                  revoked=revoked)
         self.summaries: list[pb.RoundSummary] = []
         self._wave = _Wave()
         ctx = FragmentContext(
@@ -111,9 +113,9 @@ class CoordinatorState:
     def events(self) -> Events:
         return self.members.events
 
-    def join(self, hostname: str, island_id: str = "", key: str = "") -> Island:
+    def join(self, hostname: str, island_id: str = "", key: str = "", owner: str | None = None) -> Island:
         """Admits an island into the current round; a known island_id rejoins as itself."""
-        return self.members.join(hostname, island_id, key, run_finished=self.finished, round_=self.round)
+        return self.members.join(hostname, island_id, key, run_finished=self.finished, round_=self.round, owner=owner)
 
     def touch(self, island_id: str) -> Island:
         return self.members.touch(island_id)

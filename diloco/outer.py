@@ -34,10 +34,12 @@ class PseudoGradientAccumulator:
         self._divided = False
 
     def scale_for(self, tokens: int) -> float:
-        if tokens <= 0:
-            raise ValueError(f"a contribution needs a positive token count, got {tokens}")
+        """A contribution's scale; 0 for one trained on no tokens (an island that resynced at its round's
+        end pushes a zero pseudo-gradient, which must not dilute the others)."""
+        if tokens < 0:
+            raise ValueError(f"a contribution needs a token count >= 0, got {tokens}")
         ref = self.reference_tokens or tokens
-        return tokens / ref
+        return tokens / ref if tokens else 0.0
 
     def add_chunk(self, name: str, offset: int, values: torch.Tensor, scale: float) -> None:
         flat = self.sums[name].view(-1)
@@ -47,7 +49,7 @@ class PseudoGradientAccumulator:
         """Counts a contribution whose chunks have all been added with scale_for(tokens)."""
         if self._divided:
             raise RuntimeError("the accumulator holds a mean; reset() it before adding the next round")
-        if self.reference_tokens is None:
+        if self.reference_tokens is None and tokens > 0:
             self.reference_tokens = tokens
         self.total_tokens += tokens
         self.contributions += 1
@@ -67,6 +69,9 @@ class PseudoGradientAccumulator:
         """
         if not self.contributions:
             raise RuntimeError("no contribution to average")
+        if not self.total_tokens:  # every contribution trained on nothing: each was added with scale 0
+            self._divided = True
+            return self.sums
         divisor = self.total_tokens / self.reference_tokens
         if divisor != 1.0 and not self._divided:
             for t in self.sums.values():

@@ -36,6 +36,8 @@ STATUS: dict[int, grpc.StatusCode] = {
     Reason.STILL_OPEN: _C.DEADLINE_EXCEEDED,
     Reason.BAD_REQUEST: _C.INVALID_ARGUMENT,
     Reason.NOT_LEASED: _C.FAILED_PRECONDITION,
+    Reason.NOT_YOURS: _C.PERMISSION_DENIED,
+    Reason.REVOKED: _C.PERMISSION_DENIED,
 }
 assert set(STATUS) == set(Reason.values()) - {Reason.REASON_UNSPECIFIED}, "every reason needs its status code"
 

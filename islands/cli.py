@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+from pathlib import Path
 
 import grpc
 import torch
@@ -12,6 +13,8 @@ import torch
 from diloco.checkpoint import CheckpointError
 from diloco.cli import ArgumentParser, add_config_flags, fail, setup_logging
 from diloco.config import ConfigError, load_config
+from diloco.credentials import TlsFiles, island_files
+from diloco.net import is_loopback
 from islands.client import CoordinatorUnreachable
 from islands.launch import LaunchError, LaunchOptions, is_launched_rank, launch, replica_spec, run_island
 from islands.world import IslandWorld
@@ -38,6 +41,10 @@ def build_parser() -> ArgumentParser:
     j.add_argument("--resume", action="store_true", help="restore the newest checkpoint at --checkpoint and rejoin as the same island")
     j.add_argument("--max-rounds", type=int, default=None, help="leave after this many rounds (default: until the run ends)")
     j.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    j.add_argument("--tls", metavar="DIR", help="connect over mutual TLS with the run's CA (ca.pem) and this island's "
+                   "certificate in DIR (island-NAME.pem/.key: `diloco-certs island`)")
+    j.add_argument("--tls-name", metavar="NAME", help="which island certificate in --tls DIR (default: the only one there)")
+    j.add_argument("--insecure", action="store_true", help="allow plaintext to a coordinator that is not on loopback")
     r = j.add_argument_group(
         "replica groups",
         "An island of R replica groups x N ranks: each group shards the model with FSDP2 (NCCL + bf16 on GPU, gloo + "
@@ -78,6 +85,7 @@ def main(argv: list[str] | None = None) -> None:
         fail(parser.prog, f"--coordinator {args.coordinator!r} must be HOST:PORT")
     if args.resume and not args.checkpoint:
         fail(parser.prog, "--resume needs --checkpoint URL")
+    tls = _tls_files(parser.prog, args)
     cfg = None
     if args.config or args.overrides:
         try:
@@ -120,7 +128,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         result = run_island(
             args.coordinator, cfg, world, spec, args.max_rounds, args.connect_timeout,
-            args.checkpoint, args.checkpoint_every, args.resume, args.compile,
+            args.checkpoint, args.checkpoint_every, args.resume, args.compile, tls,
         )
         if result is None:  # the run had finished before we joined
             return
@@ -147,6 +155,28 @@ def main(argv: list[str] | None = None) -> None:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(0)
+
+
+def _tls_files(prog: str, args) -> TlsFiles | None:
+    """This island's certificate files (--tls DIR, --tls-name), or None for plaintext (loopback, or --insecure)."""
+    host = args.coordinator.rsplit(":", 1)[0].strip("[]")
+    if not args.tls:
+        if args.tls_name:
+            fail(prog, "--tls-name needs --tls DIR")
+        if not is_loopback(host) and not args.insecure:
+            fail(prog, f"the coordinator at {host} is not on this machine: connect with --tls DIR (the run's certificates, "
+                       "`diloco-certs`), or --insecure on a network you trust")
+        return None
+    if args.insecure:
+        fail(prog, "--tls and --insecure contradict each other; give one")
+    name = args.tls_name
+    if not name:
+        found = sorted(p.name[len("island-"):-len(".pem")] for p in Path(args.tls).glob("island-*.pem"))
+        if len(found) != 1:
+            fail(prog, f"--tls {args.tls} holds {len(found)} island certificates ({', '.join(found) or 'none'}); "
+                       "choose one with --tls-name")
+        name = found[0]
+    return island_files(args.tls, name)
 
 
 if __name__ == "__main__":

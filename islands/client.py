@@ -12,6 +12,7 @@ import grpc
 import torch
 
 from diloco.codec import Codec, get_codec
+from diloco.credentials import TlsFiles
 from diloco.params import checksum, ranges_checksum
 from diloco.refusal import Reason, is_transport_failure, refusal_of, status_of
 from diloco.v1 import diloco_pb2 as pb
@@ -98,16 +99,25 @@ def channel_options(receive_window_bytes: int = 0) -> list[tuple[str, int]]:
 
 
 class CoordinatorClient:
-    def __init__(self, address: str, connect_timeout_s: float = 30.0, reconnect_s: float = 120.0, receive_window_bytes: int = 0):
+    def __init__(self, address: str, connect_timeout_s: float = 30.0, reconnect_s: float = 120.0, receive_window_bytes: int = 0,
+                 tls: TlsFiles | None = None):
+        """tls: this island's certificate, key and the run's CA (mutual TLS); None: plaintext."""
         self.address = address
         self.reconnect_s = reconnect_s
-        self.channel = grpc.insecure_channel(address, options=channel_options(receive_window_bytes))
+        options = channel_options(receive_window_bytes)
+        if tls is not None:
+            ca, cert, key = tls.read()
+            self.channel = grpc.secure_channel(address, grpc.ssl_channel_credentials(ca, key, cert), options=options)
+        else:
+            self.channel = grpc.insecure_channel(address, options=options)
         try:
             grpc.channel_ready_future(self.channel).result(timeout=connect_timeout_s)
         except grpc.FutureTimeoutError:
             self.channel.close()
+            how = (" over mutual TLS; check also that it serves --tls with the same run's CA and that its certificate "
+                   "names this address's host" if tls is not None else "")
             raise CoordinatorUnreachable(
-                f"cannot reach the coordinator at {address} within {connect_timeout_s:.0f}s; "
+                f"cannot reach the coordinator at {address} within {connect_timeout_s:.0f}s{how}; "
                 "check the address and that `diloco-coordinator serve` is running"
             ) from None
         self.stub = pb_grpc.CoordinatorStub(self.channel)

@@ -144,9 +144,6 @@ class Island(Landing):
             dist.all_reduce(t, op=op)
         return t.tolist()
 
-    def _tokens_per_step(self) -> int:
-        return self.replicas.participants() * self.world.world_size * self.cfg.inner.batch_size * self.cfg.data.seq_len
-
     def _rounds_tag(self) -> float:
         """The fragments' rounds as one small whole number (below 4093, so its square is exact in fp32):
         groups that disagree on any of them are caught (up to a 1-in-4093 collision of the tags)."""
@@ -226,10 +223,10 @@ class Island(Landing):
         background = self.tau > 0 and c < self.total_rounds * h
         steps = c - s.last_sync[f]
         if steps <= 0:
-            log.warning("%s: fragment %d is due with no inner step trained for it; pushing it with one step's weight", s.island_id, f)
+            log.warning("%s: fragment %d is due with no inner step trained for it; pushing it with no weight", s.island_id, f)
         loss_sum, n = self.group_reduce([s.loss[f][0], s.loss[f][1]])
         ex = Exchange(
-            f, s.rounds[f], c, c + self.tau if background else c, tokens=max(s.tokens[f], self._tokens_per_step()),
+            f, s.rounds[f], c, c + self.tau if background else c, tokens=s.tokens[f],
             inner_steps=max(steps, 1), train_loss=loss_sum / n if n else 0.0, checksum=s.checksums[f],
             pusher=self.replicas.participating_rank() == 0, samples=s.positions(s.data_marks[f], s.data_cursor),
         )

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from diloco.config import RunConfig
+from diloco.credentials import TlsFiles
 from islands.client import CoordinatorClient
 from islands.joining import join_run
 from islands.replicas import FT_HOST_ENV, LIGHTHOUSE_ENV, FtConfig, start_lighthouse
@@ -190,7 +191,7 @@ def replica_spec(args, env: dict[str, str] = os.environ) -> ReplicaSpec:
 def run_island(
     address: str, cfg: RunConfig | None, world: IslandWorld, spec: ReplicaSpec, max_rounds: int | None = None,
     connect_timeout_s: float = 60.0, checkpoint_url: str = "", checkpoint_every: int = 1, resume: bool = False,
-    compile_model: bool = False,
+    compile_model: bool = False, tls: TlsFiles | None = None,
 ) -> IslandResult | None:
     """One rank of an island, of any kind: rank 0 of the group joins (under the island key), every rank trains
     and exchanges its own shard over its own connection. None if the run had already finished.
@@ -202,7 +203,7 @@ def run_island(
         raise ValueError("--resume needs --checkpoint URL")
     ckpt = IslandCheckpoint(checkpoint_url, checkpoint_every, world) if checkpoint_url else None
     previous = ckpt.choose() if ckpt is not None and resume else None
-    client = CoordinatorClient(address, connect_timeout_s, receive_window_bytes=spec.receive_window_bytes)
+    client = CoordinatorClient(address, connect_timeout_s, receive_window_bytes=spec.receive_window_bytes, tls=tls)
     try:
         joined = join_run(client, world, cfg, previous[1]["island_id"] if previous else "", spec.key)
         if joined is None:

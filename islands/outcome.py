@@ -46,6 +46,8 @@ _NEXT: dict[int, Next] = {
     Reason.DUPLICATE: Next.DELIVERED,
     Reason.STILL_OPEN: Next.WAIT,
     Reason.NOT_LEASED: Next.RELEASE,
+    Reason.NOT_YOURS: Next.FAIL,
+    Reason.REVOKED: Next.FAIL,
 }
 assert set(_NEXT) == set(Reason.values()), "every refusal reason needs an island decision"
 

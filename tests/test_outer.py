@@ -115,3 +115,17 @@ def test_accumulator_mean_is_divided_in_place_to_the_same_bits():
     acc.reset()
     acc.add(5, pgs[0])
     assert torch.equal(acc.mean()["w"], pgs[0]["w"])
+
+
+def test_a_contribution_trained_on_no_tokens_does_not_dilute_the_others():
+    shapes = {"w": (3, 4)}
+    a, b = random_like(shapes, seed=1), random_like(shapes, seed=2)
+    acc = PseudoGradientAccumulator(shapes)
+    acc.add(0, b)  # an island that resynced at its round's end: no steps, no weight (first, so no reference yet)
+    acc.add(700, a)
+    assert torch.equal(acc.mean()["w"], a["w"])
+    empty = PseudoGradientAccumulator(shapes)
+    empty.add(0, b)
+    assert torch.equal(empty.mean()["w"], torch.zeros(3, 4))  # nobody trained: no update
+    with pytest.raises(ValueError, match=">= 0"):
+        empty.scale_for(-1)

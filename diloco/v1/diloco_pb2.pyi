@@ -30,6 +30,8 @@ class Refusal(_message.Message):
         STILL_OPEN: _ClassVar[Refusal.Reason]
         BAD_REQUEST: _ClassVar[Refusal.Reason]
         NOT_LEASED: _ClassVar[Refusal.Reason]
+        NOT_YOURS: _ClassVar[Refusal.Reason]
+        REVOKED: _ClassVar[Refusal.Reason]
     REASON_UNSPECIFIED: Refusal.Reason
     PROTOCOL_MISMATCH: Refusal.Reason
     CONFIG_MISMATCH: Refusal.Reason
@@ -49,6 +51,8 @@ class Refusal(_message.Message):
     STILL_OPEN: Refusal.Reason
     BAD_REQUEST: Refusal.Reason
     NOT_LEASED: Refusal.Reason
+    NOT_YOURS: Refusal.Reason
+    REVOKED: Refusal.Reason
     REASON_FIELD_NUMBER: _ClassVar[int]
     RESEND_FROM_CHUNK_FIELD_NUMBER: _ClassVar[int]
     CURRENT_ROUND_FIELD_NUMBER: _ClassVar[int]

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import grpc
 
+from diloco import credentials
 from diloco.config import RunConfig
 from diloco.data import entropy_floor
 from diloco.v1 import diloco_pb2 as pb
@@ -63,7 +64,7 @@ class Simulation:
     """The processes of a one-node run: start, kill and restart them; watch the rounds."""
 
     def __init__(self, cfg: RunConfig, islands: int, workdir: Path, threads: int = 1, checkpoints: bool = False,
-                 wan: list[LinkSpec] | None = None):
+                 wan: list[LinkSpec] | None = None, tls: bool = True):
         self.cfg, self.islands, self.workdir, self.threads = cfg, islands, workdir, threads
         # One emulated link per island (its own proxy port); the coordinator keeps its port across restarts.
         self.wan = wan
@@ -78,6 +79,14 @@ class Simulation:
         self.island_procs: dict[int, subprocess.Popen] = {}
         self.port = 0
         self.starts = 0
+        # Mutual TLS as across data centres: a run CA, the coordinator's certificate, one per island
+        # (site-i) and one for watching the rounds from here.
+        self.tls_dir = workdir / "tls" if tls else None
+        if self.tls_dir is not None and not (self.tls_dir / "ca.pem").exists():
+            credentials.create_ca(self.tls_dir, run_name=cfg.name)
+            credentials.issue_coordinator(self.tls_dir, ["127.0.0.1", "localhost"])
+            for name in [f"site-{i}" for i in range(islands)] + ["sim-watch"]:
+                credentials.issue_island(self.tls_dir, name)
 
     def _spawn(self, args: list[str], log_name: str) -> subprocess.Popen:
         with open(self.workdir / log_name, "a") as log_file:
@@ -91,6 +100,8 @@ class Simulation:
                 "--linger", "20", "--threads", str(self.threads), "--log-level", "info"]
         if self.checkpoints:
             args += ["--checkpoint", str(self.workdir / "ckpt" / "coordinator")]
+        if self.tls_dir is not None:
+            args += ["--tls", str(self.tls_dir)]
         if resume:
             args.append("--resume")
         self.coordinator = self._spawn(args, "coordinator.log")
@@ -112,6 +123,8 @@ class Simulation:
                 "--threads", str(self.threads), "--device", "cpu", "--log-level", "info"]
         if self.checkpoints:
             args += ["--checkpoint", str(self.workdir / "ckpt" / f"island-{i}"), "--checkpoint-every", "1"]
+        if self.tls_dir is not None:
+            args += ["--tls", str(self.tls_dir), "--tls-name", f"site-{i}"]
         if resume:
             args.append("--resume")
         self.island_procs[i] = self._spawn(args, f"island-{i}.log")
@@ -136,7 +149,7 @@ class Simulation:
         next_round: dict[int, int] = {}  # per fragment
         while time.monotonic() < deadline:
             try:
-                with grpc.insecure_channel(f"127.0.0.1:{self.port}") as channel:
+                with self._channel() as channel:
                     stub = pb_grpc.CoordinatorStub(channel)
                     stream = stub.WatchRounds(pb.WatchRequest(from_round=0), timeout=deadline - time.monotonic(),
                                               wait_for_ready=True)
@@ -152,6 +165,13 @@ class Simulation:
                     break
                 time.sleep(0.5)  # the coordinator is down or restarting
         raise TimeoutError(f"the run did not finish within {timeout_s:.0f}s; see {self.workdir}")
+
+    def _channel(self) -> grpc.Channel:
+        address = f"127.0.0.1:{self.port}"
+        if self.tls_dir is None:
+            return grpc.insecure_channel(address)
+        ca, cert, key = credentials.island_files(self.tls_dir, "sim-watch").read()
+        return grpc.secure_channel(address, grpc.ssl_channel_credentials(ca, key, cert))
 
     def finish(self, timeout_s: float) -> SimResult:
         remaining = max(1.0, timeout_s - (time.monotonic() - self.started))
