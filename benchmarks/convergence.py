@@ -44,6 +44,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import multiprocessing as mp
 import sys
 import time
@@ -59,6 +60,7 @@ from diloco.data import Batch, eval_batches
 from diloco.inner import build_inner_optimizer, evaluate, inner_lr, train_step
 from diloco.model import Transformer
 from diloco.outer import OuterOptimizer, PseudoGradientAccumulator, pseudo_gradient
+from diloco.robust import NormGuard
 from diloco.params import fp32_copy
 from diloco.shards import DataError
 
@@ -222,9 +224,11 @@ def run_outer(
     streams = island_streams(cfg, setup.islands)
     round_losses: list[float] = []
     rounds = setup.steps // h
+    guard, clipped = NormGuard(cfg.robust), 0  # the coordinator's robust aggregation (robust.enabled, on by default)
     for round_ in range(rounds):
         accumulator.reset()
         round_losses = []
+        pushed = []
         for island, (model, optimizer, stream) in enumerate(zip(models, optimizers, streams)):
             feedback = wire.feedback[island]
             load_params(model, global_params)  # theta_local <- theta_global; AdamW state kept
@@ -234,12 +238,18 @@ def run_outer(
                 step = round_ * h + i
                 lr = inner_lr(step, setup.steps, cfg.inner)
                 round_losses.append(train_step(model, optimizer, stream.next_batch(per_island), lr, cfg.inner.grad_clip))
-            wire.push(island, pseudo_gradient(global_params, dict(model.named_parameters())), accumulator, tokens_per_round)
+            pushed.append(wire.push(island, pseudo_gradient(global_params, dict(model.named_parameters()))))
+        verdict = guard.judge({str(i): math.sqrt(sumsq) for i, (_, sumsq) in enumerate(pushed)})
+        clipped += len(verdict.clipped) + len(verdict.dropped)
+        for i, (received, _) in enumerate(pushed):
+            wire.fold(accumulator, received, tokens_per_round, verdict.factors[str(i)])
+        accumulator.commit(0) if not accumulator.contributions else None  # every contribution dropped: a zero mean
         outer.step(accumulator.mean())
         global_params = wire.publish(setup.islands)
         load_params(start, global_params)  # evaluate what the islands hold
         evaluate_at((round_ + 1) * h, start)
     per = rounds * setup.islands
+    log.info("norm guard (robust.enabled=%s): %d of %d contributions clipped or dropped", cfg.robust.enabled, clipped, per)
     return sum(round_losses) / len(round_losses), wire.bytes_up // per, wire.bytes_down // per
 
 

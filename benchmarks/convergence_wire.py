@@ -37,11 +37,25 @@ class Wire:
         self.publication = Publication(outer_params, downlink_codec(cfg.wire), cfg.wire.chunk_bytes)
         self.bytes_up = self.bytes_down = 0
 
-    def push(self, island: int, pg: dict[str, torch.Tensor], accumulator: PseudoGradientAccumulator, tokens: int) -> None:
-        scale = accumulator.scale_for(tokens)
+    def push(self, island: int, pg: dict[str, torch.Tensor]) -> tuple[list, float]:
+        """The island's pseudo-gradient as the coordinator receives it: (chunk, decoded values) pairs, and the
+        sum of squares of the values (what the norm guard judges)."""
+        received, sumsq = [], 0.0
         for chunk in tensor_chunks(pg, self.codec, self.cfg.wire.chunk_bytes, feedback=self.feedback[island]):
             self.bytes_up += pb.PushMessage(chunk=chunk).ByteSize()
-            accumulator.add_chunk(chunk.name, chunk.offset, decode_chunk(chunk, self.manifest, self.codec), scale)
+            values = decode_chunk(chunk, self.manifest, self.codec)
+            received.append((chunk, values))
+            sumsq += float(torch.dot(values.double(), values.double()))
+        return received, sumsq
+
+    @staticmethod
+    def fold(accumulator: PseudoGradientAccumulator, received: list, tokens: int, factor: float = 1.0) -> None:
+        """As the coordinator folds a contribution: its token weight times the norm guard's factor."""
+        if factor == 0.0:
+            return
+        scale = accumulator.scale_for(tokens) * factor
+        for chunk, values in received:
+            accumulator.add_chunk(chunk.name, chunk.offset, values, scale)
         accumulator.commit(tokens)
 
     def publish(self, islands: int) -> dict[str, torch.Tensor]:

@@ -26,15 +26,18 @@ from pathlib import Path
 
 import torch
 
+from coordinator.fold import chunk_sumsq, fold, judge
 from coordinator.ledger import DataLedger, ranges_of
 from coordinator.locks import ReadWriteLock
 from coordinator.membership import Membership, canonical_order
 from coordinator.publish import Publication
-from coordinator.records import Closing, Contribution, Phase, Reason, Refused, close_reason, round_summary, traffic_into
+from coordinator.records import (Closing, Contribution, Phase, Reason, Refused, check_claim, close_reason, round_summary,
+                                 traffic_into)
 from coordinator.spool import Spool
 from diloco.codec import Codec
 from diloco.config import RunConfig
 from diloco.outer import OuterOptimizer, PseudoGradientAccumulator
+from diloco.robust import NormGuard
 from diloco.v1 import diloco_pb2 as pb
 from diloco.wire import ChunkCorrupt, ChunkError, Coverage, FlatRange, Manifest, downlink_codec, tensor_chunks, verify_chunk
 
@@ -67,6 +70,7 @@ class FragmentRounds:
         self.outer = OuterOptimizer(params, cfg.outer)
         self.publication = Publication(params, downlink_codec(cfg.wire), cfg.wire.chunk_bytes)
         self.accumulator = PseudoGradientAccumulator(self.manifest.shapes)
+        self.guard = NormGuard(cfg.robust)
         self.param_lock = ReadWriteLock()
         self.phase, self.round, self.round_opened_at = Phase.OPEN, 0, self.clock()
         self.contributions: dict[str, Contribution] = {}
@@ -88,7 +92,9 @@ class FragmentRounds:
 
     def begin_push(self, header: pb.PushHeader) -> None:
         """Checks a push's header before any chunk is read."""
-        self.members.touch(header.island_id)
+        island = self.members.touch(header.island_id)
+        if self.cfg.robust.enabled and self.cfg.robust.check_claims:
+            check_claim(header, self.cfg, island.ranks)
         with self.cond:
             self.max_round_seen = max(self.max_round_seen, header.round)
             if self.phase is Phase.FINISHED:
@@ -135,7 +141,7 @@ class FragmentRounds:
         """
         self.begin_push(header)
         spool: Spool | None = Spool(self.ctx.spool_dir)
-        ranges: list[tuple[str, int, int]] = []
+        ranges: list[tuple[str, int, int, float]] = []  # each chunk's address and sum of squares (the norm guard)
         try:
             for chunk in chunks:
                 payload = chunk.payload
@@ -150,7 +156,8 @@ class FragmentRounds:
                 if not finite:
                     self._drop_nonfinite(header, chunk)
                 spool.write(chunk.name, chunk.offset, chunk.numel, chunk.crc32, payload)
-                ranges.append((chunk.name, chunk.offset, chunk.numel))
+                sumsq = chunk_sumsq(self.codec, payload, chunk.numel) if self.cfg.robust.enabled else 0.0
+                ranges.append((chunk.name, chunk.offset, chunk.numel, sumsq))
                 self._count(header.round, header.island_id, up=chunk.ByteSize())
             return self._attach(header, spool, ranges)
         except BaseException:
@@ -172,7 +179,7 @@ class FragmentRounds:
         raise Refused(Reason.NOT_FINITE, f"pseudo-gradient is not finite in {chunk.name}; dropped from {self.label}round {header.round}: "
                       "resync and go on")
 
-    def _attach(self, header: pb.PushHeader, spool: Spool, ranges: list[tuple[str, int, int]]) -> pb.PushResponse:
+    def _attach(self, header: pb.PushHeader, spool: Spool, ranges: list[tuple[str, int, int, float]]) -> pb.PushResponse:
         spool.close()
         with self.cond:
             if header.round != self.round or self.phase is not Phase.OPEN:
@@ -185,12 +192,13 @@ class FragmentRounds:
                 contribution = Contribution(header.tokens, header.train_loss, Coverage(self.manifest), samples=ranges_of(header.samples))
                 self.contributions[header.island_id] = contribution
             trial = contribution.coverage.copy()
-            for name, offset, numel in ranges:
+            for name, offset, numel, _ in ranges:
                 trial.add(name, offset, numel)
             if trial.overlaps():
                 raise Refused(Reason.DUPLICATE, f"push overlaps data already received: {trial.problem()}")
             contribution.coverage = trial
             contribution.spools.append(spool)
+            contribution.sumsq += sum(r[3] for r in ranges)
             elements = sum(r[2] for r in ranges)
             if trial.problem():  # more streams of this island's contribution are still to come
                 return pb.PushResponse(accepted=True, elements=elements)
@@ -308,29 +316,15 @@ class FragmentRounds:
             self.contributions.clear()
             return Closing(reason, complete)
 
-    def _fold(self, contributions: list[tuple[str, Contribution]]) -> int:
-        """Folds every contribution into the accumulator in the given (canonical) order; returns elements folded."""
-        folded = 0
-        for _, contribution in contributions:
-            scale = self.accumulator.scale_for(contribution.tokens)
-            elements = 0
-            for spool in contribution.spools:
-                for chunk in spool.read():  # verified on arrival; the spool checks its own CRCs
-                    values = self.codec.decode(chunk.payload, chunk.numel)
-                    self.accumulator.add_chunk(chunk.name, chunk.offset, values, scale)
-                    elements += chunk.numel
-                spool.discard()
-            # Coverage proved exactly-once already; this is the invariant the summary reports.
-            assert elements == self.manifest.total_numel(), (elements, self.manifest.total_numel())
-            self.accumulator.commit(contribution.tokens)
-            folded += elements
-        return folded
-
     def apply(self, closing: Closing) -> pb.RoundSummary:
         """Folds, takes the outer step, publishes the result and opens the next round; returns the round's summary."""
-        summary = round_summary(self.round, self.index, closing.contributions, self.manifest.total_numel(), self.cfg)
+        verdict = judge(self.guard, closing.contributions, self.label)
+        kept = [(i, c) for i, c in closing.contributions if i not in verdict.dropped]
+        summary = round_summary(self.round, self.index, kept, self.manifest.total_numel(), self.cfg)
+        summary.clipped.extend(verdict.clipped)
+        self.dropped.update(verdict.dropped)
         self.publication.release_values()
-        folded = self._fold(closing.contributions)
+        folded = fold(self.accumulator, self.codec, closing.contributions, verdict, self.manifest.total_numel())
         # Step, publication and round change happen under the write lock, so no
         # reader ever sees new parameters under an old round number or the reverse.
         self.param_lock.acquire_write()
@@ -347,10 +341,9 @@ class FragmentRounds:
                 summary.seconds = self.clock() - self.round_opened_at
                 summary.dropped.extend(sorted(self.dropped))
                 summary.elements_folded = folded
-                summary.elements_expected = self.manifest.total_numel() * len(closing.contributions)
+                summary.elements_expected = self.manifest.total_numel() * len(kept)
                 if self.ctx.ledger is not None:
-                    summary.data.CopyFrom(self.ctx.ledger.settle(self.index, [c.samples for _, c in closing.contributions],
-                                                                 self.members.live()))
+                    summary.data.CopyFrom(self.ctx.ledger.settle(self.index, [c.samples for _, c in kept], self.members.live()))
                 self._count_restart_cost()
                 self.last_islands, self.last_tokens = len(closing.contributions), summary.tokens
                 self.accumulator.reset()
@@ -381,13 +374,14 @@ class FragmentRounds:
         return {
             # Copied: another fragment's driver may step while the checkpoint is written.
             "round": self.round, "last": [self.last_islands, self.last_tokens], "outer": copy.deepcopy(self.outer.state_dict()),
-            "published": self.publication.state_dict(),
+            "published": self.publication.state_dict(), "guard": self.guard.state_dict(),
         }
 
     def load_state_dict(self, state: dict, finished: bool) -> None:
         """Restores a checkpoint's round (its outer parameters already copied in); the round reopens now."""
         self.outer.load_state_dict(state["outer"])
         self.publication.load_state_dict(state["published"])
+        self.guard.load_state_dict(state.get("guard", {}))
         with self.cond:
             now = self.clock()
             self.round = state["round"]

@@ -33,6 +33,7 @@ class Island:
     stats: dict = field(default_factory=dict)
     # With mutual TLS, the name on the client certificate that made it: only that credential may act as it.
     owner: str = ""
+    ranks: int = 1  # as declared at join: replica groups x ranks per group
 
 
 @dataclass
@@ -103,11 +104,18 @@ class Membership:
     # --- joining and leaving --------------------------------------------------------------
 
     def join(self, hostname: str, island_id: str = "", key: str = "", run_finished: bool = False, round_: int = 0,
-             owner: str | None = None) -> Island:
+             owner: str | None = None, ranks: int = 1) -> Island:
         """Admits an island; a known island_id rejoins as itself, a known key gets its island (another replica group).
 
         With an owner (mutual TLS: the client certificate's name) the owner is the key, so the replica groups of
-        one credential are one island, and only the owner may rejoin as an island it made."""
+        one credential are one island, and only the owner may rejoin as an island it made. ranks: what the
+        island declares it trains on (the most its pushes may claim tokens for)."""
+        island = self._admit(hostname, island_id, key, run_finished, round_, owner)
+        with self.cond:
+            island.ranks = max(1, ranks)
+        return island
+
+    def _admit(self, hostname: str, island_id: str, key: str, run_finished: bool, round_: int, owner: str | None) -> Island:
         if owner is not None:
             self.check_owner(island_id, owner)
             key = f"owner:{owner}"
@@ -173,8 +181,8 @@ class Membership:
     def state_dict(self) -> dict:
         return {
             "joined": self.joined,
-            "islands": [{"island_id": i.island_id, "hostname": i.hostname, "shard": i.shard, "key": i.key, "owner": i.owner}
-                        for i in self.islands.values()],
+            "islands": [{"island_id": i.island_id, "hostname": i.hostname, "shard": i.shard, "key": i.key, "owner": i.owner,
+                         "ranks": i.ranks} for i in self.islands.values()],
             "departed": [dataclasses.asdict(i) for i in self.departed],
             "expired": [dataclasses.asdict(i) for i in self.expired.values()],
             "events": dataclasses.asdict(self.events),
@@ -186,7 +194,7 @@ class Membership:
             now = self.clock()
             self.joined = state["joined"]
             self.islands = {i["island_id"]: Island(i["island_id"], i["hostname"], i["shard"], now, key=i.get("key", ""),
-                                                   owner=i.get("owner", "")) for i in state["islands"]}
+                                                   owner=i.get("owner", ""), ranks=i.get("ranks", 1)) for i in state["islands"]}
             self.departed = [Island(**i) for i in state["departed"]]
             self.expired = {i["island_id"]: Island(**i) for i in state.get("expired", [])}
             self.events = Events(**state["events"])

@@ -28,7 +28,8 @@ class Refused(Exception):
         return trailing_metadata(self.refusal)
 
 
-__all__ = ["Closed", "Closing", "Contribution", "Phase", "Reason", "Refused", "close_reason", "round_summary", "traffic_into"]
+__all__ = ["Closed", "Closing", "Contribution", "Phase", "Reason", "Refused", "check_claim", "close_reason", "round_summary",
+           "traffic_into"]
 
 
 class Phase(enum.Enum):
@@ -47,6 +48,7 @@ class Contribution:
     spools: list[Spool] = field(default_factory=list)
     state: str = "pending"  # pending -> folding -> committed
     samples: list[tuple[int, int]] = field(default_factory=list)  # token corpus: the positions trained on
+    sumsq: float = 0.0  # of its values, summed as chunks arrive: the norm guard judges it at the close
 
 
 @dataclass
@@ -64,6 +66,15 @@ class Closed:
     summary: pb.RoundSummary
     total_rounds: int  # rounds closed so far over every fragment (the checkpoint step)
     run_finished: bool
+
+
+def check_claim(header: pb.PushHeader, cfg: RunConfig, ranks: int) -> None:
+    """Refuses a push claiming more tokens or inner steps than the island's ranks can train in a round."""
+    per_step = cfg.inner.batch_size * cfg.data.seq_len
+    steps = cfg.inner.steps_per_round + cfg.streaming.overlap
+    if header.inner_steps > steps or header.tokens > header.inner_steps * per_step * ranks or header.tokens % per_step:
+        raise Refused(Reason.BAD_REQUEST, f"{header.tokens} tokens in {header.inner_steps} inner steps: not what {ranks} "
+                      f"rank(s) train with batch {cfg.inner.batch_size} x seq_len {cfg.data.seq_len} in at most {steps} steps")
 
 
 def close_reason(done: list[str], live: list[str], dropped: set[str], overdue: bool, min_islands: int,

@@ -97,8 +97,11 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                 f"config mismatch: the island's config digest is {request.config_digest}, the coordinator's is "
                 f"{cfg.digest()}; start the island with the coordinator's config file, or without --config to adopt it",
             )
+        if not 0 <= request.ranks <= cfg.rounds.max_island_ranks:
+            raise Refused(Reason.BAD_REQUEST, f"an island of {request.ranks} ranks: at most rounds.max_island_ranks = "
+                          f"{cfg.rounds.max_island_ranks}")
         owner = self._caller(context, request.island_id)
-        island = state.join(request.hostname or context.peer(), request.island_id, request.island_key, owner)
+        island = state.join(request.hostname or context.peer(), request.island_id, request.island_key, owner, request.ranks)
         return pb.JoinResponse(
             island_id=island.island_id,
             config_digest=cfg.digest(),

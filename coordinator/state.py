@@ -113,9 +113,10 @@ class CoordinatorState:
     def events(self) -> Events:
         return self.members.events
 
-    def join(self, hostname: str, island_id: str = "", key: str = "", owner: str | None = None) -> Island:
+    def join(self, hostname: str, island_id: str = "", key: str = "", owner: str | None = None, ranks: int = 1) -> Island:
         """Admits an island into the current round; a known island_id rejoins as itself."""
-        return self.members.join(hostname, island_id, key, run_finished=self.finished, round_=self.round, owner=owner)
+        return self.members.join(hostname, island_id, key, run_finished=self.finished, round_=self.round, owner=owner,
+                                 ranks=ranks)
 
     def touch(self, island_id: str) -> Island:
         return self.members.touch(island_id)

@@ -96,6 +96,8 @@ class RoundConfig:
     heartbeat_s: float = 1.0
     # An island that has not heartbeated for this long leaves the run.
     lease_s: float = 10.0
+    # The most ranks (replica groups x ranks per group) an island may declare at join.
+    max_island_ranks: int = 4096
 
 
 @dataclass
@@ -179,6 +181,21 @@ class StreamingConfig:
 
 
 @dataclass
+class RobustConfig:
+    """Robust aggregation (diloco/robust.py): the coordinator's guard against outlier pseudo-gradients."""
+
+    enabled: bool = True
+    # A push may claim at most inner_steps x batch x seq_len x the ranks its island declared at join, in
+    # whole steps, and at most steps_per_round (+ streaming overlap) inner steps.
+    check_claims: bool = True
+    # A contribution whose norm exceeds norm_factor x the reference (median of the round's other
+    # contributions and of the last `history` rounds) is clipped to the reference norm, or dropped.
+    norm_factor: float = 3.0
+    action: str = "clip"  # "clip" or "drop"
+    history: int = 10
+
+
+@dataclass
 class EvalConfig:
     # Batches of held-out data the coordinator evaluates the global parameters
     # on after each round (0 disables evaluation).
@@ -208,6 +225,7 @@ class RunConfig:
     wire: WireConfig = field(default_factory=WireConfig)
     streaming: StreamingConfig = field(default_factory=StreamingConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    robust: RobustConfig = field(default_factory=RobustConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
 
     def to_dict(self) -> dict[str, Any]:
@@ -223,6 +241,7 @@ class RunConfig:
         body.pop("rounds")
         body.pop("eval")
         body.pop("checkpoint")
+        body.pop("robust")
         for local in ("cache_dir", "cache_gb", "prefetch_shards"):  # each machine's own
             body["data"].pop(local)
         if self.streaming == StreamingConfig():
@@ -260,6 +279,8 @@ class RunConfig:
             (not (self.wire.feedback_in_model and self.streaming.eager),
              "wire.feedback_in_model does not combine with streaming.eager; turn one of them off"),
             (self.checkpoint.every_rounds >= 1, "checkpoint.every_rounds must be >= 1"),
+            (self.robust.norm_factor > 1 and self.robust.history >= 1 and self.robust.action in ("clip", "drop"),
+             "robust.norm_factor must be > 1, robust.history >= 1 and robust.action 'clip' or 'drop'"),
             (self.checkpoint.keep_last >= 1, "checkpoint.keep_last must be >= 1"),
         ]
         for ok, message in checks:

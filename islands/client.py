@@ -160,10 +160,11 @@ class CoordinatorClient:
                 time.sleep(delay)
                 delay = min(delay * 2, 5.0)
 
-    def join(self, config_digest: str = "", codec: str = "", island_id: str = "", island_key: str = "") -> pb.JoinResponse:
+    def join(self, config_digest: str = "", codec: str = "", island_id: str = "", island_key: str = "",
+             ranks: int = 1) -> pb.JoinResponse:
         request = pb.JoinRequest(
             config_digest=config_digest, hostname=socket.gethostname(), protocol_version=PROTOCOL_VERSION,
-            codec=codec, island_id=island_id, island_key=island_key,
+            codec=codec, island_id=island_id, island_key=island_key, ranks=ranks,
         )
         return self._retry("join", lambda: self.stub.Join(request, timeout=60))
 

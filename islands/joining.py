@@ -27,6 +27,7 @@ class JoinRefused(ValueError):
 
 def join_run(
     client: CoordinatorClient | None, world: IslandWorld, cfg: RunConfig | None, island_id: str = "", key: str = "",
+    groups: int = 1,
 ) -> tuple[pb.JoinResponse, RunConfig] | None:
     """Rank 0 joins (cfg None: adopt the coordinator's config); every rank gets the reply and the run's config.
 
@@ -39,7 +40,8 @@ def join_run(
     if world.is_leader:
         codec = uplink_codec(cfg.wire).name if cfg is not None else ""
         try:
-            reply = client.join(cfg.digest() if cfg is not None else "", codec, island_id, key).SerializeToString()
+            reply = client.join(cfg.digest() if cfg is not None else "", codec, island_id, key,
+                                ranks=groups * world.world_size).SerializeToString()
         except grpc.RpcError as e:
             reply = (next_step(e).value, f"{reason_name(e)}: {e.details()}")
     reply = world.broadcast_object(reply)

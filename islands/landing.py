@@ -191,7 +191,8 @@ class Landing:
         s, shard = self.state, self.fragments[f]
         log.warning("%s group %d: fragment %d resyncs after round %d (outcome %d)", s.island_id, self.spec.group, f, s.rounds[f], why)
         if why == REJOIN:
-            joined = self.client.join(self.cfg.digest(), self.codec.name, s.island_id, self.spec.key) if self.world.is_leader else None
+            joined = (self.client.join(self.cfg.digest(), self.codec.name, s.island_id, self.spec.key,
+                                       ranks=self.spec.groups * self.world.world_size) if self.world.is_leader else None)
             s.island_id = self.world.broadcast_object(joined.island_id if joined else None)
         if why == RESET:  # our training diverged: a fresh inner optimizer and error feedback
             self.optimizer = build_inner_optimizer(self.model, self.cfg.inner)

@@ -205,7 +205,7 @@ def run_island(
     previous = ckpt.choose() if ckpt is not None and resume else None
     client = CoordinatorClient(address, connect_timeout_s, receive_window_bytes=spec.receive_window_bytes, tls=tls)
     try:
-        joined = join_run(client, world, cfg, previous[1]["island_id"] if previous else "", spec.key)
+        joined = join_run(client, world, cfg, previous[1]["island_id"] if previous else "", spec.key, spec.groups)
         if joined is None:
             return None
         joined, run_cfg = joined

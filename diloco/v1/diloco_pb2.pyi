@@ -70,20 +70,22 @@ class ParameterSpec(_message.Message):
     def __init__(self, name: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class JoinRequest(_message.Message):
-    __slots__ = ("config_digest", "hostname", "protocol_version", "codec", "island_id", "island_key")
+    __slots__ = ("config_digest", "hostname", "protocol_version", "codec", "island_id", "island_key", "ranks")
     CONFIG_DIGEST_FIELD_NUMBER: _ClassVar[int]
     HOSTNAME_FIELD_NUMBER: _ClassVar[int]
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     CODEC_FIELD_NUMBER: _ClassVar[int]
     ISLAND_ID_FIELD_NUMBER: _ClassVar[int]
     ISLAND_KEY_FIELD_NUMBER: _ClassVar[int]
+    RANKS_FIELD_NUMBER: _ClassVar[int]
     config_digest: str
     hostname: str
     protocol_version: int
     codec: str
     island_id: str
     island_key: str
-    def __init__(self, config_digest: _Optional[str] = ..., hostname: _Optional[str] = ..., protocol_version: _Optional[int] = ..., codec: _Optional[str] = ..., island_id: _Optional[str] = ..., island_key: _Optional[str] = ...) -> None: ...
+    ranks: int
+    def __init__(self, config_digest: _Optional[str] = ..., hostname: _Optional[str] = ..., protocol_version: _Optional[int] = ..., codec: _Optional[str] = ..., island_id: _Optional[str] = ..., island_key: _Optional[str] = ..., ranks: _Optional[int] = ...) -> None: ...
 
 class FragmentSpec(_message.Message):
     __slots__ = ("index", "names", "offset")
@@ -378,7 +380,7 @@ class WatchRequest(_message.Message):
     def __init__(self, from_round: _Optional[int] = ...) -> None: ...
 
 class RoundSummary(_message.Message):
-    __slots__ = ("round", "islands", "tokens", "train_loss", "eval_loss", "bytes_up", "bytes_down", "seconds", "checksum", "run_finished", "initial_eval_loss", "ddp_bytes", "traffic", "dropped", "elements_folded", "elements_expected", "fragment", "fragments", "data")
+    __slots__ = ("round", "islands", "tokens", "train_loss", "eval_loss", "bytes_up", "bytes_down", "seconds", "checksum", "run_finished", "initial_eval_loss", "ddp_bytes", "traffic", "dropped", "elements_folded", "elements_expected", "fragment", "fragments", "data", "clipped")
     ROUND_FIELD_NUMBER: _ClassVar[int]
     ISLANDS_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -398,6 +400,7 @@ class RoundSummary(_message.Message):
     FRAGMENT_FIELD_NUMBER: _ClassVar[int]
     FRAGMENTS_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
+    CLIPPED_FIELD_NUMBER: _ClassVar[int]
     round: int
     islands: _containers.RepeatedScalarFieldContainer[str]
     tokens: int
@@ -417,7 +420,8 @@ class RoundSummary(_message.Message):
     fragment: int
     fragments: int
     data: DataAccount
-    def __init__(self, round: _Optional[int] = ..., islands: _Optional[_Iterable[str]] = ..., tokens: _Optional[int] = ..., train_loss: _Optional[float] = ..., eval_loss: _Optional[float] = ..., bytes_up: _Optional[int] = ..., bytes_down: _Optional[int] = ..., seconds: _Optional[float] = ..., checksum: _Optional[str] = ..., run_finished: _Optional[bool] = ..., initial_eval_loss: _Optional[float] = ..., ddp_bytes: _Optional[float] = ..., traffic: _Optional[_Iterable[_Union[IslandTraffic, _Mapping]]] = ..., dropped: _Optional[_Iterable[str]] = ..., elements_folded: _Optional[int] = ..., elements_expected: _Optional[int] = ..., fragment: _Optional[int] = ..., fragments: _Optional[int] = ..., data: _Optional[_Union[DataAccount, _Mapping]] = ...) -> None: ...
+    clipped: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, round: _Optional[int] = ..., islands: _Optional[_Iterable[str]] = ..., tokens: _Optional[int] = ..., train_loss: _Optional[float] = ..., eval_loss: _Optional[float] = ..., bytes_up: _Optional[int] = ..., bytes_down: _Optional[int] = ..., seconds: _Optional[float] = ..., checksum: _Optional[str] = ..., run_finished: _Optional[bool] = ..., initial_eval_loss: _Optional[float] = ..., ddp_bytes: _Optional[float] = ..., traffic: _Optional[_Iterable[_Union[IslandTraffic, _Mapping]]] = ..., dropped: _Optional[_Iterable[str]] = ..., elements_folded: _Optional[int] = ..., elements_expected: _Optional[int] = ..., fragment: _Optional[int] = ..., fragments: _Optional[int] = ..., data: _Optional[_Union[DataAccount, _Mapping]] = ..., clipped: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class DataAccount(_message.Message):
     __slots__ = ("leased", "folded", "returned", "lost", "held", "repeated", "folded_this_round", "epoch", "samples")
