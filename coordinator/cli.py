@@ -32,6 +32,8 @@ def build_parser() -> ArgumentParser:
                    "coordinator.key: `diloco-certs init`); islands are who their certificates say")
     s.add_argument("--revoked", metavar="FILE", help="revoked island names (default DIR/revoked.json with --tls: "
                    "`diloco-certs revoke`), re-read while the run goes on")
+    s.add_argument("--audit", metavar="URL", default="", help="write the audit log (joins, pushes, refusals with their "
+                   "reasons, revocations, leaves) as JSON lines here (a local folder or s3://...)")
     s.add_argument("--insecure", action="store_true", help="allow plaintext on an address other than loopback (a warning is logged)")
     s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return parser
@@ -55,7 +57,8 @@ def main(argv: list[str] | None = None) -> None:
     try:
         tls = coordinator_files(args.tls) if args.tls else None
         revocations = RevocationList(args.revoked or Path(args.tls) / "revoked.json") if args.tls else None
-        serve(cfg, args.host, args.port, args.report, args.linger, args.port_file, args.resume, tls, args.insecure, revocations)
+        serve(cfg, args.host, args.port, args.report, args.linger, args.port_file, args.resume, tls, args.insecure, revocations,
+              args.audit)
     except (OSError, ValueError) as e:
         fail(parser.prog, str(e))
     except KeyboardInterrupt:

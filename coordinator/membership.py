@@ -60,11 +60,12 @@ def canonical_order(island_ids) -> list[str]:
 class Membership:
     def __init__(self, max_islands: int, shards: int, lease_s: float, cond: threading.Condition,
                  clock: Callable[[], float], on_leave: Callable[[str], None] = lambda island_id: None,
-                 revoked: Callable[[str], bool] = lambda owner: False):
+                 revoked: Callable[[str], bool] = lambda owner: False, record: Callable[..., None] = lambda event, **f: None):
         self.max_islands, self.shards, self.lease_s = max_islands, shards, lease_s
         self.cond, self.clock = cond, clock
         self.on_leave = on_leave  # drops the island's half-pushed contributions; called holding cond
         self.revoked = revoked  # whether an owner's credential is revoked (mutual TLS)
+        self.record = record  # the audit log
         self.islands: dict[str, Island] = {}
         self.departed: list[Island] = []
         self.expired: dict[str, Island] = {}  # islands whose lease ran out: a restarted one may come back as itself
@@ -168,11 +169,13 @@ class Membership:
             if island.owner and self.revoked(island.owner):
                 log.warning("%s: the credential %r was revoked; removed from the run", island_id, island.owner)
                 self.events.revoked += 1
+                self.record("revoked", island=island_id, credential=island.owner)
                 del self.islands[island_id]
                 self.on_leave(island_id)
             elif now - island.last_seen > self.lease_s:
                 log.warning("%s missed its %.1fs lease; removed from the run", island_id, self.lease_s)
                 self.events.leases_expired += 1
+                self.record("expired", island=island_id, lease_s=self.lease_s)
                 self.expired[island_id] = self.islands.pop(island_id)
                 self.on_leave(island_id)
 

@@ -10,7 +10,7 @@ import tempfile
 import threading
 import time
 from concurrent import futures
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
@@ -18,6 +18,7 @@ import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from coordinator import durable
+from coordinator.audit import AuditLog, NoAudit
 from coordinator.ledger import DataLedger, account_dict
 from coordinator.service import CoordinatorService, add_to_server
 from coordinator.state import CoordinatorState
@@ -65,6 +66,7 @@ class Coordinator:
     stop_event: threading.Event
     drivers: list[threading.Thread]  # one round driver per fragment
     health: health.HealthServicer
+    audit: AuditLog | NoAudit = field(default_factory=NoAudit)
 
     def wait(self, timeout: float | None = None) -> bool:
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -78,6 +80,7 @@ class Coordinator:
         self.server.stop(grace_s).wait()
         for driver in self.drivers:
             driver.join(5.0)
+        self.audit.close()
 
     def report(self) -> dict:
         s = self.state
@@ -99,6 +102,7 @@ class Coordinator:
                     "checksum": r.checksum,
                     "elements_folded": r.elements_folded,
                     "elements_expected": r.elements_expected,
+                    "clipped": list(r.clipped),
                     **({"data": account_dict(r.data)} if r.HasField("data") else {}),
                 }
                 for r in s.summaries
@@ -119,7 +123,7 @@ class Coordinator:
 
 def start_coordinator(
     cfg: RunConfig, host: str = "127.0.0.1", port: int = 0, spool_dir: str | None = None, resume: bool = False,
-    tls: TlsFiles | None = None, insecure: bool = False, revocations: RevocationList | None = None,
+    tls: TlsFiles | None = None, insecure: bool = False, revocations: RevocationList | None = None, audit_url: str = "",
 ) -> Coordinator:
     """Starts serving on host:port (port 0 picks a free one) and returns at once.
 
@@ -148,8 +152,10 @@ def start_coordinator(
         corpus.samples.store.close()
         log.info("token corpus %s: %d samples of %d tokens an epoch, vocabulary %d", cfg.data.url,
                  corpus.samples.epoch_size, cfg.data.seq_len, corpus.vocab_size)
+    audit = AuditLog(audit_url) if audit_url else NoAudit()
     state = CoordinatorState(cfg, initial_parameters(cfg), spool, make_evaluator(cfg), ledger=ledger, data_digest=data_digest,
-                             revoked=revocations.is_revoked if revocations is not None else (lambda owner: False))
+                             revoked=revocations.is_revoked if revocations is not None else (lambda owner: False),
+                             record=audit.record)
     store = CheckpointStore(cfg.checkpoint.url, keep_last=cfg.checkpoint.keep_last) if cfg.checkpoint.url else None
     if resume:
         if store is None:
@@ -163,7 +169,7 @@ def start_coordinator(
     stop = threading.Event()
     # Every island holds a thread while it waits for a round to close.
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=2 * cfg.rounds.max_islands + 16))
-    add_to_server(CoordinatorService(state, stop, mutual_tls=tls is not None), server)
+    add_to_server(CoordinatorService(state, stop, mutual_tls=tls is not None, audit=audit), server)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     bound = (server.add_secure_port(f"{host}:{port}", credentials) if credentials is not None
@@ -198,7 +204,7 @@ def start_coordinator(
     for driver in drivers:
         driver.start()
     log.info("coordinator serving on %s:%d (%s)", host, bound, "mutual TLS" if tls is not None else "plaintext")
-    return Coordinator(state, server, bound, stop, drivers, health_servicer)
+    return Coordinator(state, server, bound, stop, drivers, health_servicer, audit)
 
 
 def serve(
@@ -212,9 +218,11 @@ def serve(
     tls: TlsFiles | None = None,
     insecure: bool = False,
     revocations: RevocationList | None = None,
+    audit_url: str = "",
 ) -> None:
     """Serves until the run finishes and islands have left (or linger_s passed), then stops."""
-    coordinator = start_coordinator(cfg, host, port, resume=resume, tls=tls, insecure=insecure, revocations=revocations)
+    coordinator = start_coordinator(cfg, host, port, resume=resume, tls=tls, insecure=insecure, revocations=revocations,
+                                    audit_url=audit_url)
     if port_file:
         Path(port_file).write_text(str(coordinator.port))
     try:

@@ -10,6 +10,7 @@ from contextlib import contextmanager
 
 import grpc
 
+from coordinator.audit import NoAudit
 from coordinator.ledger import ranges_of
 from coordinator.records import Reason, Refused
 from coordinator.state import CoordinatorState
@@ -39,33 +40,45 @@ def _abort(context: grpc.ServicerContext, e: Refused):
 
 
 def _refusals(method):
-    """Maps Refused to its gRPC status, message and typed reason (streams too)."""
+    """Maps Refused to its gRPC status, message and typed reason (streams too), and audits it."""
 
     @functools.wraps(method)
     def wrapper(self, request, context):
         try:
             result = method(self, request, context)
         except Refused as e:
+            self.audit_refusal(method.__name__, request, context, e)
             _abort(context, e)
         if hasattr(result, "__next__"):
-            return _guard(result, context)
+            return _guard(result, context, lambda e: self.audit_refusal(method.__name__, request, context, e))
         return result
 
     return wrapper
 
 
-def _guard(stream: Iterator, context: grpc.ServicerContext) -> Iterator:
+def _guard(stream: Iterator, context: grpc.ServicerContext, audit) -> Iterator:
     try:
         yield from stream
     except Refused as e:
+        audit(e)
         _abort(context, e)
 
 
 class CoordinatorService(pb_grpc.CoordinatorServicer):
-    def __init__(self, state: CoordinatorState, stop: threading.Event, mutual_tls: bool = False):
+    def __init__(self, state: CoordinatorState, stop: threading.Event, mutual_tls: bool = False, audit=None):
         self.state = state
         self.stop = stop
         self.mutual_tls = mutual_tls  # callers present a client certificate of the run's CA: their name is who they are
+        self.audit = audit or NoAudit()
+
+    def _who(self, context) -> dict:
+        name = identity_from_auth_context(context.auth_context()) if self.mutual_tls else None
+        return {"peer": context.peer(), **({"credential": name} if name else {})}
+
+    def audit_refusal(self, method: str, request, context, e: Refused) -> None:
+        island = getattr(request, "island_id", "") if not hasattr(request, "__next__") else ""
+        self.audit.record("refused", method=method, island=island, reason=pb.Refusal.Reason.Name(e.reason), message=str(e),
+                          **self._who(context))
 
     def _caller(self, context, island_id: str) -> str | None:
         """The caller's name (its client certificate's), refused unless island_id is its own; None without TLS."""
@@ -102,6 +115,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                           f"{cfg.rounds.max_island_ranks}")
         owner = self._caller(context, request.island_id)
         island = state.join(request.hostname or context.peer(), request.island_id, request.island_key, owner, request.ranks)
+        self.audit.record("join", island=island.island_id, ranks=island.ranks, hostname=request.hostname, **self._who(context))
         return pb.JoinResponse(
             island_id=island.island_id,
             config_digest=cfg.digest(),
@@ -222,7 +236,11 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                           "nothing of it was kept: push again")
 
         self._caller(context, first.header.island_id)
-        return self.state.receive(first.header, chunks())
+        h = first.header
+        response = self.state.receive(h, chunks())
+        self.audit.record("push", island=h.island_id, round=h.round, fragment=h.fragment, tokens=h.tokens, elements=response.elements,
+                          complete=response.contribution_complete, **self._who(context))
+        return response
 
     @_refusals
     def PullRoundResult(self, request: pb.PullRequest, context) -> Iterator[pb.ResultMessage]:
@@ -244,6 +262,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         }
         matches, whole = self.state.leave(request.island_id, request.checksum, stats, list(request.fragment_checksums),
                                           untrained=ranges_of(request.untrained))
+        self.audit.record("leave", island=request.island_id, checksum_matches=matches, **self._who(context))
         return pb.LeaveResponse(checksum_matches=matches, checksum=whole)
 
     @_refusals

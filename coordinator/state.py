@@ -57,6 +57,7 @@ class CoordinatorState:
         ledger: DataLedger | None = None,
         data_digest: str = "",
         revoked: Callable[[str], bool] = lambda owner: False,
+        record: Callable[..., None] = lambda event, **fields: None,
     ):
         self.cfg = cfg
         self.codec = uplink_codec(cfg.wire)
@@ -70,7 +71,7 @@ class CoordinatorState:
         self.cond = threading.Condition()
         r = cfg.rounds
         self.members = Membership(r.max_islands, cfg.data.shards, r.lease_s, self.cond, clock, on_leave=self._drop_pending,
-                                  revoked=revoked)
+                                  revoked=revoked, record=record)
         self.summaries: list[pb.RoundSummary] = []
         self._wave = _Wave()
         ctx = FragmentContext(

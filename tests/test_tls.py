@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import time
@@ -37,10 +38,11 @@ def run_ca(tmp_path):
 def tls_coordinator(run_ca, tmp_path):
     started = []
 
-    def start(cfg):
+    def start(cfg, audit_url: str = ""):
         c = start_coordinator(cfg, "127.0.0.1", 0, spool_dir=str(tmp_path / f"spool{len(started)}"),
                               tls=credentials.coordinator_files(run_ca),
-                              revocations=credentials.RevocationList(run_ca / "revoked.json", check_interval_s=0.0))
+                              revocations=credentials.RevocationList(run_ca / "revoked.json", check_interval_s=0.0),
+                              audit_url=audit_url)
         started.append(c)
         return c
 
@@ -105,9 +107,9 @@ def test_nobody_acts_as_another_credentials_island(run_ca, tls_coordinator):
         west_channel.close()
 
 
-def test_a_revoked_credential_is_removed_from_the_run_and_its_contribution_dropped(run_ca, tls_coordinator):
+def test_a_revoked_credential_is_removed_from_the_run_and_its_contribution_dropped(run_ca, tls_coordinator, tmp_path):
     cfg = tiny_config("rounds.rounds=2", "rounds.min_islands=2")
-    coordinator = tls_coordinator(cfg)
+    coordinator = tls_coordinator(cfg, audit_url=str(tmp_path / "audit"))
     east_channel, east = _stub(run_ca, coordinator.port, "east")
     try:
         joined = east.Join(pb.JoinRequest(protocol_version=PROTOCOL_VERSION), timeout=10)
@@ -130,6 +132,13 @@ def test_a_revoked_credential_is_removed_from_the_run_and_its_contribution_dropp
         assert coordinator.state.events.revoked == 1
     finally:
         east_channel.close()
+    # The audit log has it all, in order: the join, the half push, the refusals with their reasons, the removal.
+    coordinator.stop(0.5)
+    records = [json.loads(line) for part in sorted((tmp_path / "audit").glob("audit-*.jsonl")) for line in part.read_text().splitlines()]
+    events = [(r["event"], r.get("reason", ""), r.get("credential", "")) for r in records]
+    assert events == [("join", "", "east"), ("push", "", "east"), ("refused", "REVOKED", "east"),
+                      ("refused", "REVOKED", "east"), ("revoked", "", "east")], events
+    assert records[1]["complete"] is False and records[2]["method"] == "Heartbeat" and records[0]["island"] == joined.island_id
 
 
 def test_a_client_without_the_runs_certificate_never_reaches_the_coordinator(run_ca, tls_coordinator, tmp_path):

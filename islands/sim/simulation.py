@@ -278,6 +278,9 @@ def summarize(result: SimResult, cfg: RunConfig, echo=print) -> None:
         echo(f"entropy floor of the synthetic language: {floor:.4f} nats/token (gap {evals[-1] - floor:.4f})")
     echo(f"bytes up {_fmt_bytes(up)}, down {_fmt_bytes(down)}"
          + (f"; data-parallel would have sent {_fmt_bytes(ddp)} ({ddp / (up + down):.1f}x more)" if ddp and up + down else ""))
+    clipped = sum(len(r.get("clipped", [])) for r in rounds)
+    if clipped:
+        echo(f"norm guard: {clipped} pseudo-gradient(s) clipped to the reference norm (robust.norm_factor)")
     data = rep.get("data")
     if data:
         echo(f"token corpus: {data['tokens_trained']:,} tokens trained, {data['tokens_lost']:,} lost with discarded rounds, "
