@@ -121,6 +121,12 @@ class Coordinator:
         }
 
 
+def max_message_bytes(cfg: RunConfig) -> int:
+    """The largest message an island may send: a chunk of wire.chunk_bytes with its header, plus room for
+    the largest codec's per-chunk overhead (scales, positions)."""
+    return 2 * cfg.wire.chunk_bytes + (64 << 10)
+
+
 def start_coordinator(
     cfg: RunConfig, host: str = "127.0.0.1", port: int = 0, spool_dir: str | None = None, resume: bool = False,
     tls: TlsFiles | None = None, insecure: bool = False, revocations: RevocationList | None = None, audit_url: str = "",
@@ -168,7 +174,10 @@ def start_coordinator(
     )
     stop = threading.Event()
     # Every island holds a thread while it waits for a round to close.
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2 * cfg.rounds.max_islands + 16))
+    # No message an island sends is larger than a chunk and its framing: bigger ones are refused by gRPC
+    # itself (RESOURCE_EXHAUSTED) before they are read into memory.
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2 * cfg.rounds.max_islands + 16),
+                         options=[("grpc.max_receive_message_length", max_message_bytes(cfg))])
     add_to_server(CoordinatorService(state, stop, mutual_tls=tls is not None, audit=audit), server)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

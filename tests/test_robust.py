@@ -91,3 +91,15 @@ def test_a_poisoned_push_moves_the_global_parameters_no_more_than_an_honest_roun
     assert poisoned <= 1.05 * max(honest), (poisoned, honest)
     # Unclipped, the same push would have moved them about 500x further than an honest round.
     assert poisoned < max(honest) * 2 < 1e-3 * 1000 * math.sqrt(sum(math.prod(s) for s in shapes.values()))
+
+
+def test_a_message_larger_than_a_chunk_is_refused_before_it_is_read(make_coordinator, channel_to):
+    cfg = tiny_config()
+    coordinator = make_coordinator(cfg)
+    stub = channel_to(coordinator)
+    huge = "x" * (3 * cfg.wire.chunk_bytes + (64 << 10))
+    with pytest.raises(grpc.RpcError) as e:
+        stub.Join(pb.JoinRequest(protocol_version=PROTOCOL_VERSION, hostname=huge), timeout=10)
+    assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert not coordinator.state.islands
+    stub.Join(pb.JoinRequest(protocol_version=PROTOCOL_VERSION), timeout=10)  # and it serves on
