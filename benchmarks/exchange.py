@@ -121,7 +121,9 @@ class Island:
         self.wire = Wire(self.client, uplink_codec(cfg.wire), cfg.wire.chunk_bytes, None, 600.0, lambda: self.id)
         down = downlink_codec(cfg.wire)
         self.client.codecs[down.name] = down  # as islands/island.py does
-        self.tokens = 1000  # equal tokens: the mean is a division, as with most real rounds
+        # One inner step's tokens (a claim the coordinator's robust aggregation accepts); equal across islands,
+        # so the mean is a division, as with most real rounds.
+        self.tokens = cfg.inner.batch_size * cfg.data.seq_len
 
     def exchange(self, round_: int) -> tuple[int, int]:
         """Push and pull of one round; returns the bytes sent and received."""
