@@ -239,10 +239,10 @@ def run_outer(
                 lr = inner_lr(step, setup.steps, cfg.inner)
                 round_losses.append(train_step(model, optimizer, stream.next_batch(per_island), lr, cfg.inner.grad_clip))
             pushed.append(wire.push(island, pseudo_gradient(global_params, dict(model.named_parameters()))))
-        verdict = guard.judge({str(i): math.sqrt(sumsq) for i, (_, sumsq) in enumerate(pushed)})
+        lr_sum = sum(inner_lr(round_ * h + i, setup.steps, cfg.inner) for i in range(h))  # as coordinator/fold.py judges
+        verdict = guard.judge({str(i): math.sqrt(sumsq) / lr_sum for i, (_, sumsq) in enumerate(pushed)})
         clipped += len(verdict.clipped) + len(verdict.dropped)
-        for i, (received, _) in enumerate(pushed):
-            wire.fold(accumulator, received, tokens_per_round, verdict.factors[str(i)])
+        [wire.fold(accumulator, received, tokens_per_round, verdict.factors[str(i)]) for i, (received, _) in enumerate(pushed)]
         accumulator.commit(0) if not accumulator.contributions else None  # every contribution dropped: a zero mean
         outer.step(accumulator.mean())
         global_params = wire.publish(setup.islands)

@@ -26,7 +26,9 @@ def chunk_sumsq(codec: Codec, payload: bytes, numel: int) -> float:
 
 
 def judge(guard: NormGuard, contributions: list[tuple[str, Contribution]], label: str) -> Verdict:
-    return guard.judge({island: math.sqrt(c.sumsq) for island, c in contributions}, label)
+    """The guard's verdict on norms per unit of inner learning rate (comparable across warmup and a
+    fragment's shorter first round); contributions trained on no tokens (zero weight) are not judged."""
+    return guard.judge({island: math.sqrt(c.sumsq) / c.lr_sum for island, c in contributions if c.tokens}, label)
 
 
 def fold(accumulator: PseudoGradientAccumulator, codec: Codec, contributions: list[tuple[str, Contribution]],

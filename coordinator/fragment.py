@@ -31,8 +31,8 @@ from coordinator.ledger import DataLedger, ranges_of
 from coordinator.locks import ReadWriteLock
 from coordinator.membership import Membership, canonical_order
 from coordinator.publish import Publication
-from coordinator.records import (Closing, Contribution, Phase, Reason, Refused, check_claim, close_reason, round_summary,
-                                 traffic_into)
+from coordinator.records import (Closing, Contribution, Phase, Reason, Refused, check_claim, close_reason, lr_sum,
+                                 round_summary, traffic_into)
 from coordinator.spool import Spool
 from diloco.codec import Codec
 from diloco.config import RunConfig
@@ -189,7 +189,8 @@ class FragmentRounds:
                 raise Refused(Reason.DROPPED, f"{header.island_id} left {self.label}round {header.round} while pushing")
             contribution = self.contributions.get(header.island_id)
             if contribution is None:
-                contribution = Contribution(header.tokens, header.train_loss, Coverage(self.manifest), samples=ranges_of(header.samples))
+                contribution = Contribution(header.tokens, header.train_loss, Coverage(self.manifest), samples=ranges_of(header.samples),
+                                            lr_sum=lr_sum(header, self.cfg))
                 self.contributions[header.island_id] = contribution
             trial = contribution.coverage.copy()
             for name, offset, numel, _ in ranges:

@@ -9,6 +9,7 @@ import math
 
 from coordinator.spool import Spool
 from diloco.config import RunConfig
+from diloco.inner import inner_lr
 from diloco.refusal import Reason, status_of, trailing_metadata
 from diloco.v1 import diloco_pb2 as pb
 from diloco.wire import Coverage
@@ -49,6 +50,7 @@ class Contribution:
     state: str = "pending"  # pending -> folding -> committed
     samples: list[tuple[int, int]] = field(default_factory=list)  # token corpus: the positions trained on
     sumsq: float = 0.0  # of its values, summed as chunks arrive: the norm guard judges it at the close
+    lr_sum: float = 1.0  # the inner learning rates it was trained with, summed: its norm is judged per unit of it
 
 
 @dataclass
@@ -66,6 +68,16 @@ class Closed:
     summary: pb.RoundSummary
     total_rounds: int  # rounds closed so far over every fragment (the checkpoint step)
     run_finished: bool
+
+
+def lr_sum(header: pb.PushHeader, cfg: RunConfig) -> float:
+    """The inner learning rates of the steps a push claims, summed (1.0 when that is not positive): a
+    pseudo-gradient's norm grows with them (warmup, a fragment's shorter first round), so the norm guard
+    compares norm / lr_sum."""
+    total = cfg.rounds.rounds * cfg.inner.steps_per_round
+    steps = range(header.first_step, header.first_step + max(1, header.inner_steps))
+    s = sum(inner_lr(t, total, cfg.inner) for t in steps)
+    return s if s > 0 else 1.0
 
 
 def check_claim(header: pb.PushHeader, cfg: RunConfig, ranks: int) -> None:

@@ -1,5 +1,9 @@
 """Robust aggregation: a pseudo-gradient whose norm is an outlier is clipped (or dropped) before the mean.
 
+The norms judged are per unit of inner learning rate (the coordinator divides
+each by the sum of the lrs of the steps it was trained with), so warmup and a
+fragment's shorter first round do not look like outliers.
+
 A poisoned or broken island can push a finite pseudo-gradient a thousand times
 the usual size; folded as it is, one round moves the global parameters far off.
 The reference for "usual" is the median norm of the round's other

@@ -155,7 +155,7 @@ def push(shard: FragmentShard, ex: Exchange, wire: Wire) -> int:
     header = pb.PushHeader(
         island_id=wire.island_id(), round=ex.round, tokens=ex.tokens, train_loss=ex.train_loss, codec=wire.codec.name,
         inner_steps=ex.inner_steps, global_checksum=ex.checksum, fragment=ex.fragment,
-        samples=[pb.SampleRange(start=a, stop=b) for a, b in ex.samples],
+        samples=[pb.SampleRange(start=a, stop=b) for a, b in ex.samples], first_step=max(0, ex.pushed_step - ex.inner_steps),
     )
     try:
         wire.client.push(header, RegeneratingChunks(lambda start: pg_chunks(shard, ex, wire, start)))

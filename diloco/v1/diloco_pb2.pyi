@@ -192,7 +192,7 @@ class TensorChunk(_message.Message):
     def __init__(self, name: _Optional[str] = ..., offset: _Optional[int] = ..., numel: _Optional[int] = ..., payload: _Optional[bytes] = ..., crc32: _Optional[int] = ...) -> None: ...
 
 class PushHeader(_message.Message):
-    __slots__ = ("island_id", "round", "tokens", "train_loss", "codec", "global_checksum", "inner_steps", "fragment", "samples")
+    __slots__ = ("island_id", "round", "tokens", "train_loss", "codec", "global_checksum", "inner_steps", "fragment", "samples", "first_step")
     ISLAND_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -202,6 +202,7 @@ class PushHeader(_message.Message):
     INNER_STEPS_FIELD_NUMBER: _ClassVar[int]
     FRAGMENT_FIELD_NUMBER: _ClassVar[int]
     SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    FIRST_STEP_FIELD_NUMBER: _ClassVar[int]
     island_id: str
     round: int
     tokens: int
@@ -211,7 +212,8 @@ class PushHeader(_message.Message):
     inner_steps: int
     fragment: int
     samples: _containers.RepeatedCompositeFieldContainer[SampleRange]
-    def __init__(self, island_id: _Optional[str] = ..., round: _Optional[int] = ..., tokens: _Optional[int] = ..., train_loss: _Optional[float] = ..., codec: _Optional[str] = ..., global_checksum: _Optional[str] = ..., inner_steps: _Optional[int] = ..., fragment: _Optional[int] = ..., samples: _Optional[_Iterable[_Union[SampleRange, _Mapping]]] = ...) -> None: ...
+    first_step: int
+    def __init__(self, island_id: _Optional[str] = ..., round: _Optional[int] = ..., tokens: _Optional[int] = ..., train_loss: _Optional[float] = ..., codec: _Optional[str] = ..., global_checksum: _Optional[str] = ..., inner_steps: _Optional[int] = ..., fragment: _Optional[int] = ..., samples: _Optional[_Iterable[_Union[SampleRange, _Mapping]]] = ..., first_step: _Optional[int] = ...) -> None: ...
 
 class SampleRange(_message.Message):
     __slots__ = ("start", "stop")
