@@ -70,6 +70,24 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         self.stop = stop
         self.mutual_tls = mutual_tls  # callers present a client certificate of the run's CA: their name is who they are
         self.audit = audit or NoAudit()
+        self._streams: dict[str, int] = {}  # island -> push streams open now
+        self._streams_lock = threading.Lock()
+
+    @contextmanager
+    def _open_streams(self, island_id: str) -> Iterator[None]:
+        """Counts a push stream open for the island; refuses one beyond its bound (a flood of open streams)."""
+        island = self.state.islands.get(island_id)
+        bound = self.state.cfg.rounds.push_streams_per_rank * (island.ranks if island is not None else 1) + 2
+        with self._streams_lock:
+            if self._streams.get(island_id, 0) >= bound:
+                raise Refused(Reason.TOO_MANY_STREAMS, f"{island_id} has {bound} push streams open already "
+                              "(rounds.push_streams_per_rank x its ranks, + 2)")
+            self._streams[island_id] = self._streams.get(island_id, 0) + 1
+        try:
+            yield
+        finally:
+            with self._streams_lock:
+                self._streams[island_id] -= 1
 
     def _who(self, context) -> dict:
         name = identity_from_auth_context(context.auth_context()) if self.mutual_tls else None
@@ -237,7 +255,8 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
 
         self._caller(context, first.header.island_id)
         h = first.header
-        response = self.state.receive(h, chunks())
+        with self._open_streams(h.island_id):
+            response = self.state.receive(h, chunks())
         self.audit.record("push", island=h.island_id, round=h.round, fragment=h.fragment, tokens=h.tokens, elements=response.elements,
                           complete=response.contribution_complete, **self._who(context))
         return response

@@ -98,6 +98,9 @@ class RoundConfig:
     lease_s: float = 10.0
     # The most ranks (replica groups x ranks per group) an island may declare at join.
     max_island_ranks: int = 4096
+    # Push streams an island may have open at once: this many per declared rank, plus 2 (a rank's
+    # push and its retry overlapping a cancelled one).
+    push_streams_per_rank: int = 2
 
 
 @dataclass

@@ -38,6 +38,7 @@ STATUS: dict[int, grpc.StatusCode] = {
     Reason.NOT_LEASED: _C.FAILED_PRECONDITION,
     Reason.NOT_YOURS: _C.PERMISSION_DENIED,
     Reason.REVOKED: _C.PERMISSION_DENIED,
+    Reason.TOO_MANY_STREAMS: _C.RESOURCE_EXHAUSTED,
 }
 assert set(STATUS) == set(Reason.values()) - {Reason.REASON_UNSPECIFIED}, "every reason needs its status code"
 

@@ -48,6 +48,7 @@ _NEXT: dict[int, Next] = {
     Reason.NOT_LEASED: Next.RELEASE,
     Reason.NOT_YOURS: Next.FAIL,
     Reason.REVOKED: Next.FAIL,
+    Reason.TOO_MANY_STREAMS: Next.RESYNC,  # never an honest island's: its round is lost, it goes on
 }
 assert set(_NEXT) == set(Reason.values()), "every refusal reason needs an island decision"
 

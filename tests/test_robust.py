@@ -103,3 +103,37 @@ def test_a_message_larger_than_a_chunk_is_refused_before_it_is_read(make_coordin
     assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert not coordinator.state.islands
     stub.Join(pb.JoinRequest(protocol_version=PROTOCOL_VERSION), timeout=10)  # and it serves on
+
+
+def test_an_island_may_hold_only_so_many_push_streams_open(make_coordinator, channel_to):
+    import threading
+    import time
+
+    cfg = tiny_config()
+    coordinator = make_coordinator(cfg)
+    stub = channel_to(coordinator)
+    island = stub.Join(pb.JoinRequest(protocol_version=PROTOCOL_VERSION), timeout=10).island_id  # 1 rank: 2 x 1 + 2 streams
+    header = pb.PushHeader(island_id=island, round=0, tokens=128, codec="fp32", inner_steps=1)
+    release = threading.Event()
+
+    def held():
+        yield pb.PushMessage(header=header)
+        release.wait(60)
+
+    def probe() -> int:  # a stream that ends at once: BAD_REQUEST (no PushEnd) below the bound
+        with pytest.raises(grpc.RpcError) as e:
+            stub.PushPseudoGradient(iter([pb.PushMessage(header=header)]), timeout=10)
+        return reason_of(e.value)
+
+    futures = [stub.PushPseudoGradient.future(held(), timeout=60) for _ in range(4)]
+    try:
+        deadline = time.monotonic() + 30
+        while (reason := probe()) != Reason.TOO_MANY_STREAMS and time.monotonic() < deadline:
+            assert reason == Reason.BAD_REQUEST
+            time.sleep(0.05)
+        assert reason == Reason.TOO_MANY_STREAMS
+    finally:
+        release.set()
+    for f in futures:  # the held streams end without their PushEnd: nothing kept
+        assert f.exception(30) is not None and reason_of(f.exception()) == Reason.BAD_REQUEST
+    assert probe() == Reason.BAD_REQUEST and island not in coordinator.state.fragments[0].contributions

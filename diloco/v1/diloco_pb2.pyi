@@ -32,6 +32,7 @@ class Refusal(_message.Message):
         NOT_LEASED: _ClassVar[Refusal.Reason]
         NOT_YOURS: _ClassVar[Refusal.Reason]
         REVOKED: _ClassVar[Refusal.Reason]
+        TOO_MANY_STREAMS: _ClassVar[Refusal.Reason]
     REASON_UNSPECIFIED: Refusal.Reason
     PROTOCOL_MISMATCH: Refusal.Reason
     CONFIG_MISMATCH: Refusal.Reason
@@ -53,6 +54,7 @@ class Refusal(_message.Message):
     NOT_LEASED: Refusal.Reason
     NOT_YOURS: Refusal.Reason
     REVOKED: Refusal.Reason
+    TOO_MANY_STREAMS: Refusal.Reason
     REASON_FIELD_NUMBER: _ClassVar[int]
     RESEND_FROM_CHUNK_FIELD_NUMBER: _ClassVar[int]
     CURRENT_ROUND_FIELD_NUMBER: _ClassVar[int]
