@@ -44,7 +44,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import math
 import multiprocessing as mp
 import sys
 import time
@@ -239,11 +238,8 @@ def run_outer(
                 lr = inner_lr(step, setup.steps, cfg.inner)
                 round_losses.append(train_step(model, optimizer, stream.next_batch(per_island), lr, cfg.inner.grad_clip))
             pushed.append(wire.push(island, pseudo_gradient(global_params, dict(model.named_parameters()))))
-        lr_sum = sum(inner_lr(round_ * h + i, setup.steps, cfg.inner) for i in range(h))  # as coordinator/fold.py judges
-        verdict = guard.judge({str(i): math.sqrt(sumsq) / lr_sum for i, (_, sumsq) in enumerate(pushed)})
-        clipped += len(verdict.clipped) + len(verdict.dropped)
-        [wire.fold(accumulator, received, tokens_per_round, verdict.factors[str(i)]) for i, (received, _) in enumerate(pushed)]
-        accumulator.commit(0) if not accumulator.contributions else None  # every contribution dropped: a zero mean
+        lr_sum = sum(inner_lr(round_ * h + i, setup.steps, cfg.inner) for i in range(h))
+        clipped += wire.fold_round(accumulator, pushed, tokens_per_round, guard, lr_sum)
         outer.step(accumulator.mean())
         global_params = wire.publish(setup.islands)
         load_params(start, global_params)  # evaluate what the islands hold

@@ -5,6 +5,8 @@ Split from benchmarks/convergence.py (which runs the jobs) to keep each file sho
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from coordinator.publish import Publication  # the coordinator's own downlink arithmetic
@@ -12,6 +14,7 @@ from diloco.codec import get_codec
 from diloco.config import ConfigError, RunConfig
 from diloco.feedback import ErrorFeedback
 from diloco.outer import PseudoGradientAccumulator
+from diloco.robust import NormGuard
 from diloco.v1 import diloco_pb2 as pb
 from diloco.wire import Manifest, decode_chunk, downlink_codec, tensor_chunks, uplink_codec
 
@@ -49,14 +52,22 @@ class Wire:
         return received, sumsq
 
     @staticmethod
-    def fold(accumulator: PseudoGradientAccumulator, received: list, tokens: int, factor: float = 1.0) -> None:
-        """As the coordinator folds a contribution: its token weight times the norm guard's factor."""
-        if factor == 0.0:
-            return
-        scale = accumulator.scale_for(tokens) * factor
-        for chunk, values in received:
-            accumulator.add_chunk(chunk.name, chunk.offset, values, scale)
-        accumulator.commit(tokens)
+    def fold_round(accumulator: PseudoGradientAccumulator, pushed: list[tuple[list, float]], tokens: int,
+                   guard: NormGuard, lr_sum: float) -> int:
+        """As coordinator/fold.py folds a round: the guard judges every push's norm per unit of inner lr, then each
+        is folded in island order with its token weight times its factor. Returns how many were clipped or dropped."""
+        verdict = guard.judge({str(i): math.sqrt(sumsq) / lr_sum for i, (_, sumsq) in enumerate(pushed)})
+        for i, (received, _) in enumerate(pushed):
+            factor = verdict.factors[str(i)]
+            if factor == 0.0:
+                continue
+            scale = accumulator.scale_for(tokens) * factor
+            for chunk, values in received:
+                accumulator.add_chunk(chunk.name, chunk.offset, values, scale)
+            accumulator.commit(tokens)
+        if not accumulator.contributions:  # every contribution dropped: a zero mean
+            accumulator.commit(0)
+        return len(verdict.clipped) + len(verdict.dropped)
 
     def publish(self, islands: int) -> dict[str, torch.Tensor]:
         """After the outer step: what every island now holds as theta_global."""

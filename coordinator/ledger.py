@@ -162,7 +162,8 @@ class DataLedger:
                 return [q for a, b in live for q in self._unfolded(a, b)]
             in_step = [m for m in members if m != island_id and index not in self.leases.get(m, {})
                        and self.asked.get(m, -1) == index - 1]
-            for m in sorted([*in_step, island_id], key=lambda i: (list(members) + [i]).index(i)):
+            rank = {m: k for k, m in enumerate(members)}
+            for m in sorted([*in_step, island_id], key=lambda i: rank.get(i, len(rank))):
                 self._grant(m, index, self.sizes.get(m, samples))
             return mine[index]
 
