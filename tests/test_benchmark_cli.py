@@ -78,3 +78,12 @@ def test_data_benchmark_prepares_reads_and_feeds_from_disk_and_s3():
         for where in ("local", "s3"):
             for state in ("cold", "warm"):
                 assert any(line.startswith(f"{kind} {where:5s} {state}: first ") for line in lines), (kind, where, state, lines)
+
+
+def test_attack_benchmark_shows_the_guard_refusing_the_claim_and_clipping_the_push():
+    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "attack.py")], capture_output=True, text=True,
+                         timeout=300, cwd=ROOT)
+    assert run.returncode == 0, run.stderr[-2000:]
+    off, on = run.stdout.strip().splitlines()
+    assert off.startswith("robust.enabled=False: the 1e9-token claim accepted") and off.endswith("clipped: none")
+    assert "claim refused (INVALID_ARGUMENT)" in on and on.endswith("clipped: ['island-1']")
