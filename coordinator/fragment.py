@@ -8,7 +8,7 @@ FragmentContext, a narrow seam (the condition variable, the clock, membership);
 a fragment never sees the coordinator's state.
 
 OPEN: pushes are spooled until an island's contribution is whole. close():
-CLOSING once every live island contributed (or was dropped), max_islands did,
+CLOSING once every live island (not on probation) contributed or was dropped, max_islands did,
 or the deadline passed with min_islands. apply(): folds the contributions in
 canonical island order (the aggregate does not depend on arrival order), takes
 the outer step, publishes, opens the next round; FINISHED after the last.
@@ -22,7 +22,6 @@ import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
@@ -33,7 +32,7 @@ from coordinator.membership import Membership, canonical_order
 from coordinator.publish import Publication
 from coordinator.records import (Closing, Contribution, Phase, Reason, Refused, check_claim, close_reason, lr_sum,
                                  round_summary, traffic_into)
-from coordinator.spool import Spool
+from coordinator.spool import Spool, Spools
 from diloco.codec import Codec
 from diloco.config import RunConfig
 from diloco.outer import OuterOptimizer, PseudoGradientAccumulator
@@ -52,7 +51,7 @@ class FragmentContext:
     codec: Codec
     cond: threading.Condition
     clock: Callable[[], float]
-    spool_dir: Path
+    spools: Spools
     members: Membership
     run_finished: Callable[[], bool] = lambda: False  # every fragment finished (read holding cond)
     fragment_of: Callable[[str], int | None] = lambda name: None  # for messages about another fragment's parameter
@@ -140,7 +139,7 @@ class FragmentRounds:
         chunks before it and tells the island how many to skip when it resends.
         """
         self.begin_push(header)
-        spool: Spool | None = Spool(self.ctx.spool_dir)
+        spool: Spool | None = self.ctx.spools.open(self.manifest.total_numel())
         ranges: list[tuple[str, int, int, float]] = []  # each chunk's address and sum of squares (the norm guard)
         try:
             for chunk in chunks:
@@ -288,7 +287,7 @@ class FragmentRounds:
 
     def close_reason(self) -> str | None:
         """Why the current round may close now, or None. Caller holds cond."""
-        live = self.members.live()
+        live = self.members.waited_for()
         overdue = self.clock() - self.round_opened_at > self.cfg.rounds.deadline_s
         done = [i for i, c in self.contributions.items() if c.state == "complete"]
         reason = close_reason(done, live, self.dropped, overdue, self.cfg.rounds.min_islands, self.cfg.rounds.max_islands)
@@ -346,6 +345,7 @@ class FragmentRounds:
                 if self.ctx.ledger is not None:
                     summary.data.CopyFrom(self.ctx.ledger.settle(self.index, [c.samples for _, c in kept], self.members.live()))
                 self._count_restart_cost()
+                self.members.after_round(self.round_opened_at, [i for i, _ in closing.contributions])
                 self.last_islands, self.last_tokens = len(closing.contributions), summary.tokens
                 self.accumulator.reset()
                 self.dropped.clear()

@@ -34,6 +34,9 @@ class Island:
     # With mutual TLS, the name on the client certificate that made it: only that credential may act as it.
     owner: str = ""
     ranks: int = 1  # as declared at join: replica groups x ranks per group
+    joined_at: float = 0.0  # when it (re)joined: rounds opened before then do not count it idle
+    idle: int = 0  # rounds in a row that closed while it was a member, without a contribution of its
+    probation: bool = False  # removed once for idleness: no round waits for it until it contributes
 
 
 @dataclass
@@ -50,6 +53,7 @@ class Events:
     island_restarts: int = 0  # an island came back under its own id (e.g. `join --resume`), a member still or expired
     island_silent_s: float = 0.0  # those islands' silence before they came back: last heartbeat to rejoin
     revoked: int = 0  # islands removed because their credential was revoked
+    idle_removed: int = 0  # islands removed after limits.idle_rounds rounds without a contribution
 
 
 def canonical_order(island_ids) -> list[str]:
@@ -60,8 +64,10 @@ def canonical_order(island_ids) -> list[str]:
 class Membership:
     def __init__(self, max_islands: int, shards: int, lease_s: float, cond: threading.Condition,
                  clock: Callable[[], float], on_leave: Callable[[str], None] = lambda island_id: None,
-                 revoked: Callable[[str], bool] = lambda owner: False, record: Callable[..., None] = lambda event, **f: None):
+                 revoked: Callable[[str], bool] = lambda owner: False, record: Callable[..., None] = lambda event, **f: None,
+                 idle_rounds: int = 0):
         self.max_islands, self.shards, self.lease_s = max_islands, shards, lease_s
+        self.idle_rounds = idle_rounds  # fragment rounds without a contribution before removal (0: never)
         self.cond, self.clock = cond, clock
         self.on_leave = on_leave  # drops the island's half-pushed contributions; called holding cond
         self.revoked = revoked  # whether an owner's credential is revoked (mutual TLS)
@@ -89,6 +95,29 @@ class Membership:
 
     def is_member(self, island_id: str) -> bool:
         return island_id in self.islands
+
+    def waited_for(self) -> list[str]:
+        """The live members a round waits for: all but those on probation. Caller holds cond."""
+        return [i for i in self.live() if not self.islands[i].probation]
+
+    def after_round(self, opened_at: float, contributors: list[str]) -> None:
+        """A round closed: counts who sat through it without contributing; removes the idle. Caller holds cond.
+
+        An island that joins and never pushes would otherwise hold every round
+        to its deadline and keep its place in the run for as long as it heartbeats."""
+        for island_id, island in list(self.islands.items()):
+            if island_id in contributors:
+                island.idle, island.probation = 0, False
+            elif island.joined_at <= opened_at:
+                island.idle += 1
+                if self.idle_rounds and island.idle >= self.idle_rounds:
+                    log.warning("%s sat through %d rounds without contributing; removed from the run (on probation if it "
+                                "comes back)", island_id, island.idle)
+                    self.events.idle_removed += 1
+                    self.record("idle", island=island_id, rounds=island.idle)
+                    island.idle, island.probation = 0, True
+                    self.expired[island_id] = self.islands.pop(island_id)
+                    self.on_leave(island_id)
 
     def check_owner(self, island_id: str, owner: str | None) -> None:
         """Refuses a caller acting as an island its credential did not make (owner None: no TLS, no check)."""
@@ -124,11 +153,13 @@ class Membership:
             if run_finished:
                 raise Refused(Reason.RUN_FINISHED, "the run has finished; nothing to join")
             self.expire_leases()
+            if key.startswith("owner:") and island_id not in self.islands:  # a credential has one island, even expired
+                island_id = next((i.island_id for i in self.expired.values() if i.key == key), island_id)
             if island_id in self.expired:  # back after its lease ran out (a restart that took long): as itself
                 self.islands[island_id] = self.expired.pop(island_id)
                 self.events.island_restarts += 1
                 self.events.island_silent_s += self.clock() - self.islands[island_id].last_seen
-                self.islands[island_id].last_seen = self.clock()
+                self.islands[island_id].last_seen = self.islands[island_id].joined_at = self.clock()
                 log.info("%s rejoined from %s at round %d after its lease had run out", island_id, hostname, round_)
                 return self.islands[island_id]
             explicit_id = bool(island_id) and island_id in self.islands
@@ -144,7 +175,8 @@ class Membership:
                 return island
             if len(self.islands) >= self.max_islands:
                 raise Refused(Reason.RUN_FULL, f"run is full: {len(self.islands)} islands (rounds.max_islands={self.max_islands})")
-            island = Island(f"island-{self.joined}", hostname, self.joined % self.shards, self.clock(), key=key, owner=owner or "")
+            island = Island(f"island-{self.joined}", hostname, self.joined % self.shards, self.clock(), key=key, owner=owner or "",
+                            joined_at=self.clock())
             self.joined += 1
             self.islands[island.island_id] = island
             log.info("%s joined from %s at round %d (shard %d)", island.island_id, hostname, round_, island.shard)
@@ -185,7 +217,7 @@ class Membership:
         return {
             "joined": self.joined,
             "islands": [{"island_id": i.island_id, "hostname": i.hostname, "shard": i.shard, "key": i.key, "owner": i.owner,
-                         "ranks": i.ranks} for i in self.islands.values()],
+                         "ranks": i.ranks, "probation": i.probation} for i in self.islands.values()],
             "departed": [dataclasses.asdict(i) for i in self.departed],
             "expired": [dataclasses.asdict(i) for i in self.expired.values()],
             "events": dataclasses.asdict(self.events),
@@ -197,7 +229,8 @@ class Membership:
             now = self.clock()
             self.joined = state["joined"]
             self.islands = {i["island_id"]: Island(i["island_id"], i["hostname"], i["shard"], now, key=i.get("key", ""),
-                                                   owner=i.get("owner", ""), ranks=i.get("ranks", 1)) for i in state["islands"]}
+                                                   owner=i.get("owner", ""), ranks=i.get("ranks", 1), joined_at=now,
+                                                   probation=i.get("probation", False)) for i in state["islands"]}
             self.departed = [Island(**i) for i in state["departed"]]
             self.expired = {i["island_id"]: Island(**i) for i in state.get("expired", [])}
             self.events = Events(**state["events"])

@@ -10,23 +10,9 @@ import math
 from coordinator.spool import Spool
 from diloco.config import RunConfig
 from diloco.inner import inner_lr
-from diloco.refusal import Reason, status_of, trailing_metadata
+from diloco.refusal import Reason, Refused
 from diloco.v1 import diloco_pb2 as pb
 from diloco.wire import Coverage
-
-
-class Refused(Exception):
-    """A call the coordinator turns down: a typed reason (which fixes the gRPC status) and a message for people."""
-
-    def __init__(self, reason: int, message: str, resend_from_chunk: int = 0, current_round: int = 0):
-        super().__init__(message)
-        self.reason = reason
-        self.refusal = pb.Refusal(reason=reason, resend_from_chunk=resend_from_chunk, current_round=current_round)
-        self.code = status_of(reason)
-
-    @property
-    def trailing(self) -> tuple:
-        return trailing_metadata(self.refusal)
 
 
 __all__ = ["Closed", "Closing", "Contribution", "Phase", "Reason", "Refused", "check_claim", "close_reason", "round_summary",

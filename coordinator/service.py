@@ -12,6 +12,7 @@ import grpc
 
 from coordinator.audit import NoAudit
 from coordinator.ledger import ranges_of
+from coordinator.limits import Limits, idle_bounded
 from coordinator.records import Reason, Refused
 from coordinator.state import CoordinatorState
 from diloco.codec import get_codec
@@ -70,24 +71,11 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         self.stop = stop
         self.mutual_tls = mutual_tls  # callers present a client certificate of the run's CA: their name is who they are
         self.audit = audit or NoAudit()
-        self._streams: dict[str, int] = {}  # island -> push streams open now
-        self._streams_lock = threading.Lock()
+        self.limits = Limits(state.cfg.limits, state.cfg.rounds.heartbeat_s)
 
-    @contextmanager
-    def _open_streams(self, island_id: str) -> Iterator[None]:
-        """Counts a push stream open for the island; refuses one beyond its bound (a flood of open streams)."""
+    def _ranks(self, island_id: str) -> int:
         island = self.state.islands.get(island_id)
-        bound = self.state.cfg.rounds.push_streams_per_rank * (island.ranks if island is not None else 1) + 2
-        with self._streams_lock:
-            if self._streams.get(island_id, 0) >= bound:
-                raise Refused(Reason.TOO_MANY_STREAMS, f"{island_id} has {bound} push streams open already "
-                              "(rounds.push_streams_per_rank x its ranks, + 2)")
-            self._streams[island_id] = self._streams.get(island_id, 0) + 1
-        try:
-            yield
-        finally:
-            with self._streams_lock:
-                self._streams[island_id] -= 1
+        return island.ranks if island is not None else 1
 
     def _who(self, context) -> dict:
         name = identity_from_auth_context(context.auth_context()) if self.mutual_tls else None
@@ -132,6 +120,8 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             raise Refused(Reason.BAD_REQUEST, f"an island of {request.ranks} ranks: at most rounds.max_island_ranks = "
                           f"{cfg.rounds.max_island_ranks}")
         owner = self._caller(context, request.island_id)
+        if owner is not None:
+            self.limits.join(owner)
         island = state.join(request.hostname or context.peer(), request.island_id, request.island_key, owner, request.ranks)
         self.audit.record("join", island=island.island_id, ranks=island.ranks, hostname=request.hostname, **self._who(context))
         return pb.JoinResponse(
@@ -155,6 +145,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
     @_refusals
     def Heartbeat(self, request: pb.HeartbeatRequest, context) -> pb.HeartbeatResponse:
         self._caller(context, request.island_id)
+        self.limits.heartbeat(request.island_id, self._ranks(request.island_id))
         self.state.touch(request.island_id)
         return pb.HeartbeatResponse(round=self.state.round, run_finished=self.state.phase.value == "finished")
 
@@ -228,10 +219,14 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         fragment = request.fragment if request.HasField("fragment") else None
         if fragment is not None:
             self.state.fragment(fragment)  # refuses a fragment that does not exist
-        return self._result(request.island_id or "observer", None, self._ranges(request.ranges, fragment), fragment)
+        # An observer (no island id) counts under its credential, or without TLS its host.
+        holder = request.island_id or (self._who(context).get("credential") or context.peer().rsplit(":", 1)[0])
+        with self.limits.stream("result", holder, self._ranks(request.island_id)):
+            yield from self._result(request.island_id or "observer", None, self._ranges(request.ranges, fragment), fragment)
 
     @_refusals
     def PushPseudoGradient(self, request_iterator: Iterator[pb.PushMessage], context) -> pb.PushResponse:
+        request_iterator = idle_bounded(request_iterator, self.state.cfg.limits.push_idle_s)
         first = next(request_iterator, None)
         if first is None or not first.HasField("header"):
             raise Refused(Reason.BAD_REQUEST, "a push must start with a PushHeader")
@@ -255,7 +250,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
 
         self._caller(context, first.header.island_id)
         h = first.header
-        with self._open_streams(h.island_id):
+        with self.limits.stream("push", h.island_id, self._ranks(h.island_id)):
             response = self.state.receive(h, chunks())
         self.audit.record("push", island=h.island_id, round=h.round, fragment=h.fragment, tokens=h.tokens, elements=response.elements,
                           complete=response.contribution_complete, **self._who(context))
@@ -266,10 +261,12 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         self._caller(context, request.island_id)
         self.state.touch(request.island_id)
         ranges = self._ranges(request.ranges, request.fragment)
-        held = self.state.wait_for_result(request.island_id, request.round, request.timeout_s or 600.0, request.fragment, ranges)
-        return self._result(
-            request.island_id, request.round if request.accept_delta else None, ranges, request.fragment, request.want_mean, held,
-        )
+        # Counted from the wait on: a waiting pull holds one of the server's threads.
+        with self.limits.stream("result", request.island_id, self._ranks(request.island_id)):
+            held = self.state.wait_for_result(request.island_id, request.round, request.timeout_s or 600.0, request.fragment, ranges)
+            yield from self._result(
+                request.island_id, request.round if request.accept_delta else None, ranges, request.fragment, request.want_mean, held,
+            )
 
     @_refusals
     def Leave(self, request: pb.LeaveRequest, context) -> pb.LeaveResponse:
@@ -281,6 +278,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         }
         matches, whole = self.state.leave(request.island_id, request.checksum, stats, list(request.fragment_checksums),
                                           untrained=ranges_of(request.untrained))
+        self.limits.forget(request.island_id)
         self.audit.record("leave", island=request.island_id, checksum_matches=matches, **self._who(context))
         return pb.LeaveResponse(checksum_matches=matches, checksum=whole)
 

@@ -13,10 +13,13 @@ from __future__ import annotations
 import os
 import struct
 import tempfile
+import threading
 import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+
+from diloco.refusal import Reason, Refused
 
 _RECORD = struct.Struct("<QQIHI")  # offset, numel, crc32, name bytes, payload bytes
 
@@ -33,16 +36,49 @@ class SpooledChunk:
     payload: bytes
 
 
+class Spools:
+    """Where pushes spool, and the disk they may use there, all islands together (limits.spool_gb)."""
+
+    def __init__(self, directory: Path, max_bytes: int):
+        self.directory, self.max_bytes = directory, max_bytes
+        self.used = 0
+        self._lock = threading.Lock()
+
+    def open(self, max_numel: int) -> Spool:
+        """A spool for one push stream, which may carry at most max_numel elements (its fragment's)."""
+        return Spool(self.directory, self, max_numel)
+
+    def reserve(self, n: int) -> None:
+        with self._lock:
+            if self.used + n > self.max_bytes:
+                raise Refused(Reason.SPOOL_FULL, f"the coordinator's spool holds {self.used / 1e9:.2f} GB of pushes, its bound "
+                              f"(limits.spool_gb = {self.max_bytes / 1e9:g}): this push was dropped; push again later")
+            self.used += n
+
+    def release(self, n: int) -> None:
+        with self._lock:
+            self.used -= n
+
+
 class Spool:
-    def __init__(self, directory: Path):
+    def __init__(self, directory: Path, spools: Spools | None = None, max_numel: int | None = None):
         fd, path = tempfile.mkstemp(prefix="push-", suffix=".spool", dir=directory)
         self.path = Path(path)
         self._file = os.fdopen(fd, "wb")
-        self.chunks = 0
+        self.chunks = self.numel = self.bytes = 0
+        self.spools, self.max_numel = spools, max_numel
 
     def write(self, name: str, offset: int, numel: int, crc32: int, payload: bytes) -> None:
         """One chunk whose payload was verified against crc32 already."""
         encoded = name.encode()
+        if self.max_numel is not None and self.numel + numel > self.max_numel:
+            # Bounds a stream that repeats chunks: overlaps are only found once the stream ends.
+            raise Refused(Reason.BAD_CHUNK, f"the stream carries more than the {self.max_numel} elements its fragment has")
+        size = _RECORD.size + len(encoded) + len(payload)
+        if self.spools is not None:
+            self.spools.reserve(size)
+        self.bytes += size
+        self.numel += numel
         self._file.write(_RECORD.pack(offset, numel, crc32, len(encoded), len(payload)) + encoded)
         self._file.write(payload)
         self.chunks += 1
@@ -65,3 +101,6 @@ class Spool:
     def discard(self) -> None:
         self.close()
         self.path.unlink(missing_ok=True)
+        if self.spools is not None:
+            self.spools.release(self.bytes)
+        self.bytes = 0

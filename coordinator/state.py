@@ -28,6 +28,7 @@ from coordinator.fragment import FragmentContext, FragmentRounds
 from coordinator.ledger import DataLedger, account_dict
 from coordinator.membership import Events, Island, Membership, canonical_order
 from coordinator.records import Closed, Phase, Reason, Refused
+from coordinator.spool import Spools
 from diloco.config import RunConfig
 from diloco.fragments import layout_for
 from diloco.params import checksum
@@ -71,11 +72,11 @@ class CoordinatorState:
         self.cond = threading.Condition()
         r = cfg.rounds
         self.members = Membership(r.max_islands, cfg.data.shards, r.lease_s, self.cond, clock, on_leave=self._drop_pending,
-                                  revoked=revoked, record=record)
+                                  revoked=revoked, record=record, idle_rounds=cfg.limits.idle_rounds * cfg.streaming.fragments)
         self.summaries: list[pb.RoundSummary] = []
         self._wave = _Wave()
         ctx = FragmentContext(
-            cfg, self.codec, self.cond, clock, spool_dir, self.members,
+            cfg, self.codec, self.cond, clock, Spools(spool_dir, int(cfg.limits.spool_gb * 1e9)), self.members,
             run_finished=lambda: self.finished, fragment_of=self._fragment_of, ledger=ledger,
         )
         self.fragments = [FragmentRounds(ctx, f.index, self.layout.subset(f.index, params)) for f in self.layout]

@@ -16,6 +16,8 @@ from typing import Any
 
 import tomli_w
 
+from diloco.policy import LimitsConfig, RobustConfig
+
 
 class ConfigError(ValueError):
     """A config file or override that cannot be used; the message says why."""
@@ -98,9 +100,6 @@ class RoundConfig:
     lease_s: float = 10.0
     # The most ranks (replica groups x ranks per group) an island may declare at join.
     max_island_ranks: int = 4096
-    # Push streams an island may have open at once: this many per declared rank, plus 2 (a rank's
-    # push and its retry overlapping a cancelled one).
-    push_streams_per_rank: int = 2
 
 
 @dataclass
@@ -184,21 +183,6 @@ class StreamingConfig:
 
 
 @dataclass
-class RobustConfig:
-    """Robust aggregation (diloco/robust.py): the coordinator's guard against outlier pseudo-gradients."""
-
-    enabled: bool = True
-    # A push may claim at most inner_steps x batch x seq_len x the ranks its island declared at join, in
-    # whole steps, and at most steps_per_round (+ streaming overlap) inner steps.
-    check_claims: bool = True
-    # A contribution whose norm exceeds norm_factor x the reference (median of the round's other
-    # contributions and of the last `history` rounds) is clipped to the reference norm, or dropped.
-    norm_factor: float = 3.0
-    action: str = "clip"  # "clip" or "drop"
-    history: int = 10
-
-
-@dataclass
 class EvalConfig:
     # Batches of held-out data the coordinator evaluates the global parameters
     # on after each round (0 disables evaluation).
@@ -229,6 +213,7 @@ class RunConfig:
     streaming: StreamingConfig = field(default_factory=StreamingConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     robust: RobustConfig = field(default_factory=RobustConfig)
+    limits: LimitsConfig = field(default_factory=LimitsConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
 
     def to_dict(self) -> dict[str, Any]:
@@ -245,6 +230,7 @@ class RunConfig:
         body.pop("eval")
         body.pop("checkpoint")
         body.pop("robust")
+        body.pop("limits")
         for local in ("cache_dir", "cache_gb", "prefetch_shards"):  # each machine's own
             body["data"].pop(local)
         if self.streaming == StreamingConfig():
@@ -285,6 +271,7 @@ class RunConfig:
             (self.robust.norm_factor > 1 and self.robust.history >= 1 and self.robust.action in ("clip", "drop"),
              "robust.norm_factor must be > 1, robust.history >= 1 and robust.action 'clip' or 'drop'"),
             (self.checkpoint.keep_last >= 1, "checkpoint.keep_last must be >= 1"),
+            (self.limits.valid(), "limits.*: every bound must be > 0 (limits.idle_rounds >= 0; 0 turns idle removal off)"),
         ]
         for ok, message in checks:
             if not ok:

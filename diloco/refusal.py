@@ -39,8 +39,25 @@ STATUS: dict[int, grpc.StatusCode] = {
     Reason.NOT_YOURS: _C.PERMISSION_DENIED,
     Reason.REVOKED: _C.PERMISSION_DENIED,
     Reason.TOO_MANY_STREAMS: _C.RESOURCE_EXHAUSTED,
+    Reason.STREAM_IDLE: _C.DEADLINE_EXCEEDED,
+    Reason.RATE_LIMITED: _C.RESOURCE_EXHAUSTED,
+    Reason.SPOOL_FULL: _C.RESOURCE_EXHAUSTED,
 }
 assert set(STATUS) == set(Reason.values()) - {Reason.REASON_UNSPECIFIED}, "every reason needs its status code"
+
+
+class Refused(Exception):
+    """A call the coordinator turns down: a typed reason (which fixes the gRPC status) and a message for people."""
+
+    def __init__(self, reason: int, message: str, resend_from_chunk: int = 0, current_round: int = 0):
+        super().__init__(message)
+        self.reason = reason
+        self.refusal = pb.Refusal(reason=reason, resend_from_chunk=resend_from_chunk, current_round=current_round)
+        self.code = STATUS[reason]
+
+    @property
+    def trailing(self) -> tuple:
+        return trailing_metadata(self.refusal)
 
 
 def name(reason: int) -> str:

@@ -21,7 +21,8 @@ from diloco.v1 import diloco_pb2 as pb
 # 2: top-k followed by zstd sent its positions as a bitmap above density 1/64.
 # 3: top-k positions travel Golomb-Rice coded, after all levels and codes.
 # 4: every refusal carries a typed Refusal (diloco/refusal.py) in its trailing metadata.
-PROTOCOL_VERSION = 6
+# 7: the limits' refusals (STREAM_IDLE, RATE_LIMITED, SPOOL_FULL), which older islands cannot read.
+PROTOCOL_VERSION = 7
 
 
 class ChunkError(ValueError):

@@ -49,6 +49,9 @@ _NEXT: dict[int, Next] = {
     Reason.NOT_YOURS: Next.FAIL,
     Reason.REVOKED: Next.FAIL,
     Reason.TOO_MANY_STREAMS: Next.RESYNC,  # never an honest island's: its round is lost, it goes on
+    Reason.STREAM_IDLE: Next.RESYNC,  # our push stalled past limits.push_idle_s: that round is lost
+    Reason.RATE_LIMITED: Next.RESYNC,  # never an honest island's (joins or heartbeats far too often)
+    Reason.SPOOL_FULL: Next.RESYNC,  # the coordinator's disk is full: this round is lost, the next may fit
 }
 assert set(_NEXT) == set(Reason.values()), "every refusal reason needs an island decision"
 

@@ -33,6 +33,9 @@ class Refusal(_message.Message):
         NOT_YOURS: _ClassVar[Refusal.Reason]
         REVOKED: _ClassVar[Refusal.Reason]
         TOO_MANY_STREAMS: _ClassVar[Refusal.Reason]
+        STREAM_IDLE: _ClassVar[Refusal.Reason]
+        RATE_LIMITED: _ClassVar[Refusal.Reason]
+        SPOOL_FULL: _ClassVar[Refusal.Reason]
     REASON_UNSPECIFIED: Refusal.Reason
     PROTOCOL_MISMATCH: Refusal.Reason
     CONFIG_MISMATCH: Refusal.Reason
@@ -55,6 +58,9 @@ class Refusal(_message.Message):
     NOT_YOURS: Refusal.Reason
     REVOKED: Refusal.Reason
     TOO_MANY_STREAMS: Refusal.Reason
+    STREAM_IDLE: Refusal.Reason
+    RATE_LIMITED: Refusal.Reason
+    SPOOL_FULL: Refusal.Reason
     REASON_FIELD_NUMBER: _ClassVar[int]
     RESEND_FROM_CHUNK_FIELD_NUMBER: _ClassVar[int]
     CURRENT_ROUND_FIELD_NUMBER: _ClassVar[int]

@@ -1,0 +1,137 @@
+"""What one island may take of the coordinator: open streams, heartbeats, joins, time between chunks.
+
+Each bound is refused with its own reason (diloco/refusal.py), so a client
+sees a precise status and an honest island, which never comes near a bound,
+never pays for one. The spool's disk bound lives with the spool
+(coordinator/spool.py); idle islands are removed by membership.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+from diloco.policy import LimitsConfig
+from diloco.refusal import Reason, Refused
+
+
+class TokenBucket:
+    """At most `rate` events a second on average, in bursts of at most `burst`."""
+
+    def __init__(self, rate: float, burst: float, clock: Callable[[], float]):
+        self.rate, self.burst, self.clock = rate, burst, clock
+        self.tokens, self.at = burst, clock()
+
+    def take(self) -> bool:
+        now = self.clock()
+        self.tokens = min(self.burst, self.tokens + (now - self.at) * self.rate)
+        self.at = now
+        if self.tokens < 1:
+            return False
+        self.tokens -= 1
+        return True
+
+
+class Limits:
+    """Per-island counters and rate buckets; thread-safe. ranks: what the island declared at join."""
+
+    def __init__(self, cfg: LimitsConfig, heartbeat_s: float, clock: Callable[[], float] = time.monotonic):
+        self.cfg, self.heartbeat_s, self.clock = cfg, heartbeat_s, clock
+        self._open: dict[tuple[str, str], int] = {}  # (kind, island) -> streams open now
+        self._heartbeats: dict[str, TokenBucket] = {}
+        self._joins: dict[str, TokenBucket] = {}
+        self._lock = threading.Lock()
+
+    @contextmanager
+    def stream(self, kind: str, island_id: str, ranks: int) -> Iterator[None]:
+        """Counts a stream of `kind` open for the island; refuses one beyond its bound (a flood of open streams)."""
+        bound = self.cfg.push_streams_per_rank * ranks + 2
+        key = (kind, island_id)
+        with self._lock:
+            if self._open.get(key, 0) >= bound:
+                raise Refused(Reason.TOO_MANY_STREAMS, f"{island_id} has {bound} {kind} streams open already "
+                              "(limits.push_streams_per_rank x its ranks, + 2)")
+            self._open[key] = self._open.get(key, 0) + 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._open[key] -= 1
+                if not self._open[key]:
+                    del self._open[key]
+
+    def heartbeat(self, island_id: str, ranks: int) -> None:
+        rate = self.cfg.heartbeats_per_interval * ranks / self.heartbeat_s
+        with self._lock:
+            bucket = self._heartbeats.get(island_id)
+            if bucket is None or bucket.rate != rate:
+                bucket = self._heartbeats[island_id] = TokenBucket(rate, max(4.0, 2 * rate * self.heartbeat_s), self.clock)
+            allowed = bucket.take()
+        if not allowed:
+            raise Refused(Reason.RATE_LIMITED, f"{island_id} heartbeats faster than limits.heartbeats_per_interval = "
+                          f"{self.cfg.heartbeats_per_interval:g} per rank every {self.heartbeat_s:g}s")
+
+    def join(self, credential: str) -> None:
+        per_minute = self.cfg.joins_per_minute
+        with self._lock:
+            bucket = self._joins.setdefault(credential, TokenBucket(per_minute / 60.0, per_minute, self.clock))
+            allowed = bucket.take()
+        if not allowed:
+            raise Refused(Reason.RATE_LIMITED, f"{credential!r} joins more often than limits.joins_per_minute = {per_minute:g}")
+
+    def forget(self, island_id: str) -> None:
+        """The island left: its heartbeat bucket goes (a credential's join bucket stays: it bounds rejoining)."""
+        with self._lock:
+            self._heartbeats.pop(island_id, None)
+
+
+_END = object()
+
+
+def idle_bounded(messages: Iterator, idle_s: float) -> Iterator:
+    """A client stream's messages, refused (STREAM_IDLE) when none comes for idle_s seconds.
+
+    gRPC's request iterator blocks without a timeout, so a reader thread feeds
+    a short queue (at most a few chunks held: memory stays bounded) and the
+    handler waits on the queue. Once the handler is done the call ends, which
+    ends the reader's blocked read.
+    """
+    inbox: queue.Queue = queue.Queue(maxsize=4)
+    done = threading.Event()
+
+    def put(item) -> bool:
+        while not done.is_set():
+            try:
+                inbox.put(item, timeout=0.5)
+                return True
+            except queue.Full:
+                pass
+        return False
+
+    def read() -> None:
+        try:
+            for message in messages:
+                if not put(message):
+                    return
+            put(_END)
+        except BaseException as e:  # the client cancelled (grpc.RpcError), or the call ended under the reader
+            put(e)
+
+    threading.Thread(target=read, name="push-reader", daemon=True).start()
+    try:
+        while True:
+            try:
+                item = inbox.get(timeout=idle_s)
+            except queue.Empty:
+                raise Refused(Reason.STREAM_IDLE, f"the push stream sent nothing for {idle_s:g}s (limits.push_idle_s): "
+                              "cut off, and what it sent was dropped") from None
+            if item is _END:
+                return
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+    finally:
+        done.set()

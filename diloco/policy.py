@@ -1,0 +1,51 @@
+"""The coordinator's guards, as config sections: robust aggregation ([robust]) and limits ([limits]).
+
+Neither enters the config digest: they are the coordinator's business, and an
+island never needs to agree on them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class RobustConfig:
+    """Robust aggregation (diloco/robust.py): the coordinator's guard against outlier pseudo-gradients."""
+
+    enabled: bool = True
+    # A push may claim at most inner_steps x batch x seq_len x the ranks its island declared at join, in
+    # whole steps, and at most steps_per_round (+ streaming overlap) inner steps.
+    check_claims: bool = True
+    # A contribution whose norm exceeds norm_factor x the reference (median of the round's other
+    # contributions and of the last `history` rounds) is clipped to the reference norm, or dropped.
+    norm_factor: float = 3.0
+    action: str = "clip"  # "clip" or "drop"
+    history: int = 10
+
+
+@dataclass
+class LimitsConfig:
+    """What one island may take of a coordinator (coordinator/limits.py), each refused with its own reason."""
+
+    # Push streams an island may have open at once: this many per declared rank, plus 2 (a rank's push
+    # and its retry overlapping a cancelled one). Beyond: TOO_MANY_STREAMS.
+    push_streams_per_rank: int = 2
+    # A push stream that sends nothing for this long is cut off and what it sent dropped: STREAM_IDLE.
+    push_idle_s: float = 60.0
+    # Heartbeats an island may send per rounds.heartbeat_s, per declared rank (bursts of twice that):
+    # islands send one. Beyond: RATE_LIMITED.
+    heartbeats_per_interval: float = 4.0
+    # Joins one credential may make a minute (bursts of as many): RATE_LIMITED. Mutual TLS only: without
+    # it there is no credential to count by.
+    joins_per_minute: float = 30.0
+    # An island that was a member through this many rounds in a row and contributed to none is removed
+    # from the run; when its credential joins again it is on probation: no round waits for it until it
+    # has contributed. 0: never removed.
+    idle_rounds: int = 3
+    # Disk the spooled pushes may use, all islands together; a chunk beyond it: SPOOL_FULL.
+    spool_gb: float = 64.0
+
+    def valid(self) -> bool:
+        return (min(self.push_streams_per_rank, self.push_idle_s, self.heartbeats_per_interval, self.joins_per_minute,
+                    self.spool_gb) > 0 and self.idle_rounds >= 0)

@@ -1,0 +1,171 @@
+"""Limits that keep a run alive (issue 15, item 4): each bound refused with its own reason and status."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+import grpc
+import pytest
+import torch
+
+from conftest import tiny_config, wait_for_round
+from coordinator.server import start_coordinator
+from coordinator.limits import TokenBucket
+from diloco import credentials
+from diloco.codec import Fp32Codec
+from diloco.refusal import Reason, reason_of
+from diloco.v1 import diloco_pb2 as pb
+from diloco.v1 import diloco_pb2_grpc as pb_grpc
+from diloco.wire import PROTOCOL_VERSION, push_messages, tensor_chunks
+
+
+def _join(stub, **fields) -> str:
+    return stub.Join(pb.JoinRequest(protocol_version=PROTOCOL_VERSION, **fields), timeout=10).island_id
+
+
+def _chunks(coordinator, seed: int = 0) -> list[pb.TensorChunk]:
+    g = torch.Generator().manual_seed(seed)
+    pg = {n: torch.randn(s, generator=g) * 1e-3 for n, s in coordinator.state.manifest.shapes.items()}
+    return list(tensor_chunks(pg, Fp32Codec(), 4096))
+
+
+def _header(island: str, round_: int = 0) -> pb.PushHeader:
+    return pb.PushHeader(island_id=island, round=round_, tokens=128, codec="fp32", inner_steps=1)
+
+
+def _refused(call) -> grpc.RpcError:
+    with pytest.raises(grpc.RpcError) as e:
+        call()
+    return e.value
+
+
+def test_a_token_bucket_allows_its_burst_then_its_rate():
+    now = [0.0]
+    bucket = TokenBucket(rate=2.0, burst=3.0, clock=lambda: now[0])
+    assert [bucket.take() for _ in range(4)] == [True, True, True, False]
+    now[0] = 0.5  # one token back
+    assert [bucket.take() for _ in range(2)] == [True, False]
+    now[0] = 100.0  # never more than the burst
+    assert sum(bucket.take() for _ in range(10)) == 3
+
+
+def test_a_push_stream_that_goes_quiet_is_cut_off_and_its_part_dropped(make_coordinator, channel_to):
+    coordinator = make_coordinator(tiny_config("limits.push_idle_s=1"))
+    stub = channel_to(coordinator)
+    island = _join(stub)
+    chunks = _chunks(coordinator)
+    release = threading.Event()
+
+    def stalls():
+        yield pb.PushMessage(header=_header(island))
+        yield pb.PushMessage(chunk=chunks[0])
+        release.wait(120)  # then nothing: a client that stopped sending but keeps the stream open
+
+    future = stub.PushPseudoGradient.future(stalls(), timeout=120)
+    try:
+        error = future.exception(100)
+    finally:
+        release.set()
+    assert error is not None and reason_of(error) == Reason.STREAM_IDLE
+    assert error.code() == grpc.StatusCode.DEADLINE_EXCEEDED and "limits.push_idle_s" in error.details()
+    spools = coordinator.state.fragments[0].ctx.spools
+    assert spools.used == 0 and not list(spools.directory.iterdir()), "the cut-off stream's chunk was kept"
+    deadline = time.monotonic() + 60  # the server's reader of that stream ends with the call
+    while any(t.name == "push-reader" for t in threading.enumerate()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(t.name == "push-reader" for t in threading.enumerate())
+    # The island pushes its whole contribution again; nothing of the cut-off stream counts against it.
+    response = stub.PushPseudoGradient(push_messages(_header(island), chunks), timeout=30)
+    assert response.contribution_complete
+    wait_for_round(coordinator, 0, timeout_s=60)
+
+
+def test_heartbeats_beyond_the_rate_are_refused(make_coordinator, channel_to):
+    # heartbeat_s so long that no token comes back during the test: the bound is the burst, 2 x 4 x 1 rank.
+    coordinator = make_coordinator(tiny_config("rounds.heartbeat_s=10000", "rounds.lease_s=100000"))
+    stub = channel_to(coordinator)
+    island = _join(stub)
+    for _ in range(8):
+        stub.Heartbeat(pb.HeartbeatRequest(island_id=island), timeout=10)
+    error = _refused(lambda: stub.Heartbeat(pb.HeartbeatRequest(island_id=island), timeout=10))
+    assert reason_of(error) == Reason.RATE_LIMITED and error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    other = _join(stub)  # another island's bucket is its own
+    stub.Heartbeat(pb.HeartbeatRequest(island_id=other), timeout=10)
+
+
+def test_the_spool_is_bounded_and_a_stream_cannot_repeat_its_chunks(make_coordinator, channel_to):
+    coordinator = make_coordinator(tiny_config("limits.spool_gb=0.000002"))  # 2,000 bytes: less than one chunk
+    stub = channel_to(coordinator)
+    island = _join(stub)
+    chunks = _chunks(coordinator)
+    error = _refused(lambda: stub.PushPseudoGradient(push_messages(_header(island), chunks), timeout=30))
+    assert reason_of(error) == Reason.SPOOL_FULL and error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    spools = coordinator.state.fragments[0].ctx.spools
+    assert spools.used == 0 and not list(spools.directory.iterdir())
+
+    roomy = make_coordinator(tiny_config())
+    stub = channel_to(roomy)
+    island = _join(stub)
+    small = min(chunks, key=lambda c: c.numel)
+    repeats = roomy.state.manifest.total_numel() // small.numel + 1  # one more than the fragment holds
+    error = _refused(lambda: stub.PushPseudoGradient(push_messages(_header(island), [small] * repeats), timeout=60))
+    assert reason_of(error) == Reason.BAD_CHUNK and "more than the" in error.details()
+    assert roomy.state.fragments[0].ctx.spools.used == 0
+
+
+def test_an_island_that_never_pushes_is_removed_and_on_probation_holds_no_round(make_coordinator, channel_to, caplog):
+    cfg = tiny_config("rounds.rounds=6", "rounds.deadline_s=1", "rounds.lease_s=100000", "limits.idle_rounds=2")
+    coordinator = make_coordinator(cfg)
+    stub = channel_to(coordinator)
+    worker, idler = _join(stub, island_key="w"), _join(stub, island_key="i")
+    caplog.set_level(logging.INFO, logger="coordinator.fragment")
+
+    def round_with_worker(round_: int) -> None:
+        stub.PushPseudoGradient(push_messages(_header(worker, round_), _chunks(coordinator, round_)), timeout=30)
+        wait_for_round(coordinator, round_, timeout_s=60)
+
+    for round_ in range(3):  # round 0 opened before the idler joined: it does not count
+        round_with_worker(round_)
+    closed_by = {r: m for r in range(6) for m in caplog.messages if m.startswith(f"round {r} closed")}
+    assert all("(deadline)" in closed_by[r] for r in range(3)), closed_by  # each round waited for the idler
+    assert idler not in coordinator.state.islands and coordinator.state.events.idle_removed == 1
+    error = _refused(lambda: stub.Heartbeat(pb.HeartbeatRequest(island_id=idler), timeout=10))
+    assert reason_of(error) == Reason.NOT_A_MEMBER
+    assert _join(stub, island_id=idler) == idler  # back as itself, on probation
+    assert coordinator.state.islands[idler].probation
+    round_with_worker(3)
+    closed_by = {r: m for r in range(6) for m in caplog.messages if m.startswith(f"round {r} closed")}
+    assert "(every live island contributed)" in closed_by[3], closed_by  # it no longer holds rounds up
+    # Once it contributes it is a member like any other again.
+    stub.PushPseudoGradient(push_messages(_header(idler, 4), _chunks(coordinator, 40)), timeout=30)
+    round_with_worker(4)
+    assert not coordinator.state.islands[idler].probation
+
+
+@pytest.fixture
+def run_ca(tmp_path):
+    d = tmp_path / "tls"
+    credentials.create_ca(d)
+    credentials.issue_coordinator(d, ["127.0.0.1"])
+    credentials.issue_island(d, "east")
+    return d
+
+
+def test_a_credential_holds_one_island_and_joins_at_a_bounded_rate(run_ca, tmp_path):
+    coordinator = start_coordinator(tiny_config("limits.joins_per_minute=4"), "127.0.0.1", 0, spool_dir=str(tmp_path / "spool"),
+                                    tls=credentials.coordinator_files(run_ca))
+    ca, cert, key = credentials.island_files(run_ca, "east").read()
+    channel = grpc.secure_channel(f"127.0.0.1:{coordinator.port}", grpc.ssl_channel_credentials(ca, key, cert))
+    try:
+        stub = pb_grpc.CoordinatorStub(channel)
+        # Fresh ids, as in the join flood of issue 15: one credential, one island.
+        ids = {_join(stub, island_id=f"flood-{i}") for i in range(4)}
+        assert ids == {"island-0"} and list(coordinator.state.islands) == ["island-0"]
+        error = _refused(lambda: _join(stub, island_id="flood-4"))  # the 5th within a minute
+        assert reason_of(error) == Reason.RATE_LIMITED and error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    finally:
+        channel.close()
+        coordinator.stop(0.5)
+
