@@ -1,12 +1,18 @@
-"""The poisoned-push attack of issue 15, with robust aggregation off and on.
+"""The attacks of issue 15, tried again: impersonation, a poisoned push, a join flood, an idle member,
+plaintext on a public address.
 
-Two islands on the tiny model push honest pseudo-gradients (scale 1e-3) for five
+Impersonation: a client pushes under another island's id, in plaintext and over
+mutual TLS with its own certificate. Poisoned push, with robust aggregation off
+and on: two islands on the tiny model push honest pseudo-gradients (scale 1e-3) for five
 rounds; then one pushes a finite pseudo-gradient 1,000x that scale, first claiming
 1e9 tokens, then (if that is refused) an honest round's tokens. Prints the global
 parameters' norm before and after the poisoned round, against the most an honest
-round moved it.
+round moved it. Join flood: one certificate joins 62 times under fresh ids, then
+the real islands join. Idle member: an island joins and never pushes; how long
+each round is held. Public address: the coordinator asked to serve 0.0.0.0 with
+no certificates.
 
-Run from the repository root:  python benchmarks/attack.py   (a few seconds)
+Run from the repository root:  python benchmarks/attack.py   (about half a minute)
 """
 
 from __future__ import annotations
@@ -21,7 +27,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from coordinator.server import start_coordinator  # noqa: E402
+from diloco import credentials  # noqa: E402
 from diloco.codec import Fp32Codec  # noqa: E402
+from diloco.refusal import reason_of  # noqa: E402
 from diloco.config import load_config  # noqa: E402
 from diloco.v1 import diloco_pb2 as pb  # noqa: E402
 from diloco.v1 import diloco_pb2_grpc as pb_grpc  # noqa: E402
@@ -81,6 +89,118 @@ def attack(robust: bool) -> str:
         c.stop(0.5)
 
 
+def _refusal(e: grpc.RpcError) -> str:
+    return f"{e.code().name} {pb.Refusal.Reason.Name(reason_of(e))}"
+
+
+def _tls_run(cfg, names: list[str]):
+    """A coordinator over mutual TLS and a stub per certificate name (a CA made for the occasion)."""
+    ca_dir = Path(tempfile.mkdtemp(prefix="diloco-attack-ca-"))
+    credentials.create_ca(ca_dir)
+    credentials.issue_coordinator(ca_dir, ["127.0.0.1"])
+    for name in names:
+        credentials.issue_island(ca_dir, name)
+    c = start_coordinator(cfg, "127.0.0.1", 0, spool_dir=tempfile.mkdtemp(prefix="diloco-attack-"),
+                          tls=credentials.coordinator_files(ca_dir))
+    channels = []
+    for name in names:
+        ca, cert, key = credentials.island_files(ca_dir, name).read()
+        channels.append(grpc.secure_channel(f"127.0.0.1:{c.port}", grpc.ssl_channel_credentials(ca, key, cert)))
+    return c, channels, {n: pb_grpc.CoordinatorStub(ch) for n, ch in zip(names, channels)}
+
+
+def _join(stub, island_id: str = "", key: str = "") -> str:
+    return stub.Join(pb.JoinRequest(protocol_version=PROTOCOL_VERSION, island_id=island_id, island_key=key), timeout=10).island_id
+
+
+def impersonation() -> str:
+    cfg = load_config(None, TINY)
+    chunks = lambda c: list(tensor_chunks({n: torch.zeros(s) for n, s in c.state.manifest.shapes.items()}, Fp32Codec(), 4096))  # noqa: E731
+    header = lambda island: pb.PushHeader(island_id=island, round=0, tokens=128, codec="fp32", inner_steps=1)  # noqa: E731
+    c = start_coordinator(cfg, "127.0.0.1", 0, spool_dir=tempfile.mkdtemp(prefix="diloco-attack-"))
+    channel = grpc.insecure_channel(f"127.0.0.1:{c.port}")
+    try:
+        stub = pb_grpc.CoordinatorStub(channel)
+        victim = _join(stub, key="victim")
+        stub.PushPseudoGradient(push_messages(header(victim), chunks(c)), timeout=30)  # anyone may, in plaintext
+        plaintext = "accepted"
+    finally:
+        channel.close()
+        c.stop(0.5)
+    c, channels, stubs = _tls_run(cfg, ["east", "mallory"])
+    try:
+        victim = _join(stubs["east"])
+        try:
+            stubs["mallory"].PushPseudoGradient(push_messages(header(victim), chunks(c)), timeout=30)
+            tls = "accepted"
+        except grpc.RpcError as e:
+            tls = f"refused ({_refusal(e)})"
+    finally:
+        for ch in channels:
+            ch.close()
+        c.stop(0.5)
+    return f"impersonation: a push under another island's id, plaintext: {plaintext}; mutual TLS: {tls}"
+
+
+def join_flood() -> str:
+    cfg = load_config(None, TINY + ["rounds.max_islands=64"])
+    c, channels, stubs = _tls_run(cfg, ["east", "west", "mallory"])
+    try:
+        outcomes: dict[str, int] = {}
+        for i in range(62):
+            try:
+                outcome = f"joined as {_join(stubs['mallory'], island_id=f'fresh-{i}')}"
+            except grpc.RpcError as e:
+                outcome = f"refused {_refusal(e)}"
+            outcomes[outcome] = outcomes.get(outcome, 0) + 1
+        members_after_flood = len(c.state.islands)
+        real = [_join(stubs[n]) for n in ("east", "west")]
+        counts = ", ".join(f"{n} {o}" for o, n in outcomes.items())
+        return (f"join flood: 62 joins under fresh ids from one certificate: {counts}; islands in the run after it: "
+                f"{members_after_flood}; the real islands then joined as {real}")
+    finally:
+        for ch in channels:
+            ch.close()
+        c.stop(0.5)
+
+
+def idle_member(rounds: int = 7) -> str:
+    cfg = load_config(None, TINY + [f"rounds.rounds={rounds + 1}", "rounds.min_islands=1", "rounds.deadline_s=2",
+                                    "robust.check_claims=false"])
+    c = start_coordinator(cfg, "127.0.0.1", 0, spool_dir=tempfile.mkdtemp(prefix="diloco-attack-"))
+    channel = grpc.insecure_channel(f"127.0.0.1:{c.port}")
+    try:
+        stub = pb_grpc.CoordinatorStub(channel)
+        worker, idler = _join(stub, key="worker"), _join(stub, key="idler")
+        zeros = {n: torch.zeros(s) for n, s in c.state.manifest.shapes.items()}
+        for r in range(rounds):
+            header = pb.PushHeader(island_id=worker, round=r, tokens=128, codec="fp32", inner_steps=1)
+            stub.PushPseudoGradient(push_messages(header, tensor_chunks(zeros, Fp32Codec(), 4096)), timeout=30)
+            if r == cfg.limits.idle_rounds + 1:  # it was removed: it comes back, on probation
+                _join(stub, island_id=idler)
+            with c.state.cond:
+                assert c.state.cond.wait_for(lambda: c.state.round > r, 60), f"round {r} did not close"
+        held = " ".join(f"{s.seconds:.1f}" for s in c.state.summaries[:rounds])
+        return (f"idle member (rounds.deadline_s=2, limits.idle_rounds={cfg.limits.idle_rounds}): seconds per round {held}; "
+                f"removed idle: {c.state.events.idle_removed}, back on probation at round {cfg.limits.idle_rounds + 1}")
+    finally:
+        channel.close()
+        c.stop(0.5)
+
+
+def public_plaintext() -> str:
+    try:
+        c = start_coordinator(load_config(None, TINY), "0.0.0.0", 0, spool_dir=tempfile.mkdtemp(prefix="diloco-attack-"))
+        c.stop(0.5)
+        return "plaintext on 0.0.0.0: served"
+    except ValueError as e:
+        return f"plaintext on 0.0.0.0: refused ({str(e).split(':')[0]})"
+
+
 if __name__ == "__main__":
+    print(impersonation())
     for robust in (False, True):
         print(attack(robust))
+    print(join_flood())
+    print(idle_member())
+    print(public_plaintext())

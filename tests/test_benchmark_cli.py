@@ -80,10 +80,16 @@ def test_data_benchmark_prepares_reads_and_feeds_from_disk_and_s3():
                 assert any(line.startswith(f"{kind} {where:5s} {state}: first ") for line in lines), (kind, where, state, lines)
 
 
-def test_attack_benchmark_shows_the_guard_refusing_the_claim_and_clipping_the_push():
+def test_attack_benchmark_shows_each_attack_of_issue_15_refused():
     run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "attack.py")], capture_output=True, text=True,
                          timeout=300, cwd=ROOT)
     assert run.returncode == 0, run.stderr[-2000:]
-    off, on = run.stdout.strip().splitlines()
+    imposter, off, on, flood, idle, public = run.stdout.strip().splitlines()
+    assert imposter.endswith("plaintext: accepted; mutual TLS: refused (PERMISSION_DENIED NOT_YOURS)")
+    assert "30 joined as island-0, 32 refused RESOURCE_EXHAUSTED RATE_LIMITED; islands in the run after it: 1" in flood
+    assert flood.endswith("joined as ['island-1', 'island-2']")
+    held = [float(s) for s in idle.split("seconds per round ")[1].split(";")[0].split()]
+    assert len(held) == 7 and all(s >= 2.0 for s in held[:4]) and "removed idle: 1" in idle  # after: tests/test_limits.py
+    assert public.startswith("plaintext on 0.0.0.0: refused")
     assert off.startswith("robust.enabled=False: the 1e9-token claim accepted") and off.endswith("clipped: none")
     assert "claim refused (INVALID_ARGUMENT)" in on and on.endswith("clipped: ['island-1']")
