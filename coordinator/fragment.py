@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import math
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -108,6 +109,8 @@ class FragmentRounds:
                 raise Refused(Reason.CODEC_MISMATCH, f"codec {header.codec!r} does not match the run's {self.codec.name!r}")
             if header.tokens < 0:
                 raise Refused(Reason.BAD_REQUEST, f"tokens must be >= 0, got {header.tokens}")
+            if not math.isfinite(header.train_loss):  # it would make the round's reported loss NaN
+                raise Refused(Reason.NOT_FINITE, f"train_loss {header.train_loss} is not finite: resync and go on")
             if header.global_checksum and header.global_checksum != self.checksum:
                 self.members.events.checksum_resyncs += 1
                 log.warning(

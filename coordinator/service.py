@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import math
 import logging
 import threading
 from collections.abc import Iterator
@@ -261,9 +262,12 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         self._caller(context, request.island_id)
         self.state.touch(request.island_id)
         ranges = self._ranges(request.ranges, request.fragment)
+        if not 0 <= request.timeout_s < math.inf:  # NaN too: a wait that never ends, or ends at once for ever
+            raise Refused(Reason.BAD_REQUEST, f"timeout_s must be a finite number of seconds >= 0, got {request.timeout_s}")
         # Counted from the wait on: a waiting pull holds one of the server's threads.
         with self.limits.stream("result", request.island_id, self._ranks(request.island_id)):
-            held = self.state.wait_for_result(request.island_id, request.round, request.timeout_s or 600.0, request.fragment, ranges)
+            held = self.state.wait_for_result(request.island_id, request.round, min(request.timeout_s or 600.0, 3600.0),
+                                                request.fragment, ranges)
             yield from self._result(
                 request.island_id, request.round if request.accept_delta else None, ranges, request.fragment, request.want_mean, held,
             )

@@ -169,3 +169,19 @@ def test_a_credential_holds_one_island_and_joins_at_a_bounded_rate(run_ca, tmp_p
         channel.close()
         coordinator.stop(0.5)
 
+
+
+def test_non_finite_numbers_in_requests_are_refused_not_waited_on(make_coordinator, channel_to):
+    coordinator = make_coordinator(tiny_config())
+    stub = channel_to(coordinator)
+    island = _join(stub)
+    chunks = _chunks(coordinator)
+    for timeout in (float("nan"), float("inf"), -1.0):  # a NaN wait never ended: one server thread spun for ever
+        request = pb.PullRequest(island_id=island, round=0, timeout_s=timeout)
+        error = _refused(lambda: list(stub.PullRoundResult(request, timeout=30)))
+        assert reason_of(error) == Reason.BAD_REQUEST and "timeout_s" in error.details()
+    header = _header(island)
+    header.train_loss = float("nan")
+    error = _refused(lambda: stub.PushPseudoGradient(push_messages(header, chunks), timeout=30))
+    assert reason_of(error) == Reason.NOT_FINITE and "train_loss" in error.details()
+    assert stub.PushPseudoGradient(push_messages(_header(island), chunks), timeout=30).contribution_complete
