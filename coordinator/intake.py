@@ -1,0 +1,164 @@
+"""A fragment's intake of pushes: the header's checks, chunks spooled as they arrive, contributions made whole.
+
+A mixin of FragmentRounds (coordinator/fragment.py), kept apart so each file
+reads in one sitting: it uses the fragment's round, phase, manifest, codec,
+members and contributions, and never closes a round.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Iterator
+
+from coordinator.fold import chunk_sumsq
+from coordinator.ledger import ranges_of
+from coordinator.records import Contribution, Phase, Reason, Refused, check_claim, lr_sum
+from coordinator.spool import Spool
+from diloco.v1 import diloco_pb2 as pb
+from diloco.wire import ChunkCorrupt, ChunkError, Coverage, verify_chunk
+
+log = logging.getLogger("coordinator.fragment")
+
+
+class PushIntake:
+    def begin_push(self, header: pb.PushHeader) -> None:
+        """Checks a push's header before any chunk is read."""
+        island = self.members.touch(header.island_id)
+        if self.cfg.robust.enabled and self.cfg.robust.check_claims:
+            check_claim(header, self.cfg, island.ranks)
+        with self.cond:
+            self.max_round_seen = max(self.max_round_seen, header.round)
+            if self.phase is Phase.FINISHED:
+                raise Refused(Reason.RUN_FINISHED, f"the run has finished{' for ' + self.label.strip() if self.label else ''}")
+            if header.round != self.round or self.phase is not Phase.OPEN:
+                self.members.events.late_pushes += 1
+                raise Refused(Reason.ROUND_CLOSED, f"{self.label}round {header.round} is closed (current round {self.round}); "
+                              "fetch the global parameters and train for the current round", current_round=self.round)
+            if header.island_id in self.dropped:
+                raise Refused(Reason.DROPPED, f"{header.island_id} was dropped from {self.label}round {self.round}")
+            if header.codec != self.codec.name:
+                raise Refused(Reason.CODEC_MISMATCH, f"codec {header.codec!r} does not match the run's {self.codec.name!r}")
+            if header.tokens < 0:
+                raise Refused(Reason.BAD_REQUEST, f"tokens must be >= 0, got {header.tokens}")
+            if not math.isfinite(header.train_loss):  # it would make the round's reported loss NaN
+                raise Refused(Reason.NOT_FINITE, f"train_loss {header.train_loss} is not finite: resync and go on")
+            if header.global_checksum and header.global_checksum != self.checksum:
+                self.members.events.checksum_resyncs += 1
+                log.warning(
+                    "%s trained %sround %d from global parameters with checksum %s, not the coordinator's %s; "
+                    "it must resync", header.island_id, self.label, self.round, header.global_checksum[:12], self.checksum[:12],
+                )
+                raise Refused(
+                    Reason.CHECKSUM_MISMATCH,
+                    "your global parameters differ from the coordinator's (checksum mismatch); fetch them again",
+                )
+            existing = self.contributions.get(header.island_id)
+            if existing is not None and existing.state != "pending":
+                raise Refused(Reason.DUPLICATE, f"{header.island_id} already contributed to {self.label}round {self.round}")
+            if existing is not None and existing.tokens != header.tokens:
+                raise Refused(Reason.BAD_REQUEST, f"tokens {header.tokens} differ from {existing.tokens} sent earlier for this round")
+        if self.ctx.ledger is not None:
+            self.ctx.ledger.check(header.island_id, self.index, ranges_of(header.samples), header.tokens)
+
+    def _verify(self, chunk: pb.TensorChunk, payload: bytes) -> bool:  # ChunkError when malformed; else whether it is finite
+        if chunk.name not in self.manifest.shapes and (owner := self.ctx.fragment_of(chunk.name)) is not None:
+            raise ChunkError(f"{chunk.name} belongs to fragment {owner}, not to fragment {self.index}")
+        return verify_chunk(chunk, self.manifest, self.codec, payload)
+
+    def receive(self, header: pb.PushHeader, chunks: Iterator[pb.TensorChunk]) -> pb.PushResponse:
+        """Spools one push stream; the contribution is complete once every element arrived exactly once.
+
+        A broken stream or a bad chunk discards this stream's spool, so the
+        aggregate never sees part of a contribution. A corrupt chunk keeps the
+        chunks before it and tells the island how many to skip when it resends.
+        """
+        self.begin_push(header)
+        spool: Spool | None = self.ctx.spools.open(self.manifest.total_numel())
+        ranges: list[tuple[str, int, int, float]] = []  # each chunk's address and sum of squares (the norm guard)
+        try:
+            for chunk in chunks:
+                payload = chunk.payload
+                try:
+                    finite = self._verify(chunk, payload)
+                except ChunkCorrupt as e:
+                    self._attach(header, spool, ranges)
+                    spool = None  # the contribution owns the chunks kept so far
+                    raise Refused(Reason.CORRUPT_CHUNK, f"{e}; resend from chunk {len(ranges)}", resend_from_chunk=len(ranges)) from e
+                except ChunkError as e:
+                    raise Refused(Reason.BAD_CHUNK, str(e)) from e
+                if not finite:
+                    self._drop_nonfinite(header, chunk)
+                spool.write(chunk.name, chunk.offset, chunk.numel, chunk.crc32, payload)
+                sumsq = chunk_sumsq(self.codec, payload, chunk.numel) if self.cfg.robust.enabled else 0.0
+                ranges.append((chunk.name, chunk.offset, chunk.numel, sumsq))
+                self._count(header.round, header.island_id, up=chunk.ByteSize())
+            return self._attach(header, spool, ranges)
+        except BaseException:
+            if spool is not None:
+                spool.discard()
+            raise
+
+    def _drop_nonfinite(self, header: pb.PushHeader, chunk: pb.TensorChunk) -> None:
+        with self.cond:
+            if self.phase is Phase.OPEN and header.island_id in self.contributions:
+                self.drop(header.island_id)
+            self.dropped.add(header.island_id)
+            self.members.events.dropped_nonfinite += 1
+            self.cond.notify_all()
+        log.error(
+            "%s pushed a pseudo-gradient with NaN/Inf in %s (elements %d..%d); dropped from %sround %d",
+            header.island_id, chunk.name, chunk.offset, chunk.offset + chunk.numel, self.label, header.round,
+        )
+        raise Refused(Reason.NOT_FINITE, f"pseudo-gradient is not finite in {chunk.name}; dropped from {self.label}round {header.round}: "
+                      "resync and go on")
+
+    def _attach(self, header: pb.PushHeader, spool: Spool, ranges: list[tuple[str, int, int, float]]) -> pb.PushResponse:
+        spool.close()
+        with self.cond:
+            if header.round != self.round or self.phase is not Phase.OPEN:
+                raise Refused(Reason.ROUND_CLOSED, f"{self.label}round {header.round} closed while the push was in flight",
+                              current_round=self.round)
+            if not self.members.is_member(header.island_id) or header.island_id in self.dropped:
+                raise Refused(Reason.DROPPED, f"{header.island_id} left {self.label}round {header.round} while pushing")
+            contribution = self.contributions.get(header.island_id)
+            if contribution is None:
+                contribution = Contribution(header.tokens, header.train_loss, Coverage(self.manifest), samples=ranges_of(header.samples),
+                                            lr_sum=lr_sum(header, self.cfg))
+                self.contributions[header.island_id] = contribution
+            trial = contribution.coverage.copy()
+            for name, offset, numel, _ in ranges:
+                trial.add(name, offset, numel)
+            if trial.overlaps():
+                raise Refused(Reason.DUPLICATE, f"push overlaps data already received: {trial.problem()}")
+            contribution.coverage = trial
+            contribution.spools.append(spool)
+            contribution.sumsq += sum(r[3] for r in ranges)
+            elements = sum(r[2] for r in ranges)
+            if trial.problem():  # more streams of this island's contribution are still to come
+                return pb.PushResponse(accepted=True, elements=elements)
+            contribution.state = "complete"
+            log.info("%sround %d: %s contributed %d tokens", self.label, header.round, header.island_id, header.tokens)
+            self.cond.notify_all()
+        return pb.PushResponse(accepted=True, elements=elements, contribution_complete=True)
+
+    def drop(self, island_id: str) -> None:
+        """Forgets an island's contribution to this round. Caller holds cond."""
+        contribution = self.contributions.pop(island_id)
+        for spool in contribution.spools:
+            spool.discard()
+
+    def drop_pending(self, island_id: str) -> None:
+        """An island left: its half-pushed contribution goes. Caller holds cond."""
+        contribution = self.contributions.get(island_id)
+        if contribution is not None and contribution.state == "pending" and self.phase is Phase.OPEN:
+            self.drop(island_id)
+
+    def _count(self, round_: int, island_id: str, up: int = 0, down: int = 0) -> None:
+        with self.cond:
+            entry = self.traffic.setdefault((round_, island_id), [0, 0])
+            entry[0] += up
+            entry[1] += down
+
+    def count_down(self, round_: int, island_id: str, n: int) -> None:
+        self._count(round_, island_id, down=n)
