@@ -19,6 +19,7 @@ from __future__ import annotations
 import copy
 import logging
 import threading
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -173,7 +174,7 @@ class FragmentRounds(PushIntake):
                 self.drop(island_id)
             complete = [(i, self.contributions[i]) for i in canonical_order(self.contributions)]
             self.contributions.clear()
-            return Closing(reason, complete)
+            return Closing(reason, complete, self.clock() - self.round_opened_at)
 
     def apply(self, closing: Closing) -> pb.RoundSummary:
         """Folds, takes the outer step, publishes the result and opens the next round; returns the round's summary."""
@@ -183,17 +184,22 @@ class FragmentRounds(PushIntake):
         summary.clipped.extend(verdict.clipped)
         self.dropped.update(verdict.dropped)
         self.publication.release_values()
+        summary.wait_s, started = closing.waited_s, time.perf_counter()
         folded = fold(self.accumulator, self.codec, closing.contributions, verdict, self.manifest.total_numel())
+        summary.fold_s = time.perf_counter() - started
         # Step, publication and round change happen under the write lock, so no
         # reader ever sees new parameters under an old round number or the reverse.
         self.param_lock.acquire_write()
         try:
+            started = time.perf_counter()
             mean = self.accumulator.mean()
             self.outer.step(mean)
+            summary.step_s, started = time.perf_counter() - started, time.perf_counter()
             if self.cfg.streaming.eager:
                 # Eager updates: islands build their provisional update from this (downlink codec, no feedback).
                 self.mean_chunks = list(tensor_chunks(mean, self.publication.codec, self.cfg.wire.chunk_bytes))
             self.publication.publish()
+            summary.publish_s, summary.closed_at = time.perf_counter() - started, time.time()
             with self.cond:
                 self.traffic = traffic_into(summary, self.traffic, self.round)
                 summary.checksum = self.checksum

@@ -138,6 +138,7 @@ class PushIntake:
             if trial.problem():  # more streams of this island's contribution are still to come
                 return pb.PushResponse(accepted=True, elements=elements)
             contribution.state = "complete"
+            self.members.pushed(header.island_id)
             log.info("%sround %d: %s contributed %d tokens", self.label, header.round, header.island_id, header.tokens)
             self.cond.notify_all()
         return pb.PushResponse(accepted=True, elements=elements, contribution_complete=True)

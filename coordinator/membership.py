@@ -12,6 +12,7 @@ import dataclasses
 import logging
 import re
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -37,6 +38,9 @@ class Island:
     joined_at: float = 0.0  # when it (re)joined: rounds opened before then do not count it idle
     idle: int = 0  # rounds in a row that closed while it was a member, without a contribution of its
     probation: bool = False  # removed once for idleness: no round waits for it until it contributes
+    last_push: float = 0.0  # Unix time its last contribution became whole (0: none yet)
+    # What it last reported in a heartbeat: utilization, tokens_per_s, train_loss (metrics, dashboard).
+    report: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -54,6 +58,7 @@ class Events:
     island_silent_s: float = 0.0  # those islands' silence before they came back: last heartbeat to rejoin
     revoked: int = 0  # islands removed because their credential was revoked
     idle_removed: int = 0  # islands removed after limits.idle_rounds rounds without a contribution
+    refusals: dict = field(default_factory=dict)  # reason name -> calls refused with it
 
 
 def canonical_order(island_ids) -> list[str]:
@@ -80,13 +85,20 @@ class Membership:
 
     # --- the seam the round machines use ---------------------------------------------------
 
-    def touch(self, island_id: str) -> Island:
+    def touch(self, island_id: str, report: dict | None = None) -> Island:
         with self.cond:
             island = self.islands.get(island_id)
             if island is None:
                 raise Refused(Reason.NOT_A_MEMBER, f"unknown island {island_id!r} (lease expired?); join again")
             island.last_seen = self.clock()
+            if report:
+                island.report = report
             return island
+
+    def pushed(self, island_id: str) -> None:
+        """The island's contribution to a round became whole. Caller holds cond."""
+        if island_id in self.islands:
+            self.islands[island_id].last_push = time.time()
 
     def live(self) -> list[str]:
         """The members whose lease holds, after removing those whose lease ran out. Caller holds cond."""

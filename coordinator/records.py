@@ -45,6 +45,7 @@ class Closing:
 
     reason: str
     contributions: list[tuple[str, Contribution]]
+    waited_s: float = 0.0  # from the round's opening to its close
 
 
 @dataclass
@@ -103,6 +104,7 @@ def round_summary(round_: int, fragment: int, contributions: list, numel: int, c
         ddp_bytes=2.0 * (n - 1) * 4 * numel * cfg.inner.steps_per_round,
         fragment=fragment,
         fragments=cfg.streaming.fragments,
+        contributions=[pb.IslandContribution(island_id=i, tokens=c.tokens, train_loss=c.train_loss) for i, c in contributions],
     )
 
 

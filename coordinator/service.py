@@ -83,6 +83,9 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         return {"peer": context.peer(), **({"credential": name} if name else {})}
 
     def audit_refusal(self, method: str, request, context, e: Refused) -> None:
+        with self.state.cond:
+            counts = self.state.events.refusals
+            counts[pb.Refusal.Reason.Name(e.reason)] = counts.get(pb.Refusal.Reason.Name(e.reason), 0) + 1
         island = getattr(request, "island_id", "") if not hasattr(request, "__next__") else ""
         self.audit.record("refused", method=method, island=island, reason=pb.Refusal.Reason.Name(e.reason), message=str(e),
                           **self._who(context))
@@ -147,7 +150,8 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
     def Heartbeat(self, request: pb.HeartbeatRequest, context) -> pb.HeartbeatResponse:
         self._caller(context, request.island_id)
         self.limits.heartbeat(request.island_id, self._ranks(request.island_id))
-        self.state.touch(request.island_id)
+        report = {k: getattr(request, k) for k in ("utilization", "tokens_per_s", "train_loss")}
+        self.state.members.touch(request.island_id, {k: v for k, v in report.items() if math.isfinite(v)})
         return pb.HeartbeatResponse(round=self.state.round, run_finished=self.state.phase.value == "finished")
 
     def _ranges(self, requested, fragment: int | None = None) -> list[FlatRange] | None:

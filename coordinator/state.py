@@ -256,8 +256,10 @@ class CoordinatorState:
         summary.initial_eval_loss = self.initial_eval_loss
         # Evaluated once per wave, after fragment 0 (the last of a wave to sync), and at the end.
         if self.evaluate and (finisher or (f.index == 0 and summary.round % self.cfg.eval.every_rounds == 0)):
+            started = time.perf_counter()
             with self.reading_all():
                 summary.eval_loss = self.evaluate(self.params)
+            summary.eval_s = time.perf_counter() - started
         with self.cond:
             if finisher:
                 self.cond.wait_for(lambda: self._wave.pending == 1)

@@ -150,12 +150,18 @@ class JoinResponse(_message.Message):
     def __init__(self, island_id: _Optional[str] = ..., config_digest: _Optional[str] = ..., config_toml: _Optional[str] = ..., round: _Optional[int] = ..., parameters: _Optional[_Iterable[_Union[ParameterSpec, _Mapping]]] = ..., codec: _Optional[str] = ..., max_chunk_bytes: _Optional[int] = ..., heartbeat_interval_s: _Optional[float] = ..., shard_index: _Optional[int] = ..., total_rounds: _Optional[int] = ..., downlink_codec: _Optional[str] = ..., fragments: _Optional[_Iterable[_Union[FragmentSpec, _Mapping]]] = ..., fragment_rounds: _Optional[_Iterable[int]] = ..., data_digest: _Optional[str] = ..., data_epoch_size: _Optional[int] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("island_id", "round")
+    __slots__ = ("island_id", "round", "utilization", "tokens_per_s", "train_loss")
     ISLAND_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
+    UTILIZATION_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
+    TRAIN_LOSS_FIELD_NUMBER: _ClassVar[int]
     island_id: str
     round: int
-    def __init__(self, island_id: _Optional[str] = ..., round: _Optional[int] = ...) -> None: ...
+    utilization: float
+    tokens_per_s: float
+    train_loss: float
+    def __init__(self, island_id: _Optional[str] = ..., round: _Optional[int] = ..., utilization: _Optional[float] = ..., tokens_per_s: _Optional[float] = ..., train_loss: _Optional[float] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
     __slots__ = ("round", "run_finished")
@@ -390,7 +396,7 @@ class WatchRequest(_message.Message):
     def __init__(self, from_round: _Optional[int] = ...) -> None: ...
 
 class RoundSummary(_message.Message):
-    __slots__ = ("round", "islands", "tokens", "train_loss", "eval_loss", "bytes_up", "bytes_down", "seconds", "checksum", "run_finished", "initial_eval_loss", "ddp_bytes", "traffic", "dropped", "elements_folded", "elements_expected", "fragment", "fragments", "data", "clipped")
+    __slots__ = ("round", "islands", "tokens", "train_loss", "eval_loss", "bytes_up", "bytes_down", "seconds", "checksum", "run_finished", "initial_eval_loss", "ddp_bytes", "traffic", "dropped", "elements_folded", "elements_expected", "fragment", "fragments", "data", "clipped", "wait_s", "fold_s", "step_s", "publish_s", "eval_s", "contributions", "closed_at")
     ROUND_FIELD_NUMBER: _ClassVar[int]
     ISLANDS_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -411,6 +417,13 @@ class RoundSummary(_message.Message):
     FRAGMENTS_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
     CLIPPED_FIELD_NUMBER: _ClassVar[int]
+    WAIT_S_FIELD_NUMBER: _ClassVar[int]
+    FOLD_S_FIELD_NUMBER: _ClassVar[int]
+    STEP_S_FIELD_NUMBER: _ClassVar[int]
+    PUBLISH_S_FIELD_NUMBER: _ClassVar[int]
+    EVAL_S_FIELD_NUMBER: _ClassVar[int]
+    CONTRIBUTIONS_FIELD_NUMBER: _ClassVar[int]
+    CLOSED_AT_FIELD_NUMBER: _ClassVar[int]
     round: int
     islands: _containers.RepeatedScalarFieldContainer[str]
     tokens: int
@@ -431,7 +444,24 @@ class RoundSummary(_message.Message):
     fragments: int
     data: DataAccount
     clipped: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, round: _Optional[int] = ..., islands: _Optional[_Iterable[str]] = ..., tokens: _Optional[int] = ..., train_loss: _Optional[float] = ..., eval_loss: _Optional[float] = ..., bytes_up: _Optional[int] = ..., bytes_down: _Optional[int] = ..., seconds: _Optional[float] = ..., checksum: _Optional[str] = ..., run_finished: _Optional[bool] = ..., initial_eval_loss: _Optional[float] = ..., ddp_bytes: _Optional[float] = ..., traffic: _Optional[_Iterable[_Union[IslandTraffic, _Mapping]]] = ..., dropped: _Optional[_Iterable[str]] = ..., elements_folded: _Optional[int] = ..., elements_expected: _Optional[int] = ..., fragment: _Optional[int] = ..., fragments: _Optional[int] = ..., data: _Optional[_Union[DataAccount, _Mapping]] = ..., clipped: _Optional[_Iterable[str]] = ...) -> None: ...
+    wait_s: float
+    fold_s: float
+    step_s: float
+    publish_s: float
+    eval_s: float
+    contributions: _containers.RepeatedCompositeFieldContainer[IslandContribution]
+    closed_at: float
+    def __init__(self, round: _Optional[int] = ..., islands: _Optional[_Iterable[str]] = ..., tokens: _Optional[int] = ..., train_loss: _Optional[float] = ..., eval_loss: _Optional[float] = ..., bytes_up: _Optional[int] = ..., bytes_down: _Optional[int] = ..., seconds: _Optional[float] = ..., checksum: _Optional[str] = ..., run_finished: _Optional[bool] = ..., initial_eval_loss: _Optional[float] = ..., ddp_bytes: _Optional[float] = ..., traffic: _Optional[_Iterable[_Union[IslandTraffic, _Mapping]]] = ..., dropped: _Optional[_Iterable[str]] = ..., elements_folded: _Optional[int] = ..., elements_expected: _Optional[int] = ..., fragment: _Optional[int] = ..., fragments: _Optional[int] = ..., data: _Optional[_Union[DataAccount, _Mapping]] = ..., clipped: _Optional[_Iterable[str]] = ..., wait_s: _Optional[float] = ..., fold_s: _Optional[float] = ..., step_s: _Optional[float] = ..., publish_s: _Optional[float] = ..., eval_s: _Optional[float] = ..., contributions: _Optional[_Iterable[_Union[IslandContribution, _Mapping]]] = ..., closed_at: _Optional[float] = ...) -> None: ...
+
+class IslandContribution(_message.Message):
+    __slots__ = ("island_id", "tokens", "train_loss")
+    ISLAND_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TRAIN_LOSS_FIELD_NUMBER: _ClassVar[int]
+    island_id: str
+    tokens: int
+    train_loss: float
+    def __init__(self, island_id: _Optional[str] = ..., tokens: _Optional[int] = ..., train_loss: _Optional[float] = ...) -> None: ...
 
 class DataAccount(_message.Message):
     __slots__ = ("leased", "folded", "returned", "lost", "held", "repeated", "folded_this_round", "epoch", "samples")
