@@ -20,6 +20,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from coordinator import durable
 from coordinator.audit import AuditLog, NoAudit
 from coordinator.ledger import DataLedger, account_dict
+from coordinator.metrics import CheckpointStats
 from coordinator.service import CoordinatorService, add_to_server
 from coordinator.state import CoordinatorState
 from diloco.checkpoint import CheckpointStore
@@ -67,6 +68,7 @@ class Coordinator:
     drivers: list[threading.Thread]  # one round driver per fragment
     health: health.HealthServicer
     audit: AuditLog | NoAudit = field(default_factory=NoAudit)
+    checkpoints: CheckpointStats = field(default_factory=CheckpointStats)
 
     def wait(self, timeout: float | None = None) -> bool:
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -119,6 +121,18 @@ class Coordinator:
             "events": dataclasses.asdict(s.events),
             "data": s.data_report(),
         }
+
+
+def save(state: CoordinatorState, store: CheckpointStore, stats: CheckpointStats) -> None:
+    """Writes a checkpoint; a failure is logged and counted, and the run goes on (the next one may succeed)."""
+    started = time.perf_counter()
+    try:
+        durable.save(state, store)
+        stats.record(time.perf_counter() - started, ok=True)
+    except Exception as e:  # storage trouble must not stop the round driver
+        stats.record(time.perf_counter() - started, ok=False)
+        log.error("checkpoint to %s failed (%s: %s); the run goes on and the next checkpoint tries again",
+                  store.url, type(e).__name__, e)
 
 
 def max_message_bytes(cfg: RunConfig) -> int:
@@ -190,6 +204,7 @@ def start_coordinator(
         health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
 
     saving = threading.Lock()
+    checkpoints = CheckpointStats()
     # Every fragment closing checkpoint.every_rounds rounds (without streaming: every every_rounds rounds).
     save_every = cfg.checkpoint.every_rounds * len(state.fragments)
 
@@ -202,7 +217,7 @@ def start_coordinator(
                 continue
             if store is not None and (closed.run_finished or closed.total_rounds % save_every == 0):
                 with saving:
-                    durable.save(state, store)
+                    save(state, store, checkpoints)
             if closed.run_finished:
                 health_servicer.set(SERVICE_NAME, health_pb2.HealthCheckResponse.NOT_SERVING)
                 return
@@ -213,7 +228,7 @@ def start_coordinator(
     for driver in drivers:
         driver.start()
     log.info("coordinator serving on %s:%d (%s)", host, bound, "mutual TLS" if tls is not None else "plaintext")
-    return Coordinator(state, server, bound, stop, drivers, health_servicer, audit)
+    return Coordinator(state, server, bound, stop, drivers, health_servicer, audit, checkpoints)
 
 
 def serve(
