@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from coordinator.server import serve
+from coordinator.server import Observe, serve
 from diloco.credentials import RevocationList, coordinator_files
 from diloco.cli import ArgumentParser, add_config_flags, config_from_args, fail, setup_logging
 
@@ -34,6 +34,13 @@ def build_parser() -> ArgumentParser:
                    "`diloco-certs revoke`), re-read while the run goes on")
     s.add_argument("--audit", metavar="URL", default="", help="write the audit log (joins, pushes, refusals with their "
                    "reasons, revocations, leaves) as JSON lines here (a local folder or s3://...)")
+    s.add_argument("--http-port", type=int, default=8470, help="the live dashboard (/) and Prometheus metrics (/metrics) on "
+                   "this port (default 8470; 0 picks a free one, -1 turns it off)")
+    s.add_argument("--http-host", default="127.0.0.1", help="address the dashboard binds (default 127.0.0.1: it has no "
+                   "authentication; put a proxy that authenticates in front before exposing it)")
+    s.add_argument("--http-port-file", metavar="PATH", help="write the dashboard's port here once serving")
+    s.add_argument("--log-url", metavar="URL", default="", help="write one JSON line per round here (a local folder or s3://...)")
+    s.add_argument("--tensorboard", metavar="DIR", default="", help="write TensorBoard events here (needs `pip install tensorboard`)")
     s.add_argument("--insecure", action="store_true", help="allow plaintext on an address other than loopback (a warning is logged)")
     s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return parser
@@ -52,13 +59,16 @@ def main(argv: list[str] | None = None) -> None:
         torch.set_num_threads(args.threads)
     if args.tls and args.insecure:
         fail(parser.prog, "--tls and --insecure contradict each other; give one")
+    if not -1 <= args.http_port < 65536:
+        fail(parser.prog, f"--http-port {args.http_port} is not a valid port (-1 turns the dashboard off)")
     if args.revoked and not args.tls:
         fail(parser.prog, "--revoked needs --tls: revocation applies to certificates")
     try:
         tls = coordinator_files(args.tls) if args.tls else None
         revocations = RevocationList(args.revoked or Path(args.tls) / "revoked.json") if args.tls else None
+        observe = Observe(args.http_host, None if args.http_port < 0 else args.http_port, args.log_url, args.tensorboard)
         serve(cfg, args.host, args.port, args.report, args.linger, args.port_file, args.resume, tls, args.insecure, revocations,
-              args.audit)
+              args.audit, observe, args.http_port_file)
     except (OSError, ValueError) as e:
         fail(parser.prog, str(e))
     except KeyboardInterrupt:

@@ -20,9 +20,11 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from coordinator import durable
 from coordinator.audit import AuditLog, NoAudit
 from coordinator.ledger import DataLedger, account_dict
-from coordinator.metrics import CheckpointStats
+from coordinator.metrics import CheckpointStats, coordinator_metrics
+from coordinator.runlog import RunLog
 from coordinator.service import CoordinatorService, add_to_server
 from coordinator.state import CoordinatorState
+from coordinator.web import RunWebServer
 from diloco.checkpoint import CheckpointStore
 from diloco.config import RunConfig
 from diloco.credentials import RevocationList, TlsFiles
@@ -58,6 +60,16 @@ def make_evaluator(cfg: RunConfig):
 
 
 @dataclass
+class Observe:
+    """What a coordinator shows of its run: the dashboard and metrics port, JSON lines per round, TensorBoard."""
+
+    http_host: str = "127.0.0.1"
+    http_port: int | None = None  # None: no HTTP port; 0: any free one
+    log_url: str = ""  # JSON lines, one per round (a folder or s3://...)
+    tensorboard: str = ""  # a TensorBoard log folder
+
+
+@dataclass
 class Coordinator:
     """A running coordinator. stop() shuts it down; wait() blocks until the run has finished."""
 
@@ -69,6 +81,8 @@ class Coordinator:
     health: health.HealthServicer
     audit: AuditLog | NoAudit = field(default_factory=NoAudit)
     checkpoints: CheckpointStats = field(default_factory=CheckpointStats)
+    web: RunWebServer | None = None
+    runlog: RunLog | None = None
 
     def wait(self, timeout: float | None = None) -> bool:
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -83,6 +97,10 @@ class Coordinator:
         for driver in self.drivers:
             driver.join(5.0)
         self.audit.close()
+        if self.web is not None:
+            self.web.stop()
+        if self.runlog is not None:
+            self.runlog.close()
 
     def report(self) -> dict:
         s = self.state
@@ -144,6 +162,7 @@ def max_message_bytes(cfg: RunConfig) -> int:
 def start_coordinator(
     cfg: RunConfig, host: str = "127.0.0.1", port: int = 0, spool_dir: str | None = None, resume: bool = False,
     tls: TlsFiles | None = None, insecure: bool = False, revocations: RevocationList | None = None, audit_url: str = "",
+    observe: Observe | None = None,
 ) -> Coordinator:
     """Starts serving on host:port (port 0 picks a free one) and returns at once.
 
@@ -205,6 +224,15 @@ def start_coordinator(
 
     saving = threading.Lock()
     checkpoints = CheckpointStats()
+    observe = observe or Observe()
+    runlog = RunLog(observe.log_url, observe.tensorboard, cfg) if observe.log_url or observe.tensorboard else None
+    web = None
+    if observe.http_port is not None:
+        try:
+            web = RunWebServer(state, coordinator_metrics(state, checkpoints), observe.http_host, observe.http_port).start()
+        except OSError as e:  # a busy dashboard port must not stop a training run
+            log.warning("no dashboard or metrics: could not bind %s:%d (%s); pass --http-port 0 for any free port",
+                        observe.http_host, observe.http_port, e)
     # Every fragment closing checkpoint.every_rounds rounds (without streaming: every every_rounds rounds).
     save_every = cfg.checkpoint.every_rounds * len(state.fragments)
 
@@ -215,6 +243,8 @@ def start_coordinator(
                 if state.fragments[fragment].phase.value == "finished":
                     return  # this fragment is done; the others' drivers go on
                 continue
+            if runlog is not None:
+                runlog.record(closed.summary)
             if store is not None and (closed.run_finished or closed.total_rounds % save_every == 0):
                 with saving:
                     save(state, store, checkpoints)
@@ -228,7 +258,7 @@ def start_coordinator(
     for driver in drivers:
         driver.start()
     log.info("coordinator serving on %s:%d (%s)", host, bound, "mutual TLS" if tls is not None else "plaintext")
-    return Coordinator(state, server, bound, stop, drivers, health_servicer, audit, checkpoints)
+    return Coordinator(state, server, bound, stop, drivers, health_servicer, audit, checkpoints, web, runlog)
 
 
 def serve(
@@ -243,11 +273,15 @@ def serve(
     insecure: bool = False,
     revocations: RevocationList | None = None,
     audit_url: str = "",
+    observe: Observe | None = None,
+    http_port_file: str | None = None,
 ) -> None:
     """Serves until the run finishes and islands have left (or linger_s passed), then stops."""
     coordinator = start_coordinator(cfg, host, port, resume=resume, tls=tls, insecure=insecure, revocations=revocations,
-                                    audit_url=audit_url)
-    if port_file:
+                                    audit_url=audit_url, observe=observe)
+    if http_port_file and coordinator.web is not None:
+        Path(http_port_file).write_text(str(coordinator.web.port))
+    if port_file:  # last: whoever waits for it finds the HTTP port written already
         Path(port_file).write_text(str(coordinator.port))
     try:
         while not coordinator.wait(1.0):

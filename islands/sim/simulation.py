@@ -78,6 +78,7 @@ class Simulation:
         self.coordinator: subprocess.Popen | None = None
         self.island_procs: dict[int, subprocess.Popen] = {}
         self.port = 0
+        self.http_port = 0  # the coordinator's dashboard and metrics: any free port, then kept across restarts
         self.starts = 0
         # Mutual TLS as across data centres: a run CA, the coordinator's certificate, one per island
         # (site-i) and one for watching the rounds from here.
@@ -95,9 +96,12 @@ class Simulation:
     def start_coordinator(self, resume: bool = False) -> None:
         port_file = self.workdir / "port"
         port_file.unlink(missing_ok=True)
+        http_port_file = self.workdir / "http-port"
         args = ["coordinator", "serve", "--config", str(self.config_path), "--host", "127.0.0.1",
                 "--port", str(self.port), "--port-file", str(port_file), "--report", str(self.report_path),
-                "--linger", "20", "--threads", str(self.threads), "--log-level", "info"]
+                "--linger", "20", "--threads", str(self.threads), "--log-level", "info",
+                "--http-port", str(self.http_port), "--http-port-file", str(http_port_file),
+                "--log-url", str(self.workdir / "logs")]
         if self.checkpoints:
             args += ["--checkpoint", str(self.workdir / "ckpt" / "coordinator")]
         if self.tls_dir is not None:
@@ -106,6 +110,12 @@ class Simulation:
             args.append("--resume")
         self.coordinator = self._spawn(args, "coordinator.log")
         self.port = _wait_for_port(port_file, self.coordinator, 120)
+        if http_port_file.exists():  # written before the gRPC port: the same port again after a restart
+            self.http_port = int(http_port_file.read_text())
+
+    @property
+    def dashboard_url(self) -> str:
+        return f"http://127.0.0.1:{self.http_port}/"
 
     def island_address(self, i: int) -> str:
         """Where island i connects: the coordinator, or its own WAN link in front of it."""
@@ -210,6 +220,7 @@ def run_sim(
     sim = Simulation(cfg, islands, workdir, threads, wan=wan)
     try:
         sim.start()
+        echo(f"dashboard: {sim.dashboard_url}   metrics: {sim.dashboard_url}metrics")
         printer = RoundPrinter(echo, per_island, cfg.streaming.fragments)
         for summary in sim.watch(timeout_s):
             printer.print(summary)
