@@ -23,10 +23,13 @@ from typing import Any
 import fsspec
 import torch
 
+from diloco.progress import WORTH_SHOWING, Progress
+
 log = logging.getLogger(__name__)
 
 _STEP = re.compile(r"step-(\d{10})$")
 MARKER = "COMMITTED"
+_PIECE = 8 << 20  # state.pt is written and read in pieces of this size (progress on a terminal)
 
 
 class CheckpointError(OSError):
@@ -41,6 +44,10 @@ class CheckpointStore:
         self.keep_last = keep_last
         self.fs, self.root = fsspec.core.url_to_fs(self.url, **(storage_options or {}))
         self.root = self.root.rstrip("/")
+        self.progress = True  # large saves and loads show progress on a terminal (diloco/progress.py)
+
+    def _progress(self, label: str, total: int) -> Progress:
+        return Progress(label, total, enabled=self.progress and total >= WORTH_SHOWING)
 
     def _dir(self, step: int) -> str:
         return f"{self.root}/step-{step:010d}"
@@ -75,8 +82,11 @@ class CheckpointStore:
             # Re-saving a step: un-commit it first so a crash mid-write leaves it torn, not mixed.
             self.fs.rm(f"{where}/{MARKER}") if self.fs.exists(f"{where}/{MARKER}") else None
             self.fs.makedirs(where, exist_ok=True)
-            with self.fs.open(f"{where}/state.pt", "wb") as f:
-                f.write(data)
+            with self.fs.open(f"{where}/state.pt", "wb") as f, self._progress(f"writing checkpoint {step}", len(data)) as p:
+                view = memoryview(data)
+                for lo in range(0, len(data), _PIECE):
+                    f.write(view[lo:lo + _PIECE])
+                    p.update(min(_PIECE, len(data) - lo))
             with self.fs.open(f"{where}/meta.json", "w") as f:
                 f.write(json.dumps(meta, indent=1, default=str))
             marker = {"step": step, "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
@@ -122,15 +132,15 @@ class CheckpointStore:
         try:
             with self.fs.open(f"{where}/{MARKER}", "r") as f:
                 marker = json.loads(f.read())
-            with self.fs.open(f"{where}/state.pt", "rb") as f:
-                data = f.read()
+            with self.fs.open(f"{where}/state.pt", "rb") as f, self._progress(f"reading checkpoint {step}", marker["bytes"]) as p:
+                data = _read_whole(f, marker["bytes"], p)
             with self.fs.open(f"{where}/meta.json", "r") as f:
                 meta = json.loads(f.read())
         except FileNotFoundError as e:
             raise CheckpointError(f"checkpoint {step} under {self.url} is not committed or incomplete: {e}") from e
         if len(data) != marker["bytes"] or hashlib.sha256(data).hexdigest() != marker["sha256"]:
             raise CheckpointError(f"checkpoint {step} under {self.url} does not match its commit marker (corrupt)")
-        tensors = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+        tensors = torch.load(_BufferFile(data), map_location="cpu", weights_only=True)
         return tensors, meta
 
     # --- folder steps: the files are written by someone else (torch.distributed.checkpoint's ranks) ---
@@ -172,6 +182,10 @@ class CheckpointStore:
         """(step, meta) of a committed folder step whose files all match its marker; by default the newest."""
         return self._first_usable(lambda s: (s, self._verify_files(s)), step)
 
+    def step_bytes(self, step: int) -> int:
+        """The size of everything in step's folder (its files as they are now)."""
+        return sum(self._files(step).values())
+
     def _files(self, step: int) -> dict[str, int]:
         where = self._dir(step)
         self.fs.invalidate_cache(where)
@@ -206,6 +220,47 @@ class CheckpointStore:
                 self.fs.rm(self._dir(step), recursive=True)
             except FileNotFoundError:
                 pass
+
+
+def _read_whole(f, expected: int, progress: Progress) -> bytearray:
+    """The rest of file f, read in pieces into one buffer of the expected size (more or less if it differs)."""
+    data = bytearray(expected)
+    view, n = memoryview(data), 0
+    while n < expected and (got := f.readinto(view[n:n + _PIECE])):
+        n += got
+        progress.update(got)
+    del view
+    if n < expected:
+        del data[n:]
+    else:
+        data += f.read()  # a file longer than its marker says: its length tells
+    return data
+
+
+class _BufferFile(io.RawIOBase):
+    """A bytearray as a read-only file, without the copy io.BytesIO would make of it."""
+
+    def __init__(self, data: bytearray):
+        self.view, self.pos = memoryview(data), 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def readinto(self, b) -> int:
+        n = max(0, min(len(b), len(self.view) - self.pos))
+        b[:n] = self.view[self.pos:self.pos + n]
+        self.pos += n
+        return n
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        self.pos = offset + (0 if whence == io.SEEK_SET else self.pos if whence == io.SEEK_CUR else len(self.view))
+        return self.pos
+
+    def tell(self) -> int:
+        return self.pos
 
 
 def rng_state() -> dict[str, Any]:

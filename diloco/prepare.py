@@ -21,7 +21,6 @@ import multiprocessing
 import os
 import signal
 import sys
-import time
 from collections import deque
 from dataclasses import asdict, dataclass, field
 
@@ -31,6 +30,7 @@ import xxhash
 
 from diloco import bpe
 from diloco.corpus import Position, batches, documents, is_eval, list_inputs
+from diloco.progress import Progress
 from diloco.shards import BLOCK_BYTES, MANIFEST, TOKENIZER, Manifest, ShardInfo, SplitInfo, encode_shard, token_dtype
 
 log = logging.getLogger(__name__)
@@ -247,7 +247,8 @@ def _tokenize(cfg: PrepareConfig, inputs, out: Output, state: dict, tokenizer: s
     writers = {"train": SplitWriter(out, "train", cfg, dtype, splits.get("train"), pending[:n_train], kill_at),
                "eval": SplitWriter(out, "eval", cfg, dtype, splits.get("eval"), pending[n_train:], kill_at)}
     position = Position(**state.get("position", {}))
-    progress = _Progress(cfg.progress, sum(w.info().tokens + w.pending_tokens for w in writers.values()))
+    done = sum(w.info().tokens + w.pending_tokens for w in writers.values())
+    progress = Progress("prepare", unit="tokens", force=cfg.progress, enabled=False, initial=done, interval_s=0.5)
     ctx = multiprocessing.get_context("spawn")  # no fork of a process whose tokenizers threads have run
     with ctx.Pool(cfg.workers, initializer=bpe.start_worker, initargs=(tokenizer, eos_id, cfg.eval_fraction)) as pool:
         window: deque = deque()
@@ -258,7 +259,7 @@ def _tokenize(cfg: PrepareConfig, inputs, out: Output, state: dict, tokenizer: s
             before = sum(len(w.shards) for w in writers.values())
             writers["train"].add(train, n_train_docs)
             writers["eval"].add(held, n_eval_docs)
-            progress.update(len(train) + len(held), n_train_docs + n_eval_docs)
+            progress.update(len(train) + len(held), f"{sum(w.documents for w in writers.values()):,} documents")
             if sum(len(w.shards) for w in writers.values()) > before:
                 _checkpoint(out, state, writers, batch.end)
 
@@ -270,7 +271,7 @@ def _tokenize(cfg: PrepareConfig, inputs, out: Output, state: dict, tokenizer: s
             take()
     for w in writers.values():
         w.finish()
-    progress.done()
+    progress.close()
     return Manifest(tokenizer_sha256=state["tokenizer_sha256"], vocab_size=vocab_size, eos_id=eos_id,
                     eos_token=cfg.eos_token, block_bytes=cfg.block_bytes,
                     splits={name: w.info() for name, w in writers.items()})
@@ -292,26 +293,3 @@ def _checkpoint(out: Output, state: dict, writers: dict[str, SplitWriter], posit
     for old in previous:
         if old != name:
             out.remove(old)
-
-
-class _Progress:
-    """A one-line progress report on stderr, rewritten in place (only when asked: a terminal)."""
-
-    def __init__(self, enabled: bool, tokens: int):
-        self.enabled, self.tokens, self.docs = enabled, tokens, 0
-        self.start = self.last = time.monotonic()
-        self.first_tokens = tokens
-
-    def update(self, tokens: int, docs: int) -> None:
-        self.tokens += tokens
-        self.docs += docs
-        now = time.monotonic()
-        if self.enabled and now - self.last >= 0.5:
-            self.last = now
-            rate = (self.tokens - self.first_tokens) / max(now - self.start, 1e-9)
-            print(f"\rprepare: {self.docs:,} documents, {self.tokens:,} tokens, {rate:,.0f} tokens/s",
-                  end="", file=sys.stderr, flush=True)
-
-    def done(self) -> None:
-        if self.enabled:
-            print(f"\rprepare: {self.docs:,} documents, {self.tokens:,} tokens, done" + " " * 20, file=sys.stderr)

@@ -41,6 +41,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.tensor import DTensor
 
 from diloco.checkpoint import CheckpointError, CheckpointStore, rng_state, set_rng_state
+from diloco.progress import WORTH_SHOWING, Progress
 from islands.evidence import maybe_fault
 
 log = logging.getLogger(__name__)
@@ -112,6 +113,11 @@ class IslandCheckpoint:
             raise CheckpointError(error)
         return result
 
+    def _progress(self, island, label: str, saving: bool) -> Progress:
+        """Elapsed time, then the size, on a terminal: on the saving group's rank 0, or group 0's on a restore."""
+        large = 4 * self.world.world_size * sum(t.numel() for t in island.global_shard.values()) >= WORTH_SHOWING
+        return Progress(label, enabled=large and self.world.is_leader and (saving or island.spec.group == 0))
+
     def _state(self, island, with_optimizer: bool, rng_ranks: int, eager: dict) -> dict:
         state = {"model": get_model_state_dict(island.model), "global": _as_dtensors(island.model, island.global_shard)}
         if with_optimizer:
@@ -145,10 +151,13 @@ class IslandCheckpoint:
         # get_optimizer_state_dict would initialise an empty optimizer (a fresh one after a divergence) by stepping it.
         with_optimizer = bool(island.optimizer.state)
         eager = _eager_tensors(island)
+        progress = self._progress(island, f"writing checkpoint {step}", saving=True)
         try:  # DCP raises on every rank when any rank failed
-            dcp.save(self._state(island, with_optimizer, self.world.world_size, eager),
-                     storage_writer=FsspecWriter(url, sync_files=self.local))
+            with progress.ticking():
+                dcp.save(self._state(island, with_optimizer, self.world.world_size, eager),
+                         storage_writer=FsspecWriter(url, sync_files=self.local))
         except CheckpointException as e:
+            progress.close("failed")
             raise CheckpointError(f"could not write checkpoint {step} to {url}: {e}") from e
         meta = {
             "island_id": s.island_id, "island_key": island.spec.key, "round": s.round, "position": s.state_dict(),
@@ -158,7 +167,12 @@ class IslandCheckpoint:
             "eager_share": [e.share for e in island.eager or []], "wall_time": time.time(),
         }
         maybe_fault("die-before-commit", island.spec.group, self.world.rank, s.round)  # tests: a torn save
-        where = self._on_leader(lambda: self.store.commit_files(step, meta))
+        try:
+            where = self._on_leader(lambda: self.store.commit_files(step, meta))
+            if progress.shown:
+                progress.set(self.store.step_bytes(step))
+        finally:
+            progress.close()
         self.last = step
         if self.world.is_leader:
             log.info("%s group %d: checkpoint of fragment rounds %s written to %s in %.2fs",
@@ -197,10 +211,16 @@ class IslandCheckpoint:
             raise ValueError(f"island checkpoint at {self.store.url} is for another config ({meta['config_digest']})")
         eager = _eager_tensors(island, meta.get("eager") or [[] for _ in island.eager or []])
         state = self._state(island, meta["optimizer"], meta["world_size"], eager)
+        progress = self._progress(island, f"reading checkpoint {step}", saving=False)
         try:
-            dcp.load(state, storage_reader=FsspecReader(self.store.step_url(step)))
+            with progress.ticking():
+                dcp.load(state, storage_reader=FsspecReader(self.store.step_url(step)))
+            if progress.shown:
+                progress.set(self.store.step_bytes(step))
         except CheckpointException as e:
             raise CheckpointError(f"could not read checkpoint {step} under {self.store.url}: {e}") from e
+        finally:
+            progress.close()
         set_model_state_dict(island.model, state["model"])
         if "optimizer" in state:
             set_optimizer_state_dict(island.model, island.optimizer, state["optimizer"])

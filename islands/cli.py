@@ -14,9 +14,11 @@ from diloco.checkpoint import CheckpointError
 from diloco.cli import ArgumentParser, add_config_flags, fail, setup_logging
 from diloco.config import ConfigError, load_config
 from diloco.credentials import TlsFiles, island_files
+from diloco.jsonlog import LogError, check_tensorboard
 from diloco.net import is_loopback
 from islands.client import CoordinatorUnreachable
 from islands.launch import LaunchError, LaunchOptions, is_launched_rank, launch, replica_spec, run_island
+from islands.telemetry import TelemetryOptions
 from islands.world import IslandWorld
 
 log = logging.getLogger("islands")
@@ -45,6 +47,17 @@ def build_parser() -> ArgumentParser:
                    "certificate in DIR (island-NAME.pem/.key: `diloco-certs island`)")
     j.add_argument("--tls-name", metavar="NAME", help="which island certificate in --tls DIR (default: the only one there)")
     j.add_argument("--insecure", action="store_true", help="allow plaintext to a coordinator that is not on loopback")
+    t = j.add_argument_group("telemetry", "What the island reports besides its heartbeats (islands/telemetry.py); rank 0 of "
+                             "each replica group writes it.")
+    t.add_argument("--metrics-port", type=int, default=None, metavar="PORT",
+                   help="serve Prometheus metrics at http://HOST:PORT/metrics (replica group g: PORT + g; 0: any free port)")
+    t.add_argument("--metrics-host", default="127.0.0.1", metavar="HOST", help="address to serve metrics on (default 127.0.0.1)")
+    t.add_argument("--log-url", default="", metavar="URL",
+                   help="write JSON lines (per window of inner steps, per exchange) to this folder or s3://bucket/prefix")
+    t.add_argument("--log-window", type=int, default=0, metavar="N", help="inner steps per window (default: a round's)")
+    t.add_argument("--tensorboard", default="", metavar="DIR", help="write TensorBoard events under DIR (pip install tensorboard)")
+    t.add_argument("--peak-tflops", type=float, default=None, metavar="TF",
+                   help="the GPU's dense bf16 peak, for MFU (default: known for H100, H200, A100)")
     r = j.add_argument_group(
         "replica groups",
         "An island of R replica groups x N ranks: each group shards the model with FSDP2 (NCCL + bf16 on GPU, gloo + "
@@ -71,6 +84,11 @@ def build_parser() -> ArgumentParser:
     return parser
 
 
+def _telemetry_options(args) -> TelemetryOptions:
+    return TelemetryOptions(args.metrics_port, args.metrics_host, args.log_url, args.tensorboard, args.log_window,
+                            peak_flops=args.peak_tflops * 1e12 if args.peak_tflops else None)
+
+
 def _launch_options(args) -> LaunchOptions:
     return LaunchOptions(
         args.nproc_per_node, args.replica_groups, args.max_restarts, args.lighthouse, args.island_key, args.ft_host,
@@ -85,6 +103,15 @@ def main(argv: list[str] | None = None) -> None:
         fail(parser.prog, f"--coordinator {args.coordinator!r} must be HOST:PORT")
     if args.resume and not args.checkpoint:
         fail(parser.prog, "--resume needs --checkpoint URL")
+    if args.metrics_port is not None and not 0 <= args.metrics_port < 65536:
+        fail(parser.prog, f"--metrics-port {args.metrics_port} is not a port (0..65535; 0: any free one)")
+    if args.log_window < 0:
+        fail(parser.prog, "--log-window must be at least 1 (or 0: a round's inner steps)")
+    if args.tensorboard:
+        try:
+            check_tensorboard()
+        except LogError as e:
+            fail(parser.prog, str(e))
     tls = _tls_files(parser.prog, args)
     cfg = None
     if args.config or args.overrides:
@@ -128,7 +155,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         result = run_island(
             args.coordinator, cfg, world, spec, args.max_rounds, args.connect_timeout,
-            args.checkpoint, args.checkpoint_every, args.resume, args.compile, tls,
+            args.checkpoint, args.checkpoint_every, args.resume, args.compile, tls, _telemetry_options(args),
         )
         if result is None:  # the run had finished before we joined
             return

@@ -14,6 +14,7 @@ import torch
 from diloco.codec import Codec, get_codec
 from diloco.credentials import TlsFiles
 from diloco.params import checksum, ranges_checksum
+from diloco.progress import WORTH_SHOWING, Progress
 from diloco.refusal import Reason, is_transport_failure, refusal_of, status_of
 from diloco.v1 import diloco_pb2 as pb
 from diloco.v1 import diloco_pb2_grpc as pb_grpc
@@ -23,6 +24,9 @@ log = logging.getLogger(__name__)
 
 # Broken streams found on our side that a fetch (values overwrite) may simply try again.
 _LOCAL_RETRYABLE = {Reason.BAD_CHUNK, Reason.CHECKSUM_MISMATCH}
+
+# Told of every push, pull and fetch call as it ends: (kind, fragment, round, seconds, bytes, ok).
+CallObserver = Callable[[str, int, int, float, int, bool], None]
 
 
 class CoordinatorUnreachable(ConnectionError):
@@ -125,6 +129,8 @@ class CoordinatorClient:
         self.bytes_received = 0
         # Codecs results may arrive in, by name; the island adds the run's downlink codec.
         self.codecs: dict[str, Codec] = {"fp32": get_codec("fp32")}
+        self.on_call: CallObserver | None = None  # an island's telemetry (islands/telemetry.py)
+        self.progress = True  # a large fetch shows progress on a terminal (off on all ranks but one)
         self._heartbeat_stop = threading.Event()
         self._heartbeat: threading.Thread | None = None
 
@@ -168,12 +174,27 @@ class CoordinatorClient:
         )
         return self._retry("join", lambda: self.stub.Join(request, timeout=60))
 
-    def start_heartbeat(self, island_id: Callable[[], str], interval_s: float, round_of: Callable[[], int]) -> None:
+    def _observed(self, kind: str, fragment: int | None, round_: int, call: Callable[[list[int]], object],
+                  tally: list[int] | None = None):
+        """call(tally) timed and its bytes (what it adds to tally[0]) told to on_call, whether it succeeds or not."""
+        tally, started, ok = tally if tally is not None else [0], time.monotonic(), False
+        try:
+            result = call(tally)
+            ok = True
+            return result
+        finally:
+            if self.on_call is not None:
+                self.on_call(kind, fragment or 0, round_, time.monotonic() - started, tally[0], ok)
+
+    def start_heartbeat(self, island_id: Callable[[], str], interval_s: float, round_of: Callable[[], int],
+                        report: Callable[[], Mapping[str, float]] | None = None) -> None:
+        """Heartbeats every interval_s; report() gives the HeartbeatRequest's utilization, tokens_per_s, train_loss."""
         def beat() -> None:
             failing = False
             while not self._heartbeat_stop.wait(interval_s):
                 try:
-                    self.stub.Heartbeat(pb.HeartbeatRequest(island_id=island_id(), round=round_of()), timeout=max(interval_s, 5))
+                    request = pb.HeartbeatRequest(island_id=island_id(), round=round_of(), **(report() if report else {}))
+                    self.stub.Heartbeat(request, timeout=max(interval_s, 5))
                     failing = False
                 except grpc.RpcError as e:
                     if not failing:
@@ -191,6 +212,8 @@ class CoordinatorClient:
         held: str,
         ranges: list[FlatRange] | None = None,
         mean: MeanBuffer | None = None,
+        tally: list[int] | None = None,
+        progress: Progress | None = None,
     ) -> pb.ResultHeader:
         """Applies a result stream to targets (values, or a delta onto parameters with checksum `held`).
 
@@ -202,7 +225,15 @@ class CoordinatorClient:
         if first is None or not first.HasField("header"):
             raise LocalRefusal(Reason.BAD_CHUNK, "result stream without a header")
         header = first.header
-        self.bytes_received += first.ByteSize()
+        tally = tally if tally is not None else [0]
+
+        def got(n: int) -> None:
+            self.bytes_received += n
+            tally[0] += n
+            if progress is not None:
+                progress.update(n)
+
+        got(first.ByteSize())
         delta = header.mode == pb.ResultHeader.DELTA
         if delta and header.base_checksum != held:
             raise LocalRefusal(Reason.CHECKSUM_MISMATCH, "delta is for other parameters than ours; fetch values")
@@ -212,10 +243,10 @@ class CoordinatorClient:
         def chunks():
             for message in stream:
                 if message.HasField("mean_chunk"):
-                    self.bytes_received += framed_size(message.mean_chunk)
+                    got(framed_size(message.mean_chunk))
                     mean_chunks.append(message.mean_chunk)
                 else:
-                    self.bytes_received += framed_size(message.chunk)
+                    got(framed_size(message.chunk))
                     yield message.chunk
 
         codec = self.codecs.get(header.codec)
@@ -256,9 +287,14 @@ class CoordinatorClient:
         a fragment, only its parameters (targets and manifest are the fragment's).
         """
         request = pb.FetchRequest(island_id=island_id, ranges=ranges_to_proto(ranges or ()), fragment=fragment)
-        return self._retry(
-            "fetch", lambda: self._receive(self.stub.FetchParameters(request), targets, manifest, "", ranges)
-        )
+        size = 4 * (sum(r.numel for r in ranges) if ranges is not None else manifest.total_numel())
+        with Progress("fetching parameters", size, enabled=self.progress and size >= WORTH_SHOWING) as progress:
+            def attempt(tally: list[int]) -> pb.ResultHeader:
+                progress.set(0)
+                return self._receive(self.stub.FetchParameters(request), targets, manifest, "", ranges, tally=tally,
+                                     progress=progress)
+
+            return self._observed("fetch", fragment, -1, lambda tally: self._retry("fetch", lambda: attempt(tally)))
 
     def pull(
         self,
@@ -281,19 +317,22 @@ class CoordinatorClient:
             island_id=island_id, round=round_, timeout_s=timeout_s, accept_delta=bool(held), ranges=ranges_to_proto(ranges or ()),
             fragment=fragment, want_mean=mean is not None,
         )
-        return self._retry(
+        return self._observed("pull", fragment, round_, lambda tally: self._retry(
             "pull",
-            lambda: self._receive(self.stub.PullRoundResult(request, timeout=timeout_s + 60), targets, manifest, held, ranges, mean),
+            lambda: self._receive(self.stub.PullRoundResult(request, timeout=timeout_s + 60), targets, manifest, held, ranges, mean,
+                                  tally),
             retry_local=False,
-        )
+        ))
 
     def push(self, header: pb.PushHeader, chunks: ReplayableChunks | RegeneratingChunks) -> pb.PushResponse:
         """Streams a pseudo-gradient; after DATA_LOSS resends only what the coordinator did not keep."""
-        start = 0
+        start, tally = 0, [0]
 
         def counted(source: Iterator[pb.TensorChunk]) -> Iterator[pb.TensorChunk]:
             for chunk in source:
-                self.bytes_sent += framed_size(chunk)
+                n = framed_size(chunk)
+                self.bytes_sent += n
+                tally[0] += n
                 yield chunk
 
         def messages() -> Iterator[pb.PushMessage]:
@@ -309,7 +348,7 @@ class CoordinatorClient:
                     start += refusal.resend_from_chunk
                 raise
 
-        return self._retry("push", attempt)
+        return self._observed("push", header.fragment, header.round, lambda _: self._retry("push", attempt), tally)
 
     def lease(self, island_id: str, index: int, samples: int) -> pb.LeaseResponse:
         """The island's lease number `index` of the corpus's sample positions (the same answer every time)."""

@@ -52,6 +52,7 @@ from islands.landing import Landing
 from islands.memwatch import PeakRss
 from islands.replicas import Replicas, Solo
 from islands.state import IslandState, ReplicaSpec
+from islands.telemetry import IslandTelemetry
 from islands.world import IslandWorld
 
 log = logging.getLogger(__name__)
@@ -117,6 +118,7 @@ class Island(Landing):
         self.memory: list[dict] = []
         self.takeovers = 0
         self.evidence = Evidence(self.spec.report_dir, self.spec.group, world.rank)
+        self.telemetry = IslandTelemetry()  # what it writes: islands/launch.py's run_island (--metrics-port, --log-url)
 
     def _fragment_shard(self, index: int, names: tuple[str, ...]) -> FragmentShard:
         return FragmentShard(
@@ -207,6 +209,7 @@ class Island(Landing):
             s.tokens[f] += tokens
         s.step += 1
         s.consume(self.feed.samples_per_step(self._participants))
+        self.telemetry.inner_step(loss, tokens, t1 - t0)
         self._window.append(loss)
         if s.step % cfg.steps_per_round == 0:
             self.losses.append(sum(self._window) / len(self._window))
@@ -280,6 +283,7 @@ class Island(Landing):
 
     def run(self, max_rounds: int | None = None) -> IslandResult:
         started = time.monotonic()
+        self.telemetry.attach(self)
         self.start()
         s, h = self.state, self.cfg.inner.steps_per_round
         if max_rounds is not None:
@@ -316,11 +320,13 @@ class Island(Landing):
                         break
                     continue
                 if self._boundary():
+                    self.telemetry.landed(self)
                     continue
                 if s.step in marks and marks[s.step] is None:
                     marks[s.step] = (self.timing["compute_s"], time.monotonic())
                 self._inner_step()
         finally:
+            self.telemetry.finish()
             self.write_evidence()
             self.replicas.shutdown()
         whole = checksum(dict(self.model.named_parameters())) if self.whole else self.final_checksum

@@ -36,6 +36,7 @@ from islands.replicas import FT_HOST_ENV, LIGHTHOUSE_ENV, FtConfig, start_lighth
 from islands.checkpoint import IslandCheckpoint
 from islands.island import Island, IslandResult
 from islands.state import ReplicaSpec
+from islands.telemetry import IslandTelemetry, TelemetryOptions
 from islands.world import IslandWorld
 
 log = logging.getLogger(__name__)
@@ -191,19 +192,28 @@ def replica_spec(args, env: dict[str, str] = os.environ) -> ReplicaSpec:
 def run_island(
     address: str, cfg: RunConfig | None, world: IslandWorld, spec: ReplicaSpec, max_rounds: int | None = None,
     connect_timeout_s: float = 60.0, checkpoint_url: str = "", checkpoint_every: int = 1, resume: bool = False,
-    compile_model: bool = False, tls: TlsFiles | None = None,
+    compile_model: bool = False, tls: TlsFiles | None = None, telemetry: TelemetryOptions | None = None,
 ) -> IslandResult | None:
     """One rank of an island, of any kind: rank 0 of the group joins (under the island key), every rank trains
     and exchanges its own shard over its own connection. None if the run had already finished.
 
     With checkpoint_url the island checkpoints every checkpoint_every rounds (islands/checkpoint.py); with
     resume every group first loads the coordinator's step's checkpoint (else the newest) and rejoins as the
-    same island."""
+    same island.
+
+    telemetry: what the island writes (islands/telemetry.py); rank 0 of each replica group writes it, metrics on
+    port metrics_port + group, so that the groups of one node do not collide."""
     if resume and not checkpoint_url:
         raise ValueError("--resume needs --checkpoint URL")
     ckpt = IslandCheckpoint(checkpoint_url, checkpoint_every, world) if checkpoint_url else None
     previous = ckpt.choose() if ckpt is not None and resume else None
-    client = CoordinatorClient(address, connect_timeout_s, receive_window_bytes=spec.receive_window_bytes, tls=tls)
+    island_telemetry = IslandTelemetry(telemetry, world.is_leader, spec.group, spec.groups)
+    try:
+        client = CoordinatorClient(address, connect_timeout_s, receive_window_bytes=spec.receive_window_bytes, tls=tls)
+    except BaseException:
+        island_telemetry.close()
+        raise
+    client.progress = world.is_leader and spec.group == 0  # one progress line per island on a shared terminal
     try:
         joined = join_run(client, world, cfg, previous[1]["island_id"] if previous else "", spec.key, spec.groups)
         if joined is None:
@@ -211,11 +221,14 @@ def run_island(
         joined, run_cfg = joined
         torch.manual_seed(run_cfg.seed + 1000 * world.rank)
         island = Island(run_cfg, world, client, joined, spec, compile_model)
+        island.telemetry = island_telemetry
         if world.is_leader:
-            client.start_heartbeat(lambda: island.state.island_id, joined.heartbeat_interval_s, lambda: island.state.round)
+            client.start_heartbeat(lambda: island.state.island_id, joined.heartbeat_interval_s, lambda: island.state.round,
+                                   island_telemetry.heartbeat_report)
         if previous is not None:
             ckpt.restore(island, prefer_step=sum(joined.fragment_rounds) if joined.fragment_rounds else joined.round)
         island.checkpoint = ckpt
         return island.run(max_rounds)
     finally:
         client.close()
+        island_telemetry.close()
