@@ -205,6 +205,9 @@ def start_coordinator(
         "global parameters: %d tensors, %.2fM elements; initial eval loss %.4f",
         len(state.params), state.manifest.total_numel() / 1e6, state.initial_eval_loss,
     )
+    observe = observe or Observe()
+    # Before the port opens: a log location that cannot be written is an error at start, not mid-run.
+    runlog = RunLog(observe.log_url, observe.tensorboard, cfg) if observe.log_url or observe.tensorboard else None
     stop = threading.Event()
     # Every island holds a thread while it waits for a round to close.
     # No message an island sends is larger than a chunk and its framing: bigger ones are refused by gRPC
@@ -224,8 +227,6 @@ def start_coordinator(
 
     saving = threading.Lock()
     checkpoints = CheckpointStats()
-    observe = observe or Observe()
-    runlog = RunLog(observe.log_url, observe.tensorboard, cfg) if observe.log_url or observe.tensorboard else None
     web = None
     if observe.http_port is not None:
         try:

@@ -25,6 +25,7 @@ def test_three_island_sim_ends_with_identical_parameters_and_lower_eval_loss(tmp
     assert report["rounds"][-1]["eval_loss"] < report["initial_eval_loss"] - 0.3
     assert all(r["bytes_up"] > 0 and r["bytes_down"] > 0 for r in report["rounds"])
     assert lines[0].startswith("dashboard: http://127.0.0.1:") and lines[0].endswith("/metrics")
-    assert len(lines) == 2 + 4  # where to look, header + one line per round
+    assert lines[1].startswith("island metrics: ") and lines[1].count("/metrics") == 3
+    assert len(lines) == 3 + 4  # where to look, header + one line per round
     logged = [json.loads(line) for part in sorted((tmp_path / "logs").glob("rounds-*.jsonl")) for line in part.read_text().splitlines()]
     assert [r["round"] for r in logged if r["event"] == "round"] == [0, 1, 2, 3]  # the coordinator's JSON lines

@@ -13,6 +13,7 @@ import logging
 import math
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -49,6 +50,13 @@ def _fmt_bytes(n: float) -> str:
     return str(n)
 
 
+def free_port() -> int:
+    """A port free on 127.0.0.1 now (the island binds it a moment later; nothing else here takes ports)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def _wait_for_port(port_file: Path, proc: subprocess.Popen, timeout_s: float) -> int:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -79,6 +87,7 @@ class Simulation:
         self.island_procs: dict[int, subprocess.Popen] = {}
         self.port = 0
         self.http_port = 0  # the coordinator's dashboard and metrics: any free port, then kept across restarts
+        self.metrics_ports: dict[int, int] = {}  # each island's /metrics
         self.starts = 0
         # Mutual TLS as across data centres: a run CA, the coordinator's certificate, one per island
         # (site-i) and one for watching the rounds from here.
@@ -135,6 +144,9 @@ class Simulation:
             args += ["--checkpoint", str(self.workdir / "ckpt" / f"island-{i}"), "--checkpoint-every", "1"]
         if self.tls_dir is not None:
             args += ["--tls", str(self.tls_dir), "--tls-name", f"site-{i}"]
+        if i not in self.metrics_ports:  # chosen once: a restarted island serves where it did
+            self.metrics_ports[i] = free_port()
+        args += ["--log-url", str(self.workdir / "logs"), "--metrics-port", str(self.metrics_ports[i])]
         if resume:
             args.append("--resume")
         self.island_procs[i] = self._spawn(args, f"island-{i}.log")
@@ -221,6 +233,7 @@ def run_sim(
     try:
         sim.start()
         echo(f"dashboard: {sim.dashboard_url}   metrics: {sim.dashboard_url}metrics")
+        echo("island metrics: " + "  ".join(f"http://127.0.0.1:{p}/metrics" for _, p in sorted(sim.metrics_ports.items())))
         printer = RoundPrinter(echo, per_island, cfg.streaming.fragments)
         for summary in sim.watch(timeout_s):
             printer.print(summary)
