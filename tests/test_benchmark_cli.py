@@ -93,3 +93,17 @@ def test_attack_benchmark_shows_each_attack_of_issue_15_refused():
     assert public.startswith("plaintext on 0.0.0.0: refused")
     assert off.startswith("robust.enabled=False: the 1e9-token claim accepted") and off.endswith("clipped: none")
     assert "claim refused (INVALID_ARGUMENT)" in on and on.endswith("clipped: ['island-1']")
+
+
+def test_observe_cost_benchmark_reports_each_shares():
+    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "observe_cost.py"), "--rounds", "2", "--islands", "2",
+                          "--every", "0.5", "--island-rounds", "2"], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert run.returncode == 0, run.stderr[-2000:]
+    lines = run.stdout.splitlines()
+    assert lines[0].startswith("demo: 2 islands, 2 rounds, codec e3m0+zstd, mean round ")
+    assert any(line.strip().startswith("coordinator /api/run") and "requests, median" in line for line in lines)
+    coordinator = next(line for line in lines if line.startswith("coordinator: "))
+    island = next(line for line in lines if line.startswith("island: telemetry hooks "))
+    for line in (coordinator, island):
+        share = float(line.split("= ")[-1].split("%")[0])
+        assert 0 < share < 100, line
