@@ -258,7 +258,7 @@ def test_the_dashboard_shows_a_live_run_in_headless_chromium(make_coordinator, t
             trains = page.find("path", "train-loss")
             assert sorted(a["data-island"] for a in trains) == members and {int(a["data-points"]) for a in trains} == {closed}
             assert page.text["round"].strip() == str(closed) and page.text["status-text"].strip() == "live"
-            assert page.text["codec"].strip() == "fp32 ↑ · fp32 ↓" and "less" in page.text["traffic-factor"]
+            assert page.text["codec"].strip() == "fp32 ↑↓" and "less" in page.text["traffic-factor"]
             assert len(page.find("g", "round-bar")) == closed
 
             shot = Path(os.environ.get("DILOCO_SCREENSHOT") or tmp_path / "dashboard.png")
@@ -276,14 +276,14 @@ def test_the_dashboard_shows_a_live_run_in_headless_chromium(make_coordinator, t
 
 
 def main(path: str) -> None:
-    """The README's screenshot: 4 islands, int8 on the wire, 40 rounds, read at round 32 while the run goes on."""
+    """The README's screenshot: 4 islands, 4-bit + zstd on the wire (the demo's codec), 40 rounds, read at round 32 while the run goes on."""
     import logging
     import tempfile
 
     from coordinator.server import start_coordinator
 
     logging.basicConfig(level=logging.WARNING)
-    cfg = tiny_config("rounds.rounds=40", "rounds.min_islands=4", "eval.batches=4", "eval.batch_size=8", "wire.codec=int8",
+    cfg = tiny_config("rounds.rounds=40", "rounds.min_islands=4", "eval.batches=4", "eval.batch_size=8", "wire.codec=e3m0", "wire.zstd=true",
                       "inner.steps_per_round=8", "model.d_model=64", "model.d_ff=128", "model.n_layers=2", "name=demo-4-islands")
     with tempfile.TemporaryDirectory() as tmp:
         coordinator = start_coordinator(cfg, "127.0.0.1", 0, spool_dir=f"{tmp}/spool")

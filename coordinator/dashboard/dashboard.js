@@ -300,7 +300,8 @@ function drawHeader() {
   const live = snap.islands.filter((i) => i.status === "live" || i.status === "probation").length;
   $("islands-live").textContent = String(live);
   $("islands-hint").textContent = `${snap.islands.length} joined over the run`;
-  $("codec").textContent = `${r.codec} ↑ · ${r.downlink_codec} ↓`;
+  // One name when both directions share the codec: the card has room for one.
+  $("codec").textContent = r.codec === r.downlink_codec ? `${r.codec} ↑↓` : `${r.codec} ↑ · ${r.downlink_codec} ↓`;
 }
 
 function drawFooter() {
