@@ -73,6 +73,7 @@ class RunLog:
             "bytes/down": s.bytes_down, "bytes/ddp": s.ddp_bytes, "traffic_factor": factor, "seconds/round": s.seconds,
             **{f"seconds/{p}": getattr(s, f"{p}_s") for p in PHASES},
             **{f"loss/island/{c.island_id}": c.train_loss for c in s.contributions},
+            **{f"tasks/{k}": v for k, v in s.task_scores.items()},
         }
         for tag, value in scalars.items():
             if math.isfinite(value):

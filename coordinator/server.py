@@ -30,6 +30,7 @@ from diloco.config import RunConfig
 from diloco.credentials import RevocationList, TlsFiles
 from diloco.net import is_loopback
 from diloco.data import eval_batches, open_corpus, resolve_vocab
+from diloco.evaluation import make_task_evaluator
 from diloco.inner import evaluate
 from diloco.model import Transformer
 from diloco.params import fp32_copy
@@ -192,7 +193,8 @@ def start_coordinator(
         log.info("token corpus %s: %d samples of %d tokens an epoch, vocabulary %d", cfg.data.url,
                  corpus.samples.epoch_size, cfg.data.seq_len, corpus.vocab_size)
     audit = AuditLog(audit_url) if audit_url else NoAudit()
-    state = CoordinatorState(cfg, initial_parameters(cfg), spool, make_evaluator(cfg), ledger=ledger, data_digest=data_digest,
+    state = CoordinatorState(cfg, initial_parameters(cfg), spool, make_evaluator(cfg), make_task_evaluator(cfg), ledger=ledger,
+                             data_digest=data_digest,
                              revoked=revocations.is_revoked if revocations is not None else (lambda owner: False),
                              record=audit.record)
     store = CheckpointStore(cfg.checkpoint.url, keep_last=cfg.checkpoint.keep_last) if cfg.checkpoint.url else None

@@ -92,6 +92,7 @@ def round_dict(index: int, s: pb.RoundSummary) -> dict:
         "contributions": [{"island_id": c.island_id, "tokens": c.tokens, "train_loss": _num(c.train_loss)}
                           for c in s.contributions],
         "traffic": {t.island_id: [t.bytes_up, t.bytes_down] for t in s.traffic},
+        "task_scores": {k: _num(v) for k, v in s.task_scores.items()},
     }
 
 

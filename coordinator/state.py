@@ -54,6 +54,7 @@ class CoordinatorState:
         params: dict[str, torch.Tensor],
         spool_dir: Path,
         evaluate: Callable[[dict[str, torch.Tensor]], float] | None = None,
+        tasks: Callable[[dict[str, torch.Tensor]], dict[str, float]] | None = None,
         clock: Callable[[], float] = time.monotonic,
         ledger: DataLedger | None = None,
         data_digest: str = "",
@@ -66,6 +67,7 @@ class CoordinatorState:
         self.layout = layout_for(self.manifest.shapes, cfg)
         self.spool_dir = spool_dir
         self.evaluate = evaluate
+        self.tasks = tasks  # downstream task scores (diloco/evaluation.py), every eval.tasks_every_rounds rounds
         self.clock = clock
         # A token corpus: who trains on which samples (coordinator/ledger.py), and the corpus's digest.
         self.ledger, self.data_digest = ledger, data_digest
@@ -260,6 +262,12 @@ class CoordinatorState:
             with self.reading_all():
                 summary.eval_loss = self.evaluate(self.params)
             summary.eval_s = time.perf_counter() - started
+        every = self.cfg.eval.tasks_every_rounds
+        if self.tasks and (finisher or (f.index == 0 and (summary.round + 1) % every == 0)):
+            started = time.perf_counter()
+            with self.reading_all():
+                summary.task_scores.update(self.tasks(self.params))
+            summary.eval_s += time.perf_counter() - started
         with self.cond:
             if finisher:
                 self.cond.wait_for(lambda: self._wave.pending == 1)

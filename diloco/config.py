@@ -64,6 +64,8 @@ class RunConfig:
             body["data"].pop(local)
         if self.streaming == StreamingConfig():
             body.pop("streaming")  # plain DiLoCo hashes as it did before streaming existed
+        if self.inner.optimizer != "muon":  # and without Muon, as before its settings existed
+            body["inner"] = {k: v for k, v in body["inner"].items() if not k.startswith("muon_")}
         canonical = json.dumps(body, sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(canonical.encode()).hexdigest()[:16]
 
@@ -72,6 +74,7 @@ class RunConfig:
         checks = [
             (m.d_model % m.n_heads == 0, "model.d_model must be divisible by model.n_heads"),
             ((m.d_model // max(m.n_heads, 1)) % 2 == 0, "model head dim must be even for RoPE"),
+            (m.n_kv_heads >= 0 and m.n_heads % m.kv_heads == 0, "model.n_heads must be a multiple of model.n_kv_heads (0: n_heads)"),
             (d.seq_len <= m.max_seq_len, "data.seq_len must not exceed model.max_seq_len"),
             (d.source in ("synthetic", "text", "tokens"), "data.source must be 'synthetic', 'text' or 'tokens'"),
             (d.source != "text" or bool(d.path), "data.source='text' needs data.path"),
@@ -80,7 +83,11 @@ class RunConfig:
             (d.shuffle_block >= 1 and d.cache_gb > 0 and d.prefetch_shards >= 0,
              "need data.shuffle_block >= 1, data.cache_gb > 0 and data.prefetch_shards >= 0"),
             (m.vocab_size >= 1 or d.source == "tokens", "model.vocab_size must be >= 1 (0, from the corpus, only with data.source='tokens')"),
-            (i.optimizer in ("adamw", "sgd"), "inner.optimizer must be 'adamw' or 'sgd'"),
+            (i.optimizer in ("adamw", "sgd", "muon"), "inner.optimizer must be 'adamw', 'sgd' or 'muon'"),
+            (i.optimizer != "muon" or (i.muon_lr >= 0 and 0 <= i.muon_momentum < 1 and 1 <= i.muon_ns_steps < 100
+                                       and i.muon_adjust_lr in ("match_rms_adamw", "original")),
+             "inner.muon_*: need muon_lr >= 0, muon_momentum in [0, 1), muon_ns_steps in [1, 100) and "
+             "muon_adjust_lr 'match_rms_adamw' or 'original'"),
             (i.schedule in ("cosine", "constant"), "inner.schedule must be 'cosine' or 'constant'"),
             (i.steps_per_round >= 1, "inner.steps_per_round must be >= 1"),
             (i.batch_size >= 1, "inner.batch_size must be >= 1"),

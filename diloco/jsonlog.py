@@ -53,7 +53,9 @@ def message_dict(message: Message) -> dict[str, Any]:
     for field in message.DESCRIPTOR.fields:
         value = getattr(message, field.name)
         is_message = field.type == field.TYPE_MESSAGE
-        if field.is_repeated:
+        if is_message and field.message_type.GetOptions().map_entry:  # a map: keys to scalars
+            out[field.name] = dict(value)
+        elif field.is_repeated:
             out[field.name] = [message_dict(v) if is_message else v for v in value]
         elif is_message:
             out[field.name] = message_dict(value) if message.HasField(field.name) else None

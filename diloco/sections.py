@@ -12,10 +12,24 @@ class ModelConfig:
     d_model: int = 128
     n_layers: int = 4
     n_heads: int = 4
-    d_ff: int = 512
+    # Grouped-query attention: key/value heads, each shared by n_heads // n_kv_heads query heads (0: n_heads).
+    n_kv_heads: int = 0
+    # The SwiGLU MLP's hidden size (three d_model x d_ff matrices): 344 keeps the demo at ~0.8M parameters.
+    d_ff: int = 344
     max_seq_len: int = 128
     rope_theta: float = 10000.0
     init_std: float = 0.02
+    # The output projection reuses the embedding matrix; false gives it its own (as Llama 2 7B).
+    tie_embeddings: bool = True
+    norm_eps: float = 1e-5
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_heads or self.n_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
 
 
 @dataclass
@@ -51,7 +65,9 @@ class DataConfig:
 
 @dataclass
 class InnerConfig:
-    optimizer: str = "adamw"  # "adamw" or "sgd"
+    # "adamw", "sgd", or "muon": Muon for the blocks' matrices, AdamW (lr, betas, weight_decay below)
+    # for the embedding, output head and norm gains, as MuLoCo does (diloco/muon.py).
+    optimizer: str = "adamw"
     lr: float = 3e-3
     min_lr_ratio: float = 0.1
     warmup_steps: int = 20
@@ -62,6 +78,14 @@ class InnerConfig:
     grad_clip: float = 1.0
     batch_size: int = 8  # sequences per island per inner step
     steps_per_round: int = 20  # H
+    # Muon's peak lr (0: lr), on the same warmup and cosine as AdamW's. With "match_rms_adamw" each
+    # matrix's update is scaled by 0.2 * sqrt(max(rows, cols)) to AdamW's update RMS (Moonlight), so
+    # AdamW's lr and weight decay carry over; "original" (Keller Jordan's sqrt(max(1, rows/cols)))
+    # wants a lr near 0.02. Weight decay is weight_decay, decoupled as AdamW's.
+    muon_lr: float = 0.0
+    muon_adjust_lr: str = "match_rms_adamw"
+    muon_momentum: float = 0.95  # Nesterov momentum on the gradient, before orthogonalizing
+    muon_ns_steps: int = 5  # Newton-Schulz iterations (torch's quintic coefficients)
 
 
 @dataclass
@@ -144,7 +168,7 @@ class StreamingConfig:
     fragments: int = 1
     # "strided": block i belongs to fragment i % P; "sequential": P contiguous
     # groups of blocks. The embedding goes with block 0's fragment, every other
-    # non-block parameter (the final norm) with the last block's.
+    # non-block parameter (the final norm, an untied lm_head) with the last block's.
     pattern: str = "strided"
     # Inner steps between a fragment's push and the step at which its result
     # is mixed in (the exchange runs in the background meanwhile); 0 blocks.
@@ -172,6 +196,12 @@ class EvalConfig:
     batches: int = 8
     batch_size: int = 16
     every_rounds: int = 1
+    # Downstream tasks (diloco/evaluation.py make_task_evaluator): a HellaSwag-format JSON-lines
+    # file (a path or fsspec URL) scored every tasks_every_rounds rounds (0: never); with
+    # hellaswag_examples > 0 only its first that many (the validation set is 10,042 x 4 endings).
+    hellaswag: str = ""
+    hellaswag_examples: int = 0
+    tasks_every_rounds: int = 0
 
 
 @dataclass

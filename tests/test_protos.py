@@ -27,7 +27,10 @@ def test_descriptor_matches_proto(tmp_path):
     fresh = descriptor_pb2.FileDescriptorSet.FromString((tmp_path / "set.pb").read_bytes()).file[0]
     committed = descriptor_pb2.FileDescriptorProto.FromString(diloco_pb2.DESCRIPTOR.serialized_pb)
     # protoc adds derived json_name fields to descriptor sets; the embedded copy omits them.
-    for message in fresh.message_type:
+    messages = list(fresh.message_type)
+    while messages:  # nested ones too (a map's entry type)
+        message = messages.pop()
+        messages.extend(message.nested_type)
         for f in message.field:
             f.ClearField("json_name")
     assert fresh == committed, "diloco/v1/diloco_pb2.py is stale; regenerate (see README: Protocol)"

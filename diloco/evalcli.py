@@ -1,0 +1,288 @@
+"""`diloco-eval`: held-out loss and perplexity of a coordinator checkpoint or an exported folder, on
+text or token data, and multiple-choice accuracy on HellaSwag-format JSON lines (diloco/evaluation.py).
+
+  diloco-eval CHECKPOINT_OR_FOLDER [--text FILE | --tokens URL] [--hellaswag FILE.jsonl] [--batches N] [--json OUT]
+
+CHECKPOINT_OR_FOLDER is a coordinator's checkpoint.url (its newest committed step; local or s3://),
+one step-NNNNNNNNNN folder under it, or an exported Hugging Face folder (config.json). A coordinator
+checkpoint records its run's config (older ones only its digest: give the run's --config and --set
+overrides, without which the embedded default is tried); a config of another digest is refused,
+so the model is always built as the run built it.
+
+Held-out data: --text FILE (bytes; the tail a run on that file holds out, data.eval_fraction, 0.1:
+--set data.eval_fraction=1 for all of it), --tokens URL (a corpus's eval split), or by default a
+checkpoint's own run's held-out set, the batches its coordinator evaluates on. --batches 0 skips it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib.util
+import json
+import re
+import sys
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import fsspec
+import torch
+import torch.nn as nn
+
+from diloco.checkpoint import CheckpointError, CheckpointStore
+from diloco.cli import ArgumentParser, add_config_flags, fail, setup_logging
+from diloco.config import ConfigError, ModelConfig, RunConfig, _apply_override, config_from_dict, load_config
+from diloco.data import eval_batches, resolve_vocab
+from diloco.evaluation import (ByteTokenizer, EvalError, HFTokenizer, Tokenizer, check_vocab, corpus_tokenizer,
+                               heldout_loss, load_hellaswag, multiple_choice, run_tokenizer)
+from diloco.shards import DataError
+
+PROG = "diloco-eval"
+_STEP_DIR = re.compile(r"^(?P<root>.*)/step-(?P<step>\d{10})$")
+_STEP_NAME = re.compile(r"step-\d{10}$")
+
+
+@dataclass
+class Loaded:
+    model: nn.Module
+    cfg: RunConfig  # its model section is the model's; its data section the run's (a checkpoint) or the default
+    kind: str  # "checkpoint" or "folder"
+    step: int | None = None
+    round: int | None = None
+    tokenizer_url: str = ""  # an exported folder's tokenizer.json
+
+
+def parser() -> argparse.ArgumentParser:
+    p = ArgumentParser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("source", metavar="CHECKPOINT_OR_FOLDER",
+                   help="a coordinator's checkpoint.url or one step folder of it (local or s3://), or an exported folder")
+    data = p.add_mutually_exclusive_group()
+    data.add_argument("--text", metavar="FILE", help="byte-level held-out text: the file's held-out tail (data.eval_fraction)")
+    data.add_argument("--tokens", metavar="URL", help="a token corpus made by `diloco-data prepare`: its eval split")
+    p.add_argument("--hellaswag", metavar="FILE.jsonl", help="multiple-choice accuracy on a HellaSwag-format file")
+    p.add_argument("--limit", type=int, default=0, metavar="N", help="score only the file's first N examples")
+    p.add_argument("--tokenizer", metavar="FILE", help="the model's tokenizer.json for --hellaswag (default: the data's)")
+    p.add_argument("--batches", type=int, metavar="N",
+                   help="held-out batches (default: the run's eval.batches, else 8; 0: no held-out loss)")
+    p.add_argument("--batch-size", type=int, metavar="B", help="sequences per forward (default: the run's eval.batch_size)")
+    p.add_argument("--seq-len", type=int, metavar="L",
+                   help="held-out window (default: the run's data.seq_len; an exported model's max_seq_len)")
+    p.add_argument("--device", help="cpu or cuda (default: cuda when there is one)")
+    p.add_argument("--json", metavar="OUT", help="also write the figures as JSON to OUT (a path or fsspec URL)")
+    p.add_argument("--log-level", default="warning", help="logging level (default %(default)s)")
+    add_config_flags(p)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    setup_logging(args.log_level)
+    for flag in ("limit", "batches", "batch_size", "seq_len"):
+        value = getattr(args, flag)
+        if value is not None and value < (0 if flag in ("limit", "batches") else 1):
+            fail(PROG, f"--{flag.replace('_', '-')} must be >= {0 if flag in ('limit', 'batches') else 1}, got {value}")
+    try:
+        report = evaluate(args)
+        if args.json:
+            with fsspec.open(args.json, "w") as f:
+                f.write(json.dumps(report, indent=1) + "\n")
+    except (EvalError, ConfigError, CheckpointError, DataError, OSError) as e:
+        fail(PROG, " ".join(str(e).split()))  # one line, whatever the exception put in it
+    sys.stdout.write(table(report, skipped=args.batches == 0))
+    return 0
+
+
+# --- what to evaluate ---------------------------------------------------------------
+
+
+def load_source(args: argparse.Namespace) -> Loaded:
+    url = args.source.rstrip("/")
+    fs, path = fsspec.core.url_to_fs(url)
+    if fs.isfile(f"{path.rstrip('/')}/config.json"):
+        return load_folder(args, url, fs, path)
+    return load_checkpoint(args, url)
+
+
+def load_checkpoint(args: argparse.Namespace, url: str) -> Loaded:
+    m = _STEP_DIR.match(url)
+    root, step = (m["root"], int(m["step"])) if m else (url, None)
+    store = CheckpointStore(root)
+    store.progress = sys.stderr.isatty()
+    if not store.fs.exists(store.root):
+        raise EvalError(f"no checkpoint at {url}: nothing there")
+    committed = store.steps()
+    if step is None and not committed:
+        folders = [e for e in store.fs.ls(store.root, detail=False) if _STEP_NAME.search(e.rstrip("/"))]
+        if folders:
+            raise EvalError(f"no committed checkpoint under {url}: {len(folders)} step folder(s), none committed "
+                            "(torn by a crash, or still being written)")
+        raise EvalError(f"no checkpoint at {url}: no step-NNNNNNNNNN folders (a coordinator's checkpoint.url) "
+                        "and no config.json (an exported folder)")
+    if step is not None and step not in committed:
+        raise EvalError(f"checkpoint {step} under {root} is not committed (torn by a crash, or still being written)")
+    try:
+        tensors, meta = store.load(step)
+    except KeyError:  # a folder step's marker lists files, not one state.pt
+        raise EvalError(f"{url}: not a coordinator checkpoint (an island's torch.distributed checkpoint?)") from None
+    params = tensors.get("outer_params") if isinstance(tensors, dict) else None
+    if not params or "config_digest" not in meta:
+        raise EvalError(f"{url}: not a coordinator checkpoint (it holds no outer_params)")
+    cfg = checkpoint_config(args, meta, f"checkpoint {meta['step']} under {root}")
+    # The published copy is what the islands hold and the coordinator's eval loss measures (diloco-export
+    # takes it too); it differs from the outer parameters only with a lossy downlink, else it is left empty.
+    params = {**params, **(tensors.get("published") or {})}
+    return Loaded(build_model(cfg.model, params, url), cfg, "checkpoint", int(meta["step"]), int(meta["round"]))
+
+
+def checkpoint_config(args: argparse.Namespace, meta: dict[str, Any], where: str) -> RunConfig:
+    """The run's config, checked against the digest the checkpoint records."""
+    if args.config is None and meta.get("config_toml"):  # written since diloco-export (coordinator/durable.py)
+        raw = tomllib.loads(meta["config_toml"])
+        for item in args.overrides:
+            _apply_override(raw, item)  # --set on top of the held config, as load_config applies it to a file's
+        cfg, given = config_from_dict(raw), "the config it holds" + (" with --set" if args.overrides else "")
+        hint = "--set may change only what the digest leaves out (eval, rounds, checkpoint, data.cache_dir, ...)"
+    else:
+        cfg = load_config(args.config, args.overrides)
+        given = f"--config {args.config}" if args.config else "the default config"
+        given += " with --set" if args.overrides else ""
+        hint = "pass the run's --config and its --set overrides"
+    if cfg.model.vocab_size == 0:  # a token run's: the corpus's, as the coordinator resolved it before hashing
+        try:
+            resolve_vocab(cfg)
+        except (ConfigError, DataError) as e:
+            raise EvalError(f"model.vocab_size = 0 is the run's corpus's, which cannot be read ({' '.join(str(e).split())}); "
+                            "pass --set model.vocab_size=N") from None
+    if cfg.digest() != meta["config_digest"]:
+        raise EvalError(f"{where} is of a run whose config digest is {meta['config_digest']}; {given} gives "
+                        f"{cfg.digest()}: {hint}")
+    return cfg
+
+
+def load_folder(args: argparse.Namespace, url: str, fs, path: str) -> Loaded:
+    if importlib.util.find_spec("diloco.hf") is None:
+        raise EvalError(f"{url} is an exported Hugging Face folder (config.json), and reading one needs "
+                        "diloco/hf.py (from_hf_folder), which this install lacks")
+    from diloco.hf import from_hf_folder  # lazily: it pulls in safetensors, which checkpoints do not need
+
+    try:
+        model_cfg, params = from_hf_folder(url)
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise EvalError(f"{url}: cannot read the exported model ({' '.join(str(e).split())})") from None
+    if not isinstance(model_cfg, ModelConfig):
+        raise EvalError(f"{url}: from_hf_folder gave a {type(model_cfg).__name__}, not a ModelConfig")
+    cfg = load_config(args.config, args.overrides)
+    cfg.model = model_cfg
+    tokenizer = f"{path.rstrip('/')}/tokenizer.json"
+    return Loaded(build_model(model_cfg, params, url), cfg, "folder",
+                  tokenizer_url=fs.unstrip_protocol(tokenizer) if fs.isfile(tokenizer) else "")
+
+
+def build_model(model_cfg: ModelConfig, params: dict[str, torch.Tensor], where: str) -> nn.Module:
+    from diloco.model import Transformer
+
+    model = Transformer(model_cfg)
+    try:
+        model.load_state_dict(params)  # strict: parameters of another shape or name are another model
+    except RuntimeError as e:
+        raise EvalError(f"{where}: its parameters do not fit the model config ({' '.join(str(e).split())[:300]})") from None
+    return model
+
+
+# --- the figures ----------------------------------------------------------------------
+
+
+def heldout_data(args: argparse.Namespace, loaded: Loaded, seq_len: int) -> tuple[Any, str] | None:
+    """(DataConfig, description) of the held-out set to use, or None for none."""
+    data = dataclasses.replace(loaded.cfg.data, seq_len=seq_len)
+    if args.text:
+        if not Path(args.text).is_file():
+            raise EvalError(f"text file not found: {args.text}")
+        data = dataclasses.replace(data, source="text", path=args.text)
+    elif args.tokens:
+        data = dataclasses.replace(data, source="tokens", url=args.tokens)
+    elif loaded.kind != "checkpoint":
+        return None  # an exported model does not say what it was trained on
+    if data.source == "text":
+        if loaded.cfg.model.vocab_size < 256:
+            raise EvalError(f"byte-level text needs a model vocabulary of 256 or more; this one has {loaded.cfg.model.vocab_size}")
+        return data, f"text {data.path} (its last {data.eval_fraction:.0%})"
+    if data.source == "tokens":
+        return data, f"tokens {data.url} (eval split)"
+    return data, f"the synthetic language (seed {data.synthetic_seed})"
+
+
+def pick_tokenizer(args: argparse.Namespace, loaded: Loaded) -> Tokenizer:
+    if args.tokenizer:
+        return HFTokenizer.from_url(args.tokenizer)
+    if args.tokens:
+        return corpus_tokenizer(args.tokens)
+    if args.text:
+        return ByteTokenizer()
+    if loaded.tokenizer_url:
+        return HFTokenizer.from_url(loaded.tokenizer_url)
+    if loaded.kind == "checkpoint":
+        return run_tokenizer(loaded.cfg.data)
+    raise EvalError("--hellaswag needs the model's tokenizer: pass --tokenizer tokenizer.json (or --tokens URL of its "
+                    "corpus, or --text FILE for a byte-level model)")
+
+
+def evaluate(args: argparse.Namespace) -> dict[str, Any]:
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    loaded = load_source(args)
+    cfg = loaded.cfg
+    model = loaded.model.to(device)
+    max_len = cfg.model.max_seq_len
+    seq_len = args.seq_len or (cfg.data.seq_len if loaded.kind == "checkpoint" else max_len)
+    if seq_len > max_len:
+        raise EvalError(f"--seq-len {seq_len} exceeds the model's max_seq_len of {max_len}")
+    batch_size = args.batch_size or cfg.eval.batch_size
+    report: dict[str, Any] = {
+        "source": args.source, "kind": loaded.kind, "step": loaded.step, "round": loaded.round,
+        "parameters": sum(p.numel() for p in model.parameters()), "device": str(device), "heldout": None, "hellaswag": None,
+    }
+    n_batches = args.batches if args.batches is not None else (cfg.eval.batches or 8)
+    chosen = heldout_data(args, loaded, seq_len) if n_batches > 0 else None
+    if chosen is not None:
+        data, description = chosen
+        try:
+            batches = eval_batches(data, n_batches, batch_size, cfg.model.vocab_size)
+        except ValueError as e:  # ConfigError and DataError are ValueErrors too: say which data, and the way out
+            raise EvalError(f"held-out data {description}: {' '.join(str(e).split())} (--batches 0 skips the "
+                            "held-out loss)") from None
+        loss, perplexity, tokens = heldout_loss(model, batches, device)
+        report["heldout"] = {"data": description, "batches": n_batches, "batch_size": batch_size, "seq_len": seq_len,
+                             "loss": loss, "perplexity": perplexity, "tokens": tokens}
+    if args.hellaswag:
+        examples = load_hellaswag(args.hellaswag, args.limit)
+        tokenizer = pick_tokenizer(args, loaded)
+        check_vocab(tokenizer, cfg.model.vocab_size)
+        scores = multiple_choice(model, tokenizer, examples, batch_size, device)
+        report["hellaswag"] = {"file": args.hellaswag, "tokenizer": tokenizer.name, **scores}
+    return report
+
+
+def table(report: dict[str, Any], skipped: bool = False) -> str:
+    where = report["source"]
+    if report["kind"] == "checkpoint":
+        where += f"  step {report['step']} (round {report['round']})"
+    lines = [f"{'model':<14}{where}, {report['parameters'] / 1e6:.2f}M parameters"]
+    held = report["heldout"]
+    if held is None:
+        lines.append(f"{'held-out':<14}none ({'--batches 0' if skipped else 'give --text FILE or --tokens URL'})")
+    else:
+        lines += [f"{'held-out':<14}{held['data']}: {held['batches']} batches of {held['batch_size']} x {held['seq_len']}",
+                  f"  {'loss':<12}{held['loss']:.4f} nats/token",
+                  f"  {'perplexity':<12}{held['perplexity']:.4g}",
+                  f"  {'tokens':<12}{held['tokens']:,}"]
+    mc = report["hellaswag"]
+    if mc is not None:
+        lines += [f"{'hellaswag':<14}{mc['file']} (tokenizer: {mc['tokenizer']})",
+                  f"  {'acc':<12}{mc['acc']:.4f}", f"  {'acc_norm':<12}{mc['acc_norm']:.4f}", f"  {'n':<12}{mc['n']}"]
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    sys.exit(main())
