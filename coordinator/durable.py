@@ -48,6 +48,7 @@ def snapshot(state: CoordinatorState) -> tuple[dict, dict]:
             "initial_eval_loss": state.initial_eval_loss,
             "ledger": state.ledger.state_dict() if state.ledger is not None else None,
             "config_digest": state.cfg.digest(),
+            "config_toml": state.cfg.to_toml(),  # the whole run config: diloco-export rebuilds the model from it
             "checksum": whole,
             "wall_time": time.time(),
         }

@@ -7,8 +7,9 @@ The model splits into P fragments of transformer blocks (`streaming.pattern`):
 - sequential: P contiguous groups of blocks, the first n_layers % P groups one
   block larger.
 
-Parameters outside the blocks: the (tied) embedding goes with block 0's
-fragment, every other one (the final norm) with the last block's.
+Parameters outside the blocks: the embedding goes with block 0's fragment,
+every other one (the final norm, and lm_head when the embedding is untied)
+with the last block's.
 
 Fragment f syncs at its own offset o_f = f * H // P. Counting c, the inner
 steps completed so far, fragment f pushes round r after c = (r + 1) * H - o_f

@@ -1,6 +1,9 @@
-"""A decoder-only transformer: pre-norm, RoPE, tied embeddings, SDPA attention.
+"""A Llama-style decoder: pre-norm RMSNorm, rotary embeddings, grouped-query attention, SwiGLU MLP.
 
-Read top to bottom: Attention, MLP, Block, Transformer.
+Read top to bottom: rope, Attention, MLP, Block, Transformer. Inside a block the parameter names are
+Hugging Face Llama's (q_proj ... down_proj) and rotary embeddings use its rotate-half convention (the
+two halves of each head, not interleaved pairs), so diloco/hf.py maps a state dict to
+LlamaForCausalLM's by renaming prefixes, with no permutation of q or k.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ def rope_tables(seq_len: int, head_dim: int, theta: float, device=None) -> tuple
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotates pairs (x[..., :d/2], x[..., d/2:]) of x: (batch, heads, seq, head_dim)."""
+    """Rotates pairs (x[..., i], x[..., i + d/2]) of x: (batch, heads, seq, head_dim), as HF's rotate_half."""
     x1, x2 = x.chunk(2, dim=-1)
     cos, sin = cos.to(x.dtype), sin.to(x.dtype)
     return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
@@ -31,34 +34,45 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.n_heads = cfg.n_heads
-        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model, bias=False)
-        self.proj = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
+        self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.kv_heads, cfg.head_dim
+        # Separate q/k/v matrices (not one fused qkv): with grouped-query attention they differ in
+        # shape, and each is a matrix of its own for the optimizer and for the HF mapping.
+        self.q_proj = nn.Linear(cfg.d_model, self.n_heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(cfg.d_model, self.n_kv_heads * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(cfg.d_model, self.n_kv_heads * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(self.n_heads * self.head_dim, cfg.d_model, bias=False)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        b, t, d = x.shape
-        q, k, v = self.qkv(x).view(b, t, 3, self.n_heads, d // self.n_heads).permute(2, 0, 3, 1, 4)
+        b, t, _ = x.shape
+        q = self.q_proj(x).view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.proj(y.transpose(1, 2).reshape(b, t, d))
+        # Query head h reads key/value head h // (n_heads // n_kv_heads), as HF's repeat_kv; SDPA does
+        # it without materialising the repeated keys and values.
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.n_kv_heads != self.n_heads)
+        return self.o_proj(y.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim))
 
 
 class MLP(nn.Module):
+    """SwiGLU (Shazeer, 2020): down(silu(gate(x)) * up(x))."""
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.up = nn.Linear(cfg.d_model, cfg.d_ff, bias=False)
-        self.down = nn.Linear(cfg.d_ff, cfg.d_model, bias=False)
+        self.gate_proj = nn.Linear(cfg.d_model, cfg.d_ff, bias=False)
+        self.up_proj = nn.Linear(cfg.d_model, cfg.d_ff, bias=False)
+        self.down_proj = nn.Linear(cfg.d_ff, cfg.d_model, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down(F.gelu(self.up(x)))
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class Block(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.attn_norm = nn.RMSNorm(cfg.d_model)
+        self.attn_norm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
         self.attn = Attention(cfg)
-        self.mlp_norm = nn.RMSNorm(cfg.d_model)
+        self.mlp_norm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
         self.mlp = MLP(cfg)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -72,9 +86,11 @@ class Transformer(nn.Module):
         self.cfg = cfg
         self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
-        self.norm = nn.RMSNorm(cfg.d_model)
+        self.norm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
+        # Tied: the output projection is the embedding matrix, and there is no lm_head parameter.
+        self.lm_head = None if cfg.tie_embeddings else nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         # RoPE tables are derived, not learned: keep them out of the state dict.
-        cos, sin = rope_tables(cfg.max_seq_len, cfg.d_model // cfg.n_heads, cfg.rope_theta)
+        cos, sin = rope_tables(cfg.max_seq_len, cfg.head_dim, cfg.rope_theta)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
         self.reset_parameters()
@@ -84,8 +100,9 @@ class Transformer(nn.Module):
         for name, p in self.named_parameters():
             if p.dim() < 2:
                 nn.init.ones_(p)  # RMSNorm gains
-            elif name.endswith(("proj.weight", "down.weight")):
-                # GPT-2 style: scale residual projections by depth.
+            elif name.endswith(("o_proj.weight", "down_proj.weight")):
+                # GPT-2 style: the projections into the residual stream are scaled by depth, so that
+                # the stream's variance at init does not grow with the number of blocks.
                 nn.init.normal_(p, std=std / math.sqrt(2 * self.cfg.n_layers))
             else:
                 nn.init.normal_(p, std=std)
@@ -98,8 +115,8 @@ class Transformer(nn.Module):
         cos, sin = self.rope_cos[:t], self.rope_sin[:t]
         for block in self.blocks:
             x = block(x, cos, sin)
-        # Tied weights: the output projection is the embedding matrix.
-        logits = F.linear(self.norm(x), self.embed.weight)
+        x = self.norm(x)
+        logits = F.linear(x, self.embed.weight) if self.lm_head is None else self.lm_head(x)
         if targets is None:
             return logits
         loss = F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.reshape(-1))
@@ -109,7 +126,11 @@ class Transformer(nn.Module):
         return sum(p.numel() for p in self.parameters())
 
     def flops_per_token(self, seq_len: int) -> float:
-        """Training FLOPs per token (6N plus attention), as in the PaLM appendix."""
-        n = self.num_parameters()
+        """Training FLOPs per token (6N plus attention), as in the PaLM appendix.
+
+        N counts the matrices that multiply: a tied embedding once (it is the output projection), an
+        untied input embedding not at all (it is a lookup).
+        """
+        n = self.num_parameters() - (0 if self.lm_head is None else self.embed.weight.numel())
         attn = 12 * self.cfg.n_layers * self.cfg.d_model * seq_len
         return 6 * n + attn

@@ -1,7 +1,7 @@
 """One replica group's model, sharded with FSDP2, and what a rank holds of it.
 
-Each transformer Block is its own FSDP unit, then the root (embedding, with
-the tied output projection, and the final norm). A rank's shard of a parameter
+Each transformer Block is its own FSDP unit, then the root (embedding, final
+norm, and lm_head when the embedding is untied). A rank's shard of a parameter
 is a DTensor whose local tensor is a contiguous Shard(0) slice: rows [r0, r1)
 of the full parameter, so flat elements [r0 * row, r1 * row). FSDP2 pads
 uneven shards in its own storage; the local view excludes the padding.
@@ -49,8 +49,8 @@ def build_sharded_model(cfg: ModelConfig, device: torch.device, world_size: int)
     policy = mixed_precision(device)
     for block in model.blocks:
         fully_shard(block, mesh=mesh, mp_policy=policy)
-    # The root holds embed.weight, which the output projection reuses (tied): one
-    # parameter in one FSDP group, unsharded for the whole forward.
+    # The root holds embed.weight, which a tied output projection reuses: one
+    # parameter in one FSDP group, unsharded for the whole forward (an untied lm_head is the root's too).
     fully_shard(model, mesh=mesh, mp_policy=policy)
     model.to_empty(device=device)
     cos, sin = rope_tables(cfg.max_seq_len, cfg.d_model // cfg.n_heads, cfg.rope_theta, device=device)

@@ -131,7 +131,7 @@ def test_non_finite_pseudo_gradient_drops_its_island_and_never_reaches_the_aggre
     codec = uplink_codec(cfg.wire)
     try:
         poisoned = random_like(manifest.shapes, seed=1)
-        poisoned["blocks.0.mlp.up.weight"][3, 5] = float("nan")
+        poisoned["blocks.0.mlp.up_proj.weight"][3, 5] = float("nan")
         with caplog.at_level(logging.ERROR, logger="coordinator.state"):
             with pytest.raises(grpc.RpcError) as err:
                 _push(bad, bad_joined.island_id, 0, poisoned, codec, cfg.wire.chunk_bytes)

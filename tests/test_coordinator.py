@@ -66,7 +66,7 @@ def _finish_round_and_check(cfg, coordinator, stub, ids, manifest, theta0):
     [
         (lambda m: _chunk("no.such.param", 0, torch.ones(4)), "unknown parameter name 'no.such.param'"),
         # A pseudo-gradient of the wrong shape: more elements than the parameter has.
-        (lambda m: _chunk("blocks.0.mlp.up.weight", 0, torch.ones(m.numel("blocks.0.mlp.up.weight") + 8)), "run past the end"),
+        (lambda m: _chunk("blocks.0.mlp.up_proj.weight", 0, torch.ones(m.numel("blocks.0.mlp.up_proj.weight") + 8)), "run past the end"),
         (lambda m: _chunk("norm.weight", 30, torch.ones(4)), "elements [30, 34) run past the end of the tensor (32 elements"),
         (lambda m: _chunk("norm.weight", -1, torch.ones(4)), "bad range"),
     ],

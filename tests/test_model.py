@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import math
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -41,6 +43,65 @@ def test_output_projection_is_tied_to_embedding():
     with torch.no_grad():
         model.embed.weight.zero_()
     assert float(model(torch.zeros(1, 4, dtype=torch.long)).detach().abs().sum()) == 0.0
+
+
+def test_untied_model_has_its_own_output_projection():
+    model = Transformer(replace(_small(), tie_embeddings=False))
+    assert model.lm_head.weight.shape == (50, 32) and model.lm_head.weight is not model.embed.weight
+    with torch.no_grad():
+        model.lm_head.weight.zero_()
+    assert float(model(torch.zeros(1, 4, dtype=torch.long)).detach().abs().sum()) == 0.0
+    # An input embedding is a lookup: it costs no FLOPs, a tied one is the output matmul's matrix.
+    tied, untied = Transformer(_small()), model
+    assert untied.flops_per_token(16) == tied.flops_per_token(16)
+
+
+def test_parameter_names_shapes_and_count_follow_llama():
+    cfg = ModelConfig(vocab_size=50, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=48, max_seq_len=16, tie_embeddings=False)
+    shapes = {n: tuple(p.shape) for n, p in Transformer(cfg).named_parameters()}
+    head = 32 // 4
+    assert shapes["blocks.1.attn.q_proj.weight"] == (4 * head, 32)
+    assert shapes["blocks.1.attn.k_proj.weight"] == shapes["blocks.1.attn.v_proj.weight"] == (2 * head, 32)  # grouped
+    assert shapes["blocks.1.attn.o_proj.weight"] == (32, 4 * head)
+    assert shapes["blocks.1.mlp.gate_proj.weight"] == shapes["blocks.1.mlp.up_proj.weight"] == (48, 32)
+    assert shapes["blocks.1.mlp.down_proj.weight"] == (32, 48)
+    per_block = 32 * 32 + 2 * (2 * head * 32) + 32 * 32 + 3 * 32 * 48 + 2 * 32
+    assert sum(math.prod(s) for s in shapes.values()) == 2 * per_block + 2 * 50 * 32 + 32
+    assert Transformer(cfg).num_parameters() == 2 * per_block + 2 * 50 * 32 + 32
+
+
+def test_the_mlp_is_swiglu():
+    model = Transformer(_small())
+    mlp, x = model.blocks[0].mlp, torch.randn(3, 32)
+    expected = mlp.down_proj.weight @ (torch.nn.functional.silu(mlp.gate_proj.weight @ x.T) * (mlp.up_proj.weight @ x.T))
+    torch.testing.assert_close(mlp(x), expected.T)
+
+
+def test_grouped_query_attention_equals_multi_head_with_repeated_key_value_heads():
+    """Query head h reads key/value head h // group (Hugging Face's repeat_kv), not h % n_kv_heads."""
+    torch.manual_seed(0)
+    gqa = Transformer(replace(_small(), n_kv_heads=2))
+    mha = Transformer(_small())
+    state = gqa.state_dict()
+    for name in [n for n in state if n.endswith(("k_proj.weight", "v_proj.weight"))]:
+        state[name] = state[name].view(2, 8, 32).repeat_interleave(2, dim=0).reshape(32, 32)
+    mha.load_state_dict(state)
+    tokens = torch.randint(0, 50, (2, 16))
+    torch.testing.assert_close(gqa(tokens), mha(tokens))
+
+
+def test_residual_projections_start_scaled_by_depth():
+    torch.manual_seed(0)
+    cfg = replace(_small(), n_layers=8, d_model=256, n_heads=4, d_ff=512)
+    model = Transformer(cfg)
+    deep = torch.cat([model.blocks[i].attn.o_proj.weight.flatten() for i in range(8)]).std().item()
+    plain = torch.cat([model.blocks[i].attn.q_proj.weight.flatten() for i in range(8)]).std().item()
+    assert abs(plain - 0.02) < 1e-3 and abs(deep - 0.02 / math.sqrt(16)) < 1e-3
+
+
+def test_the_tiny_preset_is_the_embedded_default():
+    assert load_config(ROOT / "configs" / "tiny.toml").model == ModelConfig()
+    assert 0.75e6 < Transformer(ModelConfig()).num_parameters() < 0.85e6  # the README's "~0.8M-parameter" demo
 
 
 def test_rejects_sequences_longer_than_max_seq_len():
