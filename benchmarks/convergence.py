@@ -323,7 +323,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also run DiLoCo with these codecs up (and down; default the same), e.g. e3m0+zstd,topk/int8; "
                         "suffixes: @ef turns on the islands' error feedback (on for topk unless @noef), @dDENSITY sets the top-k "
                         "density, @bBITS the top-k value bits, @decayD the error-feedback decay, @carry keeps the residual in the island's "
-                        "model (wire.feedback_in_model), @lrLR / @mM the outer lr / momentum, @sgd outer lr 1 without momentum (SparseLoCo)")
+                        "model (wire.feedback_in_model), @lrLR / @mM the outer lr / momentum, @sgd outer lr 1 without momentum (SparseLoCo), "
+                        "@muon Muon as the inner optimizer (fp32@muon: Muon without compression)")
     p.add_argument("--workers", type=int, default=2, help="worker processes (default 2)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="extra RunConfig override applied to every method (repeatable)")

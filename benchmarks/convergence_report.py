@@ -117,7 +117,7 @@ def codec_table(summary: dict[str, Summary]) -> list[str]:
             up += f" (density {flag[1:]})" if re.fullmatch(r"d[\d.]+", flag) else ""
             up += f" ({flag[1:]}-bit values)" if re.fullmatch(r"b\d", flag) else ""
             down += {"ef": ", error feedback", "noef": ", no error feedback", "sgd": ", outer lr 1 no momentum",
-                     "carry": ", error feedback kept in the model"}.get(flag, "")
+                     "carry": ", error feedback kept in the model", "muon": ", Muon inner"}.get(flag, "")
             down += f", feedback decay {flag[5:]}" if flag.startswith("decay") else ""
             down += f", outer lr {flag[2:]}" if flag.startswith("lr") else ""
             down += f", outer momentum {flag[1:]}" if re.fullmatch(r"m[\d.]+", flag) else ""

@@ -82,7 +82,8 @@ class Wire:
 CODEC_FLAGS = (
     "@ef (error feedback on the islands), @noef (top-k without error feedback), @dDENSITY (top-k density, e.g. @d0.05), "
     "@bBITS (top-k value bits), @decayD (error-feedback decay), @carry (error feedback kept in the model), "
-    "@lrLR and @mMOMENTUM (outer optimizer) and @sgd (outer lr 1, no momentum, as SparseLoCo)"
+    "@lrLR and @mMOMENTUM (outer optimizer), @sgd (outer lr 1, no momentum, as SparseLoCo) and @muon (Muon as the "
+    "inner optimizer, inner.muon_* from --set)"
 )
 
 
@@ -103,6 +104,8 @@ def apply_codec_spec(cfg: RunConfig, spec: str) -> None:
                 cfg.wire.feedback_in_model = True
             elif (name, number) == ("sgd", ""):  # SparseLoCo: error feedback stands in for outer momentum
                 cfg.outer.lr, cfg.outer.momentum = 1.0, 0.0
+            elif (name, number) == ("muon", ""):  # MuLoCo: a per-method inner optimizer, against AdamW in one table
+                cfg.inner.optimizer = "muon"
             elif name == "decay":
                 cfg.wire.feedback_decay = float(number)
             elif name == "d":

@@ -84,10 +84,10 @@ class RunConfig:
              "need data.shuffle_block >= 1, data.cache_gb > 0 and data.prefetch_shards >= 0"),
             (m.vocab_size >= 1 or d.source == "tokens", "model.vocab_size must be >= 1 (0, from the corpus, only with data.source='tokens')"),
             (i.optimizer in ("adamw", "sgd", "muon"), "inner.optimizer must be 'adamw', 'sgd' or 'muon'"),
-            (i.optimizer != "muon" or (i.muon_lr >= 0 and 0 <= i.muon_momentum < 1 and 1 <= i.muon_ns_steps < 100
+            (i.optimizer != "muon" or (i.lr > 0 and i.muon_lr >= 0 and 0 <= i.muon_momentum < 1 and 1 <= i.muon_ns_steps < 100
                                        and i.muon_adjust_lr in ("match_rms_adamw", "original")),
-             "inner.muon_*: need muon_lr >= 0, muon_momentum in [0, 1), muon_ns_steps in [1, 100) and "
-             "muon_adjust_lr 'match_rms_adamw' or 'original'"),
+             "inner.optimizer='muon' needs inner.lr > 0, muon_lr >= 0, muon_momentum in [0, 1), muon_ns_steps in [1, 100) "
+             "and muon_adjust_lr 'match_rms_adamw' or 'original'"),
             (i.schedule in ("cosine", "constant"), "inner.schedule must be 'cosine' or 'constant'"),
             (i.steps_per_round >= 1, "inner.steps_per_round must be >= 1"),
             (i.batch_size >= 1, "inner.batch_size must be >= 1"),

@@ -10,15 +10,18 @@ import torch.nn as nn
 
 from diloco.config import InnerConfig
 from diloco.data import Batch
+from diloco.muon import MuonAdamW
 
 
 def build_inner_optimizer(model: nn.Module, cfg: InnerConfig) -> torch.optim.Optimizer:
-    """AdamW with weight decay on matrices only (norm gains are not decayed), or plain SGD."""
+    """AdamW with weight decay on matrices only (norm gains are not decayed), plain SGD, or Muon + AdamW."""
     # foreach: one multi-tensor kernel per update instead of a Python loop over
     # parameters; torch only defaults to it on CUDA (on CPU it is ~35% of a small
     # model's step). It works on FSDP2's DTensors too.
     if cfg.optimizer == "sgd":
         return torch.optim.SGD(model.parameters(), lr=cfg.lr, foreach=True)
+    if cfg.optimizer == "muon":
+        return MuonAdamW(model, cfg)
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
@@ -76,7 +79,7 @@ def train_step(
     if grad_clip > 0:
         torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip, foreach=True)
     for group in optimizer.param_groups:
-        group["lr"] = lr
+        group["lr"] = lr * group.get("lr_scale", 1.0)  # Muon's group: muon_lr / lr (diloco/muon.py)
     optimizer.step()
     return value
 

@@ -151,24 +151,26 @@ class Run:
             self.moto.stop()
 
 
-def config(streaming: bool = False):
+def config(streaming: bool = False, optimizer: str = "adamw"):
     """A lossy uplink with error feedback, so that the residual has to survive the restart too; with
-    streaming, Streaming DiLoCo (2 fragments, tau 1, alpha 0.5, eager updates) on top."""
+    streaming, Streaming DiLoCo (2 fragments, tau 1, alpha 0.5, eager updates) on top; the inner
+    optimizer `optimizer` (muon: its momentum buffers are checkpointed too)."""
     extra = ["inner.steps_per_round=4", "streaming.fragments=2", "streaming.tau=1", "streaming.alpha=0.5",
              "streaming.eager=true"] if streaming else ["inner.steps_per_round=3"]
     return tiny_config(
         "model.n_layers=2", "rounds.rounds=6", "rounds.min_islands=1", "data.shards=1",
         "rounds.heartbeat_s=0.5", "rounds.lease_s=60", "rounds.deadline_s=120", "checkpoint.every_rounds=2",
-        "wire.codec='int8'", "wire.error_feedback=true", *extra,
+        "wire.codec='int8'", "wire.error_feedback=true", f"inner.optimizer={optimizer!r}", *extra,
     )
 
 
-def resume(workdir: Path, storage: str = "local", groups: int = 1, nproc: int = 2, streaming: bool = False) -> None:
+def resume(workdir: Path, storage: str = "local", groups: int = 1, nproc: int = 2, streaming: bool = False,
+           optimizer: str = "adamw") -> None:
     """An uninterrupted run, then the same run stopped by SIGKILL (coordinator and island) right after
     both committed their round-2 checkpoints and restarted with --resume.
 
     Checkpoint steps count rounds over all fragments: round 2 is step 2 * fragments."""
-    cfg = config(streaming)
+    cfg = config(streaming, optimizer)
     k = 2 * cfg.streaming.fragments
     run = Run(workdir, cfg, storage, deadline_s=float(os.environ.get("SCENARIO_DEADLINE_S", "400")))
     shape = ["--nproc-per-node", str(nproc), "--replica-groups", str(groups)]
@@ -238,6 +240,7 @@ if __name__ == "__main__":
     logging.basicConfig(level=logging.INFO, format="%(asctime)s [scenario] %(levelname)s %(name)s: %(message)s")
     name, workdir = sys.argv[1], Path(sys.argv[2])
     workdir.mkdir(parents=True, exist_ok=True)
-    # ARGS: storage [groups [nproc [streaming]]]
+    # ARGS: storage [groups [nproc [streaming [optimizer]]]]
     extra = dict(zip(("groups", "nproc", "streaming"), (int(a) for a in sys.argv[4:7])))
+    extra.update({"optimizer": a for a in sys.argv[7:8]})
     SCENARIOS[name](workdir, *(sys.argv[3:4]), **{k: bool(v) if k == "streaming" else v for k, v in extra.items()})

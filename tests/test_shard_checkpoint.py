@@ -89,8 +89,9 @@ def _assert_holds(isl, snap: dict) -> None:
             assert torch.equal(now[part][key], t), (part, key)
 
 
-def test_round_trip_and_torn_or_damaged_steps_are_never_loaded(world, base_url):
-    cfg = tiny_config("model.n_layers=2")
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+def test_round_trip_and_torn_or_damaged_steps_are_never_loaded(world, base_url, optimizer):
+    cfg = tiny_config("model.n_layers=2", f"inner.optimizer={optimizer!r}")
     isl = _island(cfg, world, round_=2)
     _train(isl, range(3))
     ckpt = IslandCheckpoint(f"{base_url}/island", every=2, world=world, keep_last=5)
@@ -174,14 +175,16 @@ def _assert_resumed_exactly(result: dict, workdir: Path) -> None:
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("groups, nproc, streaming", [
-    (1, 1, 0), (1, 2, 1),
+@pytest.mark.parametrize("groups, nproc, streaming, optimizer", [
+    (1, 1, 0, "adamw"), (1, 2, 1, "adamw"),
+    # Muon on FSDP shards: its momentum buffers (DTensors) are saved and resumed with AdamW's state.
+    (1, 2, 0, "muon"),
     # Two runs of 4 ranks each side by side: about 220 s on 2 cores, so outside the default suite.
-    pytest.param(2, 2, 1, marks=pytest.mark.slow),
-], ids=["1", "1x2-streaming", "2x2-streaming"])
-def test_island_stopped_and_resumed_ends_bit_identical(tmp_path, groups, nproc, streaming):
-    """Every island kind; the sharded ones with Streaming DiLoCo (2 fragments, tau 1, eager updates)."""
-    result = _scenario("resume", tmp_path, 280, "local", str(groups), str(nproc), str(streaming))
+    pytest.param(2, 2, 1, "adamw", marks=pytest.mark.slow),
+], ids=["1", "1x2-streaming", "1x2-muon", "2x2-streaming"])
+def test_island_stopped_and_resumed_ends_bit_identical(tmp_path, groups, nproc, streaming, optimizer):
+    """Every island kind; the sharded ones with Streaming DiLoCo (2 fragments, tau 1, eager updates) or Muon."""
+    result = _scenario("resume", tmp_path, 280, "local", str(groups), str(nproc), str(streaming), optimizer)
     result["ranks"] = groups * nproc
     _assert_resumed_exactly(result, tmp_path)
 
