@@ -62,7 +62,9 @@ def lr_sum(header: pb.PushHeader, cfg: RunConfig) -> float:
     pseudo-gradient's norm grows with them (warmup, a fragment's shorter first round), so the norm guard
     compares norm / lr_sum."""
     total = cfg.rounds.rounds * cfg.inner.steps_per_round
-    steps = range(header.first_step, header.first_step + max(1, header.inner_steps))
+    # Within the run's steps whatever the header says: this sum runs holding the round's lock.
+    first = min(max(header.first_step, 0), total)
+    steps = range(first, first + min(max(1, header.inner_steps), total))
     s = sum(inner_lr(t, total, cfg.inner) for t in steps)
     return s if s > 0 else 1.0
 

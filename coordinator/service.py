@@ -300,7 +300,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         return pb.LeaseResponse(index=request.index, ranges=[pb.SampleRange(start=a, stop=b) for a, b in ranges])
 
     def WatchRounds(self, request: pb.WatchRequest, context) -> Iterator[pb.RoundSummary]:
-        yield from self.state.watch(request.from_round, self.stop)
+        yield from self.state.watch(request.from_round, self.stop, context.is_active)  # a caller gone frees its thread
 
 
 def _serialize(message: pb.ResultMessage | bytes) -> bytes:

@@ -291,9 +291,10 @@ class CoordinatorState:
 
     # --- watching -------------------------------------------------------------------
 
-    def watch(self, from_round: int, stop: threading.Event) -> Iterator[pb.RoundSummary]:
+    def watch(self, from_round: int, stop: threading.Event, active: Callable[[], bool] = lambda: True) -> Iterator[pb.RoundSummary]:
+        """Round summaries from from_round on, until the run finishes, stop is set or the caller is gone (active)."""
         index = 0
-        while not stop.is_set():
+        while not stop.is_set() and active():
             with self.cond:
                 self.cond.wait_for(lambda: len(self.summaries) > index or stop.is_set(), 0.5)
                 pending = self.summaries[index:]

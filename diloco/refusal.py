@@ -15,6 +15,7 @@ from diloco.v1 import diloco_pb2 as pb
 
 Reason = pb.Refusal.Reason
 REFUSAL_KEY = "diloco-refusal-bin"
+MAX_MESSAGE = 1000  # characters of a refusal's message
 
 _C = grpc.StatusCode
 STATUS: dict[int, grpc.StatusCode] = {
@@ -50,7 +51,9 @@ class Refused(Exception):
     """A call the coordinator turns down: a typed reason (which fixes the gRPC status) and a message for people."""
 
     def __init__(self, reason: int, message: str, resend_from_chunk: int = 0, current_round: int = 0):
-        super().__init__(message)
+        # Messages quote what the caller sent (ids, names): a long one would push the status past gRPC's
+        # metadata limit and the caller would get neither the status nor the reason.
+        super().__init__(message if len(message) <= MAX_MESSAGE else message[:MAX_MESSAGE] + "...")
         self.reason = reason
         self.refusal = pb.Refusal(reason=reason, resend_from_chunk=resend_from_chunk, current_round=current_round)
         self.code = STATUS[reason]

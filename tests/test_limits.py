@@ -185,3 +185,23 @@ def test_non_finite_numbers_in_requests_are_refused_not_waited_on(make_coordinat
     error = _refused(lambda: stub.PushPseudoGradient(push_messages(header, chunks), timeout=30))
     assert reason_of(error) == Reason.NOT_FINITE and "train_loss" in error.details()
     assert stub.PushPseudoGradient(push_messages(_header(island), chunks), timeout=30).contribution_complete
+
+
+def test_what_the_fuzzer_found_stays_fixed(make_coordinator, channel_to):
+    """Three findings of tests/test_fuzz.py, each as its own case."""
+    coordinator = make_coordinator(tiny_config("rounds.lease_s=100000"))  # the claim check off, as when the freeze was found
+    stub = channel_to(coordinator)
+    island = _join(stub)
+    # A 20 KB island id quoted in the refusal pushed the status past gRPC's metadata limit: no status, no reason.
+    error = _refused(lambda: stub.Heartbeat(pb.HeartbeatRequest(island_id="z" * 20_000), timeout=30))
+    assert reason_of(error) == Reason.NOT_A_MEMBER and len(error.details()) < 1100
+    # inner_steps = 2**62 summed 2**62 learning rates holding the round's lock: every call froze.
+    header = _header(island)
+    header.inner_steps = 2**62
+    stub.PushPseudoGradient(push_messages(header, _chunks(coordinator)), timeout=60)
+    stub.Heartbeat(pb.HeartbeatRequest(island_id=island), timeout=60)
+    # Watches abandoned by their callers held a server thread each until the next round: 200 filled them all.
+    for _ in range(200):
+        with pytest.raises(grpc.RpcError):
+            list(stub.WatchRounds(pb.WatchRequest(from_round=10**6), timeout=0.05))
+    stub.Heartbeat(pb.HeartbeatRequest(island_id=island), timeout=60)
