@@ -57,10 +57,11 @@ from islands.sim.wan import LinkSpec, WanLink, WanSpecError, parse_link  # noqa:
 PROG = "exchange"
 # name -> (vocab_size, d_model, n_layers, d_ff); parameters counted from the model the coordinator builds
 SIZES = {
-    "1m": (256, 128, 5, 512),
-    "25m": (8192, 512, 6, 2048),
-    "125m": (50304, 768, 12, 3072),
-    "350m": (50304, 1024, 24, 4096),
+    # SwiGLU hidden sizes 2/3 of the GELU MLPs these sizes were first measured with: the same parameter counts.
+    "1m": (256, 128, 5, 341),
+    "25m": (8192, 512, 6, 1365),
+    "125m": (50304, 768, 12, 2048),
+    "350m": (50304, 1024, 24, 2731),
 }
 BARE_SERVICE = "diloco.bench.Bare"
 
