@@ -66,6 +66,14 @@ class RunConfig:
             body.pop("streaming")  # plain DiLoCo hashes as it did before streaming existed
         if self.inner.optimizer != "muon":  # and without Muon, as before its settings existed
             body["inner"] = {k: v for k, v in body["inner"].items() if not k.startswith("muon_")}
+        if not self.model.moe_experts:  # and a dense model, as before mixture-of-experts settings existed
+            body["model"] = {k: v for k, v in body["model"].items() if not k.startswith("moe_")}
+        if (self.inner.min_steps, self.inner.max_steps) == (1, 0):  # and with fixed rounds, as before step bounds existed
+            body["inner"] = {k: v for k, v in body["inner"].items() if k not in ("min_steps", "max_steps")}
+        if not self.wire.link_codecs:  # and with one codec for every link, as before per-link codecs existed
+            body["wire"] = {k: v for k, v in body["wire"].items() if k not in ("link_codecs", "link_fraction")}
+        if self.rounds.mode != "steps":  # every island must pace its rounds alike (the rest of [rounds] is not theirs)
+            body["pace"] = {"mode": self.rounds.mode, "round_s": self.rounds.round_s}
         canonical = json.dumps(body, sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(canonical.encode()).hexdigest()[:16]
 
@@ -75,6 +83,10 @@ class RunConfig:
             (m.d_model % m.n_heads == 0, "model.d_model must be divisible by model.n_heads"),
             ((m.d_model // max(m.n_heads, 1)) % 2 == 0, "model head dim must be even for RoPE"),
             (m.n_kv_heads >= 0 and m.n_heads % m.kv_heads == 0, "model.n_heads must be a multiple of model.n_kv_heads (0: n_heads)"),
+            (m.moe_experts == 0 or (m.moe_experts >= 2 and 1 <= m.moe_top_k <= m.moe_experts and m.moe_capacity_factor > 0
+                                    and m.moe_aux_loss_coef >= 0),
+             "model.moe_experts must be 0 (dense) or >= 2, with 1 <= moe_top_k <= moe_experts, moe_capacity_factor > 0 "
+             "and moe_aux_loss_coef >= 0"),
             (d.seq_len <= m.max_seq_len, "data.seq_len must not exceed model.max_seq_len"),
             (d.source in ("synthetic", "text", "tokens"), "data.source must be 'synthetic', 'text' or 'tokens'"),
             (d.source != "text" or bool(d.path), "data.source='text' needs data.path"),
@@ -92,6 +104,14 @@ class RunConfig:
             (i.steps_per_round >= 1, "inner.steps_per_round must be >= 1"),
             (i.batch_size >= 1, "inner.batch_size must be >= 1"),
             (r.rounds >= 1, "rounds.rounds must be >= 1"),
+            (r.mode in ("steps", "time"), "rounds.mode must be 'steps' or 'time'"),
+            (r.mode != "time" or 0 < r.round_s < r.deadline_s, "rounds.mode='time' needs 0 < rounds.round_s < rounds.deadline_s"),
+            (r.mode != "time" or self.streaming.fragments == 1,
+             "rounds.mode='time' works with streaming.fragments = 1 only (fragment offsets are inner steps within H)"),
+            (i.max_steps >= 0 and 1 <= i.min_steps <= (i.max_steps or i.steps_per_round),
+             "need 1 <= inner.min_steps <= inner.max_steps (0: inner.steps_per_round)"),
+            (r.late_rounds >= 0 and 0 <= r.late_discount <= 1, "need rounds.late_rounds >= 0 and 0 <= rounds.late_discount <= 1"),
+            (0 < self.wire.link_fraction <= 1, "wire.link_fraction must be in (0, 1]"),
             (1 <= r.min_islands <= r.max_islands, "need 1 <= rounds.min_islands <= rounds.max_islands"),
             (self.outer.lr > 0, "outer.lr must be > 0"),
             (0 <= self.outer.momentum < 1, "outer.momentum must be in [0, 1)"),

@@ -74,6 +74,10 @@ def export(checkpoint_url: str, out_dir: str | Path, *, step: int | None = None,
     store = CheckpointStore(checkpoint_url, storage_options=storage_options)
     step, tensors, meta = _read_checkpoint(store, step)
     cfg = _run_config(meta, tensors["outer_params"], config_path, f"checkpoint {step} under {store.url}")
+    if cfg.model.moe_experts:
+        raise ExportError(f"checkpoint {step} under {store.url} is a mixture of experts (model.moe_experts="
+                          f"{cfg.model.moe_experts}): diloco-export writes dense Llama only, and Hugging Face's Mixtral has no "
+                          "expert capacity, so its logits would differ wherever tokens overflow an expert")
     # The published copy is what every island holds and what the eval loss was measured on; it differs
     # from the outer parameters only with a lossy downlink (otherwise the checkpoint leaves it empty).
     params = {**tensors["outer_params"], **(tensors.get("published") or {})}

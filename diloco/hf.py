@@ -85,6 +85,8 @@ def check_state_dict(state_dict: Mapping[str, torch.Tensor], cfg: ModelConfig) -
 
 def to_hf(state_dict: Mapping[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
     """Our state dict (checked against cfg) under LlamaForCausalLM's names; the tensors are not copied."""
+    if cfg.moe_experts:  # its names would map (blocks.i.mlp.router...), into a folder transformers cannot load
+        raise HFError(f"a mixture of experts (moe_experts={cfg.moe_experts}) is not a Llama model")
     check_state_dict(state_dict, cfg)
     return {hf_name(n): t.detach() for n, t in state_dict.items()}
 

@@ -1,4 +1,5 @@
-"""A Llama-style decoder: pre-norm RMSNorm, rotary embeddings, grouped-query attention, SwiGLU MLP.
+"""A Llama-style decoder: pre-norm RMSNorm, rotary embeddings, grouped-query attention, SwiGLU MLP (or, with
+model.moe_experts, a mixture of SwiGLU experts: diloco/moe.py).
 
 Read top to bottom: rope, Attention, MLP, Block, Transformer. Inside a block the parameter names are
 Hugging Face Llama's (q_proj ... down_proj) and rotary embeddings use its rotate-half convention (the
@@ -15,6 +16,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from diloco.config import ModelConfig
+from diloco.moe import MoE, inactive_parameters
 
 
 def rope_tables(seq_len: int, head_dim: int, theta: float, device=None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -73,11 +75,15 @@ class Block(nn.Module):
         self.attn_norm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
         self.attn = Attention(cfg)
         self.mlp_norm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
-        self.mlp = MLP(cfg)
+        self.mlp = MoE(cfg, lambda: MLP(cfg)) if cfg.moe_experts else MLP(cfg)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The block's output and its experts' load-balancing loss (None for a dense MLP)."""
         x = x + self.attn(self.attn_norm(x), cos, sin)
-        return x + self.mlp(self.mlp_norm(x))
+        if isinstance(self.mlp, MLP):
+            return x + self.mlp(self.mlp_norm(x)), None
+        y, aux = self.mlp(self.mlp_norm(x))
+        return x + y, aux
 
 
 class Transformer(nn.Module):
@@ -93,6 +99,9 @@ class Transformer(nn.Module):
         cos, sin = rope_tables(cfg.max_seq_len, cfg.head_dim, cfg.rope_theta)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
+        # The last forward's load-balancing loss (mixture of experts only), detached: train_step's loss
+        # includes moe_aux_loss_coef times it, so loss - coef * aux_loss is the cross-entropy.
+        self.aux_loss: torch.Tensor | None = None
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -113,24 +122,39 @@ class Transformer(nn.Module):
             raise ValueError(f"sequence length {t} exceeds model.max_seq_len={self.cfg.max_seq_len}")
         x = self.embed(tokens)
         cos, sin = self.rope_cos[:t], self.rope_sin[:t]
+        aux = []
         for block in self.blocks:
-            x = block(x, cos, sin)
+            x, block_aux = block(x, cos, sin)
+            if block_aux is not None:
+                aux.append(block_aux)
         x = self.norm(x)
         logits = F.linear(x, self.embed.weight) if self.lm_head is None else self.lm_head(x)
         if targets is None:
             return logits
         loss = F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.reshape(-1))
+        if aux:
+            # The mean over blocks, so the coefficient means the same at any depth. Training only: an
+            # eval loss is the cross-entropy, comparable with a dense model's.
+            aux_loss = torch.stack(aux).mean()
+            self.aux_loss = aux_loss.detach()
+            if self.training:
+                loss = loss + self.cfg.moe_aux_loss_coef * aux_loss
         return logits, loss
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())
 
+    def active_parameters(self) -> int:
+        """Parameters a token uses: all of a dense model's; a mixture of experts' less the experts it skips."""
+        return self.num_parameters() - inactive_parameters(self.cfg)
+
     def flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs per token (6N plus attention), as in the PaLM appendix.
 
         N counts the matrices that multiply: a tied embedding once (it is the output projection), an
-        untied input embedding not at all (it is a lookup).
+        untied input embedding not at all (it is a lookup), and of a mixture of experts only the router
+        and the top-k experts a token is routed to.
         """
-        n = self.num_parameters() - (0 if self.lm_head is None else self.embed.weight.numel())
+        n = self.active_parameters() - (0 if self.lm_head is None else self.embed.weight.numel())
         attn = 12 * self.cfg.n_layers * self.cfg.d_model * seq_len
         return 6 * n + attn

@@ -22,6 +22,14 @@ class ModelConfig:
     # The output projection reuses the embedding matrix; false gives it its own (as Llama 2 7B).
     tie_embeddings: bool = True
     norm_eps: float = 1e-5
+    # Mixture of experts (diloco/moe.py): 0 is the dense MLP; n >= 2 makes every block's MLP n SwiGLU
+    # experts of d_ff each and a router. Each token takes moe_top_k of them; an expert takes at most
+    # ceil(moe_capacity_factor * seq_len * top_k / n) tokens of a sequence (the rest skip it); the
+    # training loss adds moe_aux_loss_coef times the load-balancing loss (1 at uniform routing).
+    moe_experts: int = 0
+    moe_top_k: int = 2
+    moe_capacity_factor: float = 1.25
+    moe_aux_loss_coef: float = 0.01
 
     @property
     def kv_heads(self) -> int:
@@ -78,6 +86,12 @@ class InnerConfig:
     grad_clip: float = 1.0
     batch_size: int = 8  # sequences per island per inner step
     steps_per_round: int = 20  # H
+    # How many inner steps a round may hold when islands differ (diloco/pace.py): rounds.mode = "time"
+    # runs as many as fit in rounds.round_s, at least min_steps and at most max_steps; an island's own
+    # --steps-per-round may not exceed max_steps either. 0: steps_per_round. A push may claim at most
+    # max(steps_per_round, max_steps) (+ streaming overlap) inner steps.
+    min_steps: int = 1
+    max_steps: int = 0
     # Muon's peak lr (0: lr), on the same warmup and cosine as AdamW's. With "match_rms_adamw" each
     # matrix's update is scaled by 0.2 * sqrt(max(rows, cols)) to AdamW's update RMS (Moonlight), so
     # AdamW's lr and weight decay carry over; "original" (Keller Jordan's sqrt(max(1, rows/cols)))
@@ -107,6 +121,17 @@ class RoundConfig:
     lease_s: float = 10.0
     # The most ranks (replica groups x ranks per group) an island may declare at join.
     max_island_ranks: int = 4096
+    # "steps": every island trains inner.steps_per_round (H) inner steps a round (or its own
+    # --steps-per-round); "time": each trains for round_s seconds of its own wall time from the start of
+    # its round, between inner.min_steps and inner.max_steps steps, then pushes with its token count, so
+    # fast islands do more steps instead of waiting (streaming.fragments = 1 only).
+    mode: str = "steps"
+    round_s: float = 0.0
+    # Late contributions: a push that arrives up to late_rounds rounds after its round closed is folded
+    # into the current round with weight tokens x late_discount ** staleness (staleness: rounds between
+    # the round it trained for and the one it is folded into) instead of being refused; 0: refused.
+    late_rounds: int = 0
+    late_discount: float = 0.5
 
 
 @dataclass
@@ -137,6 +162,13 @@ class WireConfig:
     topk_bits: int = 2  # per kept value: a sign bit and bits-1 bits choosing one of 2^(bits-1) magnitude levels
     # Payload bytes per chunk; far under gRPC's 4 MB default message limit.
     chunk_bytes: int = 1 << 20
+    # Compression per link (coordinator/links.py): islands may push with any of these codecs (and `codec`,
+    # which they start with). Listed from the least lossy to the most: for each island and round the
+    # coordinator advises the first whose push, at the island's measured throughput, takes at most
+    # link_fraction of the round's time (rounds.round_s, or the last round's duration), else the last.
+    # Pair a lossy one with error_feedback. Empty: every island pushes with `codec`.
+    link_codecs: list[str] = field(default_factory=list)
+    link_fraction: float = 0.1
 
     @property
     def uses_error_feedback(self) -> bool:
