@@ -43,6 +43,7 @@ from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 import torch
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, make_wsgi_app
 
+from diloco.moe import inactive_parameters
 from diloco.jsonlog import JsonLines, LogError, check_tensorboard, tensorboard_writer
 
 log = logging.getLogger(__name__)
@@ -207,7 +208,8 @@ class IslandTelemetry:
         self.window_steps = self.options.window_steps or cfg.inner.steps_per_round
         self.step_tokens = cfg.inner.batch_size * cfg.data.seq_len  # per rank and inner step
         n_params = island.manifest.total_numel()
-        self.flops_per_token = flops_per_token(n_params, cfg.model.n_layers, cfg.model.d_model, cfg.data.seq_len)
+        active = n_params - inactive_parameters(cfg.model)  # a mixture of experts computes with the routed experts only
+        self.flops_per_token = flops_per_token(active, cfg.model.n_layers, cfg.model.d_model, cfg.data.seq_len)
         self.peak = self.options.peak_flops or gpu_peak_flops(island.world.device)
         self._window = _Window(time.monotonic(), island.timing["wait_s"])
         if not self.exporting:
