@@ -9,7 +9,8 @@ import logging
 import sys
 from pathlib import Path
 
-sys.path[:0] = [str(Path(__file__).resolve().parent)]
+# The checkout this file is in first, as tests/fsdp_scenarios.py does (not whatever copy is installed).
+sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parent)]
 
 from conftest import tiny_config  # noqa: E402
 from fsdp_scenarios import SHARDED_FLAGS, Run  # noqa: E402
