@@ -3,8 +3,8 @@
 Each contribution's norm is summed chunk by chunk as its pushes arrive
 (`chunk_sumsq`), so at the close the guard judges the whole round before anything
 is folded, and every contribution is decoded once: folded in canonical island
-order with its token weight times the guard's factor (1 kept, < 1 clipped); a
-dropped one is not folded at all.
+order with its token weight (discounted when late) times the guard's factor (1
+kept, < 1 clipped); a dropped one is not folded at all.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import math
 
 import torch
 
-from coordinator.records import Contribution
+from coordinator.records import Contribution, fold_key
 from diloco.codec import Codec
 from diloco.outer import PseudoGradientAccumulator
 from diloco.robust import NormGuard, Verdict
@@ -28,7 +28,7 @@ def chunk_sumsq(codec: Codec, payload: bytes, numel: int) -> float:
 def judge(guard: NormGuard, contributions: list[tuple[str, Contribution]], label: str) -> Verdict:
     """The guard's verdict on norms per unit of inner learning rate (comparable across warmup and a
     fragment's shorter first round); contributions trained on no tokens (zero weight) are not judged."""
-    return guard.judge({island: math.sqrt(c.sumsq) / c.lr_sum for island, c in contributions if c.tokens}, label)
+    return guard.judge({fold_key(island, c): math.sqrt(c.sumsq) / c.lr_sum for island, c in contributions if c.tokens}, label)
 
 
 def fold(accumulator: PseudoGradientAccumulator, codec: Codec, contributions: list[tuple[str, Contribution]],
@@ -36,21 +36,24 @@ def fold(accumulator: PseudoGradientAccumulator, codec: Codec, contributions: li
     """Folds the kept contributions in the given (canonical) order; returns the elements folded."""
     folded = 0
     for island, contribution in contributions:
-        factor = verdict.factors.get(island, 1.0)
+        factor = verdict.factors.get(fold_key(island, contribution), 1.0)
         if factor == 0.0:
             for spool in contribution.spools:
                 spool.discard()
             continue
-        scale = accumulator.scale_for(contribution.tokens) * factor
+        # Token-weighted; a late contribution's weight carries its staleness discount (coordinator/records.py).
+        scale = accumulator.scale_for(contribution.weight) * factor
         elements = 0
-        for spool in contribution.spools:
+        for k, spool in enumerate(contribution.spools):
+            # Each push stream in the codec it came in (compression per link), else the run's.
+            decoder = contribution.codecs[k] if k < len(contribution.codecs) else codec
             for chunk in spool.read():  # verified on arrival; the spool checks its own CRCs
-                accumulator.add_chunk(chunk.name, chunk.offset, codec.decode(chunk.payload, chunk.numel), scale)
+                accumulator.add_chunk(chunk.name, chunk.offset, decoder.decode(chunk.payload, chunk.numel), scale)
                 elements += chunk.numel
             spool.discard()
         # Coverage proved exactly-once already; this is the invariant the summary reports.
         assert elements == numel, (elements, numel)
-        accumulator.commit(contribution.tokens)
+        accumulator.commit(contribution.weight)
         folded += elements
     if not accumulator.contributions:  # every contribution dropped: the round's mean is zero
         accumulator.commit(0)

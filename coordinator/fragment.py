@@ -12,6 +12,13 @@ CLOSING once every live island (not on probation) contributed or was dropped, ma
 or the deadline passed with min_islands. apply(): folds the contributions in
 canonical island order (the aggregate does not depend on arrival order), takes
 the outer step, publishes, opens the next round; FINISHED after the last.
+
+Late contributions (rounds.late_rounds = k > 0): a push up to k rounds after its
+round closed (or a contribution still incomplete at the close) is kept in
+`late` and folded at the next close after the on-time ones, in canonical
+island order, with its weight discounted by rounds.late_discount per round of
+staleness (coordinator/records.py Contribution.weight); later than k it is
+refused (ROUND_CLOSED). One coordinator folds them all, so copies stay identical.
 """
 
 from __future__ import annotations
@@ -29,10 +36,12 @@ import torch
 from coordinator.fold import fold, judge
 from coordinator.intake import PushIntake
 from coordinator.ledger import DataLedger
+from coordinator.links import LinkAdvisor
 from coordinator.locks import ReadWriteLock
 from coordinator.membership import Membership, canonical_order
 from coordinator.publish import Publication
-from coordinator.records import (Closing, Contribution, Phase, Reason, Refused, close_reason, round_summary, traffic_into)
+from coordinator.records import (Closing, Contribution, Phase, Reason, Refused, close_reason, fold_key, round_summary,
+                                 traffic_into)
 from coordinator.spool import Spools
 from diloco.codec import Codec
 from diloco.config import RunConfig
@@ -57,6 +66,8 @@ class FragmentContext:
     run_finished: Callable[[], bool] = lambda: False  # every fragment finished (read holding cond)
     fragment_of: Callable[[str], int | None] = lambda name: None  # for messages about another fragment's parameter
     ledger: DataLedger | None = None  # token corpus: who trains on which samples
+    codecs: dict[str, Codec] | None = None  # what islands may push with, by name (wire.link_codecs; None: the run's codec)
+    links: LinkAdvisor | None = None  # compression per link: throughput measured, codecs advised (coordinator/links.py)
 
 
 class FragmentRounds(PushIntake):
@@ -74,10 +85,15 @@ class FragmentRounds(PushIntake):
         self.param_lock = ReadWriteLock()
         self.phase, self.round, self.round_opened_at = Phase.OPEN, 0, self.clock()
         self.contributions: dict[str, Contribution] = {}
+        # Late contributions (rounds.late_rounds) to fold at this round's close, by (island, round trained for), and
+        # the checksum each recent round started from (what a late push must have trained from).
+        self.late: dict[tuple[str, int], Contribution] = {}
+        self.published: dict[int, str] = {self.round: self.checksum}
         self.dropped: set[str] = set()
         self.traffic: dict[tuple[int, str], list[int]] = {}  # (round, island) -> [up, down]
         # The last closed round: islands and tokens in it, and (eager updates) its mean pseudo-gradient.
         self.last_islands = self.last_tokens = 0
+        self.last_round_s = 0.0  # open to close (compression per link sizes pushes to it)
         self.mean_chunks: list[pb.TensorChunk] = []
         # Set by a restore: where the fragment restarted, and the latest round islands had reached.
         self.restored_round: int | None = None
@@ -169,17 +185,32 @@ class FragmentRounds(PushIntake):
                 if reason is None:
                     return None
             self.phase = Phase.CLOSING
+            k = self.cfg.rounds.late_rounds
             for island_id in [i for i, c in self.contributions.items() if c.state == "pending"]:
+                if k:  # its other streams may still come: it is folded late, into a later round
+                    self.late[(island_id, self.round)] = self.contributions.pop(island_id)
+                    continue
                 log.warning("%sround %d: %s's contribution was incomplete; dropped", self.label, self.round, island_id)
                 self.drop(island_id)
+            for key in [key for key, c in self.late.items() if c.state == "pending" and self.round + 1 - c.origin > k]:
+                log.warning("%sround %d: %s's late contribution to round %d was incomplete; dropped", self.label, self.round, *key)
+                for spool in self.late.pop(key).spools:
+                    spool.discard()
             complete = [(i, self.contributions[i]) for i in canonical_order(self.contributions)]
+            # Late ones after the on-time ones, in canonical island order, then by the round they trained for.
+            rank = {i: n for n, i in enumerate(canonical_order({i for i, _ in self.late}))}
+            for key in sorted((key for key, c in self.late.items() if c.state == "complete"), key=lambda key: (rank[key[0]], key[1])):
+                late = self.late.pop(key)
+                late.staleness = self.round - late.origin
+                late.discount = self.cfg.rounds.late_discount ** late.staleness
+                complete.append((key[0], late))
             self.contributions.clear()
             return Closing(reason, complete, self.clock() - self.round_opened_at)
 
     def apply(self, closing: Closing) -> pb.RoundSummary:
         """Folds, takes the outer step, publishes the result and opens the next round; returns the round's summary."""
         verdict = judge(self.guard, closing.contributions, self.label)
-        kept = [(i, c) for i, c in closing.contributions if i not in verdict.dropped]
+        kept = [(i, c) for i, c in closing.contributions if fold_key(i, c) not in verdict.dropped]
         summary = round_summary(self.round, self.index, kept, self.manifest.total_numel(), self.cfg)
         summary.clipped.extend(verdict.clipped)
         self.dropped.update(verdict.dropped)
@@ -211,11 +242,15 @@ class FragmentRounds(PushIntake):
                     summary.data.CopyFrom(self.ctx.ledger.settle(self.index, [c.samples for _, c in kept], self.members.live()))
                 self._count_restart_cost()
                 self.members.after_round(self.round_opened_at, [i for i, _ in closing.contributions])
-                self.last_islands, self.last_tokens = len(closing.contributions), summary.tokens
+                self.members.events.late_folded += sum(1 for i, c in kept if c.staleness)
+                self.last_islands = len({i for i, _ in closing.contributions})  # an island may be in it on time and late
+                self.last_tokens, self.last_round_s = summary.tokens, summary.seconds
                 self.accumulator.reset()
                 self.dropped.clear()
                 self.round += 1
                 self.round_opened_at = self.clock()
+                self.published = {r: c for r, c in self.published.items() if r >= self.round - self.cfg.rounds.late_rounds}
+                self.published[self.round] = self.checksum
                 self.phase = Phase.FINISHED if self.round >= self.cfg.rounds.rounds else Phase.OPEN
                 # Decided with the phase change, so exactly one fragment's summary finishes the run.
                 summary.run_finished = self.ctx.run_finished()
@@ -253,5 +288,7 @@ class FragmentRounds(PushIntake):
             self.round = state["round"]
             self.phase = Phase.FINISHED if finished or self.round >= self.cfg.rounds.rounds else Phase.OPEN
             self.round_opened_at = self.restored_at = now
+            # What earlier rounds started from is not in the checkpoint: a push for them is refused (ROUND_CLOSED).
+            self.published = {self.round: self.checksum}
             self.restored_round = self.round
             self.last_islands, self.last_tokens = state["last"]

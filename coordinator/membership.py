@@ -50,7 +50,8 @@ class Events:
     leases_expired: int = 0
     dropped_nonfinite: int = 0
     checksum_resyncs: int = 0
-    late_pushes: int = 0
+    late_pushes: int = 0  # refused: too late (more than rounds.late_rounds)
+    late_folded: int = 0  # folded into a later round with their staleness discount (rounds.late_rounds)
     restarts: int = 0  # of the coordinator
     rounds_lost: int = 0
     recovery_s: float = 0.0  # coordinator restarts: from restore to the first round closed again

@@ -8,15 +8,17 @@ from dataclasses import dataclass, field
 import math
 
 from coordinator.spool import Spool
+from diloco.codec import Codec
 from diloco.config import RunConfig
 from diloco.inner import inner_lr
+from diloco.pace import lr_position, max_round_steps
 from diloco.refusal import Reason, Refused
 from diloco.v1 import diloco_pb2 as pb
 from diloco.wire import Coverage
 
 
-__all__ = ["Closed", "Closing", "Contribution", "Phase", "Reason", "Refused", "check_claim", "close_reason", "round_summary",
-           "traffic_into"]
+__all__ = ["Closed", "Closing", "Contribution", "Phase", "Reason", "Refused", "check_claim", "close_reason", "fold_key",
+           "round_summary", "traffic_into"]
 
 
 class Phase(enum.Enum):
@@ -37,6 +39,23 @@ class Contribution:
     samples: list[tuple[int, int]] = field(default_factory=list)  # token corpus: the positions trained on
     sumsq: float = 0.0  # of its values, summed as chunks arrive: the norm guard judges it at the close
     lr_sum: float = 1.0  # the inner learning rates it was trained with, summed: its norm is judged per unit of it
+    origin: int = 0  # the round it was trained for
+    codecs: list[Codec] = field(default_factory=list)  # each spool's codec (compression per link: islands' codecs differ)
+    # Late contributions (rounds.late_rounds): rounds between origin and the round it is folded into, and
+    # the factor on its token weight (rounds.late_discount ** staleness), set when that round closes.
+    staleness: int = 0
+    discount: float = 1.0
+
+    @property
+    def weight(self) -> float | int:
+        """Its weight in the token-weighted mean: its tokens, discounted when late (an int when on time, so plain
+        rounds keep exactly the arithmetic they had)."""
+        return self.tokens if not self.staleness else self.tokens * self.discount
+
+
+def fold_key(island_id: str, contribution: Contribution) -> str:
+    """Names a contribution in a closing round: an island may have an on-time and a late one in the same round."""
+    return island_id if not contribution.staleness else f"{island_id} (late from round {contribution.origin})"
 
 
 @dataclass
@@ -64,7 +83,8 @@ def lr_sum(header: pb.PushHeader, cfg: RunConfig) -> float:
     total = cfg.rounds.rounds * cfg.inner.steps_per_round
     # Within the run's steps whatever the header says: this sum runs holding the round's lock.
     first = min(max(header.first_step, 0), total)
-    steps = range(first, first + min(max(1, header.inner_steps), total))
+    # The positions the island trained at (diloco/pace.py): a round's extra steps sit at its last position.
+    steps = (lr_position(first, j, cfg) for j in range(min(max(1, header.inner_steps), total)))
     s = sum(inner_lr(t, total, cfg.inner) for t in steps)
     return s if s > 0 else 1.0
 
@@ -72,7 +92,7 @@ def lr_sum(header: pb.PushHeader, cfg: RunConfig) -> float:
 def check_claim(header: pb.PushHeader, cfg: RunConfig, ranks: int) -> None:
     """Refuses a push claiming more tokens or inner steps than the island's ranks can train in a round."""
     per_step = cfg.inner.batch_size * cfg.data.seq_len
-    steps = cfg.inner.steps_per_round + cfg.streaming.overlap
+    steps = max_round_steps(cfg)  # time-boxed rounds and islands with their own H: up to inner.max_steps
     if header.inner_steps > steps or header.tokens > header.inner_steps * per_step * ranks or header.tokens % per_step:
         raise Refused(Reason.BAD_REQUEST, f"{header.tokens} tokens in {header.inner_steps} inner steps: not what {ranks} "
                       f"rank(s) train with batch {cfg.inner.batch_size} x seq_len {cfg.data.seq_len} in at most {steps} steps")
@@ -98,7 +118,7 @@ def round_summary(round_: int, fragment: int, contributions: list, numel: int, c
     n = len(contributions)
     return pb.RoundSummary(
         round=round_,
-        islands=sorted(i for i, _ in contributions),
+        islands=sorted({i for i, _ in contributions}),
         tokens=tokens,
         train_loss=sum(c.train_loss * c.tokens for _, c in contributions) / tokens if tokens else math.nan,
         eval_loss=math.nan,
@@ -106,7 +126,9 @@ def round_summary(round_: int, fragment: int, contributions: list, numel: int, c
         ddp_bytes=2.0 * (n - 1) * 4 * numel * cfg.inner.steps_per_round,
         fragment=fragment,
         fragments=cfg.streaming.fragments,
-        contributions=[pb.IslandContribution(island_id=i, tokens=c.tokens, train_loss=c.train_loss) for i, c in contributions],
+        contributions=[pb.IslandContribution(island_id=i, tokens=c.tokens, train_loss=c.train_loss, staleness=c.staleness,
+                                             weight=float(c.weight), codec=c.codecs[0].name if c.codecs else "")
+                       for i, c in contributions],
     )
 
 

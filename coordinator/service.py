@@ -191,6 +191,8 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         chunk_bytes = self.state.cfg.wire.chunk_bytes
         with self._reading(fragment, delta_from_round, want_mean) as (header, params, values, delta, mean):
             header.held_s = held_s
+            if fragment is not None and island_id != "observer":  # compression per link: its next push's codec
+                header.push_codec = self.state.advise_codec(island_id, fragment, header.round)
             if ranges is not None:
                 header.ranges_checksum = ranges_checksum(
                     (r.name, r.offset, params[r.name].view(-1)[r.offset : r.end]) for r in ranges

@@ -26,6 +26,7 @@ import torch
 
 from coordinator.fragment import FragmentContext, FragmentRounds
 from coordinator.ledger import DataLedger, account_dict
+from coordinator.links import LinkAdvisor
 from coordinator.membership import Events, Island, Membership, canonical_order
 from coordinator.records import Closed, Phase, Reason, Refused
 from coordinator.spool import Spools
@@ -33,7 +34,7 @@ from diloco.config import RunConfig
 from diloco.fragments import layout_for
 from diloco.params import checksum
 from diloco.v1 import diloco_pb2 as pb
-from diloco.wire import Manifest, uplink_codec
+from diloco.wire import Manifest, link_codecs, uplink_codec
 
 log = logging.getLogger(__name__)
 
@@ -77,9 +78,13 @@ class CoordinatorState:
                                   revoked=revoked, record=record, idle_rounds=cfg.limits.idle_rounds * cfg.streaming.fragments)
         self.summaries: list[pb.RoundSummary] = []
         self._wave = _Wave()
+        # Compression per link (coordinator/links.py): the codecs islands may push with, and who advises which.
+        codecs = link_codecs(cfg.wire)
+        advised = list(codecs.values())[:len(cfg.wire.link_codecs)]
+        self.links = LinkAdvisor(advised, cfg.wire.link_fraction) if advised else None
         ctx = FragmentContext(
             cfg, self.codec, self.cond, clock, Spools(spool_dir, int(cfg.limits.spool_gb * 1e9)), self.members,
-            run_finished=lambda: self.finished, fragment_of=self._fragment_of, ledger=ledger,
+            run_finished=lambda: self.finished, fragment_of=self._fragment_of, ledger=ledger, codecs=codecs, links=self.links,
         )
         self.fragments = [FragmentRounds(ctx, f.index, self.layout.subset(f.index, params)) for f in self.layout]
         # The published parameters of every fragment, in manifest order (the same tensors).
@@ -236,6 +241,14 @@ class CoordinatorState:
 
     def count_down(self, round_: int, island_id: str, n: int, fragment: int = 0) -> None:
         self.fragment(fragment).count_down(round_, island_id, n)
+
+    def advise_codec(self, island_id: str, fragment: int, round_: int) -> str:
+        """The codec island_id should push round_ of fragment with (wire.link_codecs); "" to keep its own."""
+        if self.links is None:
+            return ""
+        f = self.fragment(fragment)
+        round_s = self.cfg.rounds.round_s if self.cfg.rounds.mode == "time" else f.last_round_s
+        return self.links.advise(island_id, fragment, round_, f.manifest.total_numel(), round_s)
 
     # --- the round driver: close, outer step and publication, summary --------------------
 

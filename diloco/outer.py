@@ -33,7 +33,7 @@ class PseudoGradientAccumulator:
         self.contributions = 0
         self._divided = False
 
-    def scale_for(self, tokens: int) -> float:
+    def scale_for(self, tokens: float) -> float:
         """A contribution's scale; 0 for one trained on no tokens (an island that resynced at its round's
         end pushes a zero pseudo-gradient, which must not dilute the others)."""
         if tokens < 0:
@@ -45,8 +45,9 @@ class PseudoGradientAccumulator:
         flat = self.sums[name].view(-1)
         flat[offset : offset + values.numel()].add_(values, alpha=scale)
 
-    def commit(self, tokens: int) -> None:
-        """Counts a contribution whose chunks have all been added with scale_for(tokens)."""
+    def commit(self, tokens: float) -> None:
+        """Counts a contribution whose chunks have all been added with scale_for(tokens). tokens is its weight: a
+        token count, or a late contribution's discounted one (a float)."""
         if self._divided:
             raise RuntimeError("the accumulator holds a mean; reset() it before adding the next round")
         if self.reference_tokens is None and tokens > 0:

@@ -22,7 +22,9 @@ from diloco.v1 import diloco_pb2 as pb
 # 3: top-k positions travel Golomb-Rice coded, after all levels and codes.
 # 4: every refusal carries a typed Refusal (diloco/refusal.py) in its trailing metadata.
 # 7: the limits' refusals (STREAM_IDLE, RATE_LIMITED, SPOOL_FULL), which older islands cannot read.
-PROTOCOL_VERSION = 7
+# 8: late contributions (PushResponse.late, folded_into; IslandContribution.staleness, weight), time-boxed rounds and
+#    compression per link (ResultHeader.push_codec; pushes in any of wire.link_codecs).
+PROTOCOL_VERSION = 8
 
 
 class ChunkError(ValueError):
@@ -74,6 +76,13 @@ def _codec_options(wire: WireConfig) -> dict:
 def uplink_codec(wire: WireConfig) -> Codec:
     """The codec islands push pseudo-gradients with."""
     return get_codec(wire.codec, **_codec_options(wire))
+
+
+def link_codecs(wire: WireConfig) -> dict[str, Codec]:
+    """Every codec an island may push with, by its wire name: wire.link_codecs in their order (least lossy first;
+    coordinator/links.py advises among them), then the run's codec, which islands start with."""
+    codecs = [get_codec(name, **_codec_options(wire)) for name in wire.link_codecs] + [uplink_codec(wire)]
+    return {c.name: c for c in codecs}
 
 
 def downlink_codec(wire: WireConfig) -> Codec:

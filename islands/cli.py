@@ -42,6 +42,11 @@ def build_parser() -> ArgumentParser:
     j.add_argument("--checkpoint-every", type=int, default=5, metavar="N", help="checkpoint every N rounds (default 5)")
     j.add_argument("--resume", action="store_true", help="restore the newest checkpoint at --checkpoint and rejoin as the same island")
     j.add_argument("--max-rounds", type=int, default=None, help="leave after this many rounds (default: until the run ends)")
+    j.add_argument("--steps-per-round", type=int, default=0, metavar="N",
+                   help="this island's own H: N inner steps every round (default: the run's inner.steps_per_round; at most "
+                        "inner.max_steps; streaming.fragments = 1)")
+    j.add_argument("--throttle", type=float, default=0.0, metavar="S",
+                   help="sleep S seconds in every inner step, as if on a slower device (tests, benchmarks)")
     j.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     j.add_argument("--tls", metavar="DIR", help="connect over mutual TLS with the run's CA (ca.pem) and this island's "
                    "certificate in DIR (island-NAME.pem/.key: `diloco-certs island`)")
@@ -105,6 +110,8 @@ def main(argv: list[str] | None = None) -> None:
         fail(parser.prog, "--resume needs --checkpoint URL")
     if args.metrics_port is not None and not 0 <= args.metrics_port < 65536:
         fail(parser.prog, f"--metrics-port {args.metrics_port} is not a port (0..65535; 0: any free one)")
+    if args.steps_per_round < 0 or args.throttle < 0:
+        fail(parser.prog, "--steps-per-round and --throttle must be >= 0")
     if args.log_window < 0:
         fail(parser.prog, "--log-window must be at least 1 (or 0: a round's inner steps)")
     if args.tensorboard:

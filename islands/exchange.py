@@ -82,6 +82,11 @@ class Wire:
     feedback: ErrorFeedback | None
     pull_timeout_s: float
     island_id: Callable[[], str]
+    codecs: dict[str, Codec] = field(default_factory=dict)  # what it may push with, by name (wire.link_codecs)
+
+    def codec_for(self, ex: "Exchange") -> Codec:
+        """The codec of this exchange's push: the one advised for its fragment when it started, else the run's."""
+        return self.codecs.get(ex.codec, self.codec)
 
 
 @dataclass
@@ -96,6 +101,9 @@ class Exchange:
     checksum: str  # of the global parameters the round was trained from
     pusher: bool  # this rank's group pushes
     samples: list[tuple[int, int]] = field(default_factory=list)  # token corpus: the sample positions trained on
+    first_step: int = -1  # the lr schedule position of its first inner step (-1: pushed_step - inner_steps)
+    folded_into: int = -1  # rounds.late_rounds: the later round the coordinator folds this late push into
+    codec: str = ""  # compression per link: the codec it pushes with, fixed at the sync ("": the run's)
     pg: dict[str, torch.Tensor] | None = None  # snapshot of the pseudo-gradient shard (overlapped exchanges)
     staging: dict[str, torch.Tensor] | None = None  # where an overlapped pull writes theta_global_f
     estimate: dict[str, torch.Tensor] | None = None  # eager: the provisional global trained from meanwhile
@@ -122,14 +130,16 @@ class Exchange:
 
     def state_dict(self) -> dict:
         """What a healing peer needs to land this exchange (or take its push over)."""
-        keys = ("fragment", "round", "pushed_step", "due", "tokens", "inner_steps", "train_loss", "checksum", "samples")
+        keys = ("fragment", "round", "pushed_step", "due", "tokens", "inner_steps", "train_loss", "checksum", "samples", "first_step",
+                "codec")
         return {k: getattr(self, k) for k in keys} | {"pg": self.pg}
 
 
 def pg_chunks(shard: FragmentShard, ex: Exchange, wire: Wire, start: int = 0) -> Iterator[pb.TensorChunk]:
     """The pseudo-gradient of this rank's shard as chunks, one chunk at a time; a pure function of the
     exchange (error feedback writes only its pending residual), so every resend is the same bytes."""
-    step = max(1, wire.codec.max_elements(wire.chunk_bytes))
+    codec = wire.codec_for(ex)
+    step = max(1, codec.max_elements(wire.chunk_bytes))
     i = 0
     for r in shard.ranges:
         for lo in range(0, r.numel, step):
@@ -141,9 +151,9 @@ def pg_chunks(shard: FragmentShard, ex: Exchange, wire: Wire, start: int = 0) ->
                     else:
                         piece = shard.flat_global(r.name)[lo:hi] - shard.local[r.name][lo:hi].to("cpu", torch.float32)
                     if wire.feedback is not None:
-                        payload = wire.feedback.encode(r.name, lo, piece, wire.codec)
+                        payload = wire.feedback.encode(r.name, lo, piece, codec)
                     else:
-                        payload = wire.codec.encode(piece)
+                        payload = codec.encode(piece)
                 yield pb.TensorChunk(name=r.name, offset=r.offset + lo, numel=hi - lo, payload=payload, crc32=zlib.crc32(payload))
             i += 1
 
@@ -153,12 +163,15 @@ def push(shard: FragmentShard, ex: Exchange, wire: Wire) -> int:
     if shard.numel() == 0:
         return PUSHED
     header = pb.PushHeader(
-        island_id=wire.island_id(), round=ex.round, tokens=ex.tokens, train_loss=ex.train_loss, codec=wire.codec.name,
+        island_id=wire.island_id(), round=ex.round, tokens=ex.tokens, train_loss=ex.train_loss, codec=wire.codec_for(ex).name,
         inner_steps=ex.inner_steps, global_checksum=ex.checksum, fragment=ex.fragment,
-        samples=[pb.SampleRange(start=a, stop=b) for a, b in ex.samples], first_step=max(0, ex.pushed_step - ex.inner_steps),
+        samples=[pb.SampleRange(start=a, stop=b) for a, b in ex.samples],
+        first_step=ex.first_step if ex.first_step >= 0 else max(0, ex.pushed_step - ex.inner_steps),
     )
     try:
-        wire.client.push(header, RegeneratingChunks(lambda start: pg_chunks(shard, ex, wire, start)))
+        response = wire.client.push(header, RegeneratingChunks(lambda start: pg_chunks(shard, ex, wire, start)))
+        if response.late:  # delivered, for a later round: the pull brings the current global parameters
+            ex.folded_into = response.folded_into
         return PUSHED
     except grpc.RpcError as e:
         status = _STATUS.get(next_step(e))

@@ -40,7 +40,7 @@ from diloco.inner import build_inner_optimizer, inner_lr, train_step
 from diloco.params import checksum
 from diloco.streaming import EagerState, eager_gradient, mix_
 from diloco.v1 import diloco_pb2 as pb
-from diloco.wire import Manifest, downlink_codec, uplink_codec
+from diloco.wire import Manifest, downlink_codec, link_codecs, uplink_codec
 from islands import exchange
 from islands.client import CoordinatorClient, MeanBuffer
 from islands.evidence import Evidence, maybe_fault
@@ -50,6 +50,7 @@ from islands.fsdp import ShardLayout, build_island_model, local_views
 from islands.joining import check_join_reply
 from islands.landing import Landing
 from islands.memwatch import PeakRss
+from islands.pace import Pacing, RoundPace
 from islands.replicas import Replicas, Solo
 from islands.state import IslandState, ReplicaSpec
 from islands.telemetry import IslandTelemetry
@@ -72,13 +73,14 @@ class IslandResult:
     wall_s: float = 0.0
     inner_steps: int = 0
     straggler_s: float = 0.0  # of wait_s, waiting for other islands' pushes
+    late_folds: int = 0  # pushes the coordinator folded into a later round (rounds.late_rounds)
 
     @property
     def utilization(self) -> float:
         return self.compute_s / self.wall_s if self.wall_s else math.nan
 
 
-class Island(Landing):
+class Island(Landing, Pacing):
     def __init__(self, cfg: RunConfig, world: IslandWorld, client: CoordinatorClient, joined: pb.JoinResponse,
                  spec: ReplicaSpec | None = None, compile_model: bool = False):
         self.cfg, self.world, self.client = cfg, world, client
@@ -103,11 +105,13 @@ class Island(Landing):
         self.state = IslandState(joined.island_id, list(joined.fragment_rounds) or [joined.round] * p, joined.total_rounds)
         self.feed = make_feed(cfg, joined, world, self.spec, client, lambda: self.state.island_id)
         self.tau, self.alpha = cfg.streaming.overlap, cfg.streaming.alpha
+        self.pace = RoundPace(cfg, self.spec.steps_per_round, self.spec.groups)  # when a round ends (islands/pace.py)
+        self.late_folds = 0
         self.eager = [EagerState(cfg.outer) for _ in range(p)] if cfg.streaming.eager else None
         self.inflight: dict[int, Exchange] = {}
         self.replicas: Solo | Replicas = Solo()
         self.wire = Wire(client, self.codec, joined.max_chunk_bytes, self.feedback, cfg.rounds.deadline_s + 60,
-                         lambda: self.state.island_id)
+                         lambda: self.state.island_id, link_codecs(cfg.wire))  # compression per link: what it may push with
         self.restored = False
         self.checkpoint = None  # islands.checkpoint.IslandCheckpoint with --checkpoint
         # Inner steps; blocked waiting for results (of which: for other islands' pushes); everything.
@@ -194,8 +198,12 @@ class Island(Landing):
             # Charge this step only, not GPU work queued before it (a landing's copies into the model).
             torch.cuda.synchronize(self.world.device)
         t0 = time.monotonic()
-        loss = train_step(self.model, self.optimizer, batch, inner_lr(s.step, total_steps, cfg), cfg.grad_clip,
+        if s.step == s.last_sync[0]:
+            self.pace.begin_round()  # the time box counts from the round's first inner step
+        loss = train_step(self.model, self.optimizer, batch, inner_lr(self._lr_step(), total_steps, cfg), cfg.grad_clip,
                           self._reduce_gradients, self.world.device, autocast=self.whole)
+        if self.spec.throttle_s:
+            time.sleep(self.spec.throttle_s)  # a slower device, emulated: counted as compute
         t1 = time.monotonic()
         if loss is None:
             return
@@ -211,11 +219,18 @@ class Island(Landing):
         s.consume(self.feed.samples_per_step(self._participants))
         self.telemetry.inner_step(loss, tokens, t1 - t0)
         self._window.append(loss)
-        if s.step % cfg.steps_per_round == 0:
-            self.losses.append(sum(self._window) / len(self._window))
-            self._window = []
-            log.info("%s step %d: train loss %.4f, fragment rounds %s; %.1fs in inner steps, %.1fs waiting so far",
-                     s.island_id, s.step, self.losses[-1], s.rounds, self.timing["compute_s"], self.timing["wait_s"])
+        if not self.pace.custom and s.step % cfg.steps_per_round == 0:
+            self._close_window()
+
+    def _close_window(self) -> None:
+        """The mean inner loss of the round's steps (every H steps; at each sync with a pace of the island's own)."""
+        if not self._window:
+            return
+        s = self.state
+        self.losses.append(sum(self._window) / len(self._window))
+        self._window = []
+        log.info("%s step %d: train loss %.4f, fragment rounds %s; %.1fs in inner steps, %.1fs waiting so far",
+                 s.island_id, s.step, self.losses[-1], s.rounds, self.timing["compute_s"], self.timing["wait_s"])
 
     # --- a fragment's sync: the push now, the landing tau inner steps later ---------------------
 
@@ -223,7 +238,10 @@ class Island(Landing):
     def _sync(self, f: int) -> None:
         s, shard = self.state, self.fragments[f]
         c, h = s.step, self.cfg.inner.steps_per_round
-        background = self.tau > 0 and c < self.total_rounds * h
+        last = s.rounds[f] >= self.total_rounds - 1 if self.pace.custom else c >= self.total_rounds * h
+        background = self.tau > 0 and not last
+        if self.pace.custom:
+            self._close_window()
         steps = c - s.last_sync[f]
         if steps <= 0:
             log.warning("%s: fragment %d is due with no inner step trained for it; pushing it with no weight", s.island_id, f)
@@ -232,6 +250,8 @@ class Island(Landing):
             f, s.rounds[f], c, c + self.tau if background else c, tokens=s.tokens[f],
             inner_steps=max(steps, 1), train_loss=loss_sum / n if n else 0.0, checksum=s.checksums[f],
             pusher=self.replicas.participating_rank() == 0, samples=s.positions(s.data_marks[f], s.data_cursor),
+            first_step=s.rounds[f] * h if self.pace.custom else -1,  # where its lr positions start (diloco/pace.py)
+            codec=s.codecs[f],  # compression per link: as last advised, fixed for this push
         )
         if background:
             ex.pg = {r.name: shard.flat_global(r.name) - shard.local[r.name].to("cpu", torch.float32) for r in shard.ranges}
@@ -259,7 +279,7 @@ class Island(Landing):
         for f, shard in enumerate(self.fragments):
             if f in self.inflight or s.rounds[f] >= s.stop_round or s.finished:
                 continue
-            if s.step >= self.layout.round_end(f, s.rounds[f], self.total_rounds):
+            if self._round_over(f):
                 meter = PeakRss() if self.spec.measure_memory else nullcontext()
                 with meter:
                     round_ = s.rounds[f]
@@ -295,7 +315,8 @@ class Island(Landing):
             )
         self._participants, self._window = 1, []
         total_steps = self.total_rounds * h
-        marks = {h: None, total_steps - h: None} if self.total_rounds >= 3 else {}
+        # Steady state (LeaveRequest): between fixed steps of the fixed schedule; none with a pace of the island's own.
+        marks = {h: None, total_steps - h: None} if self.total_rounds >= 3 and not self.pace.custom else {}
         self.evidence.event("up", round=s.round)
         matches, finishing = None, 0
         assemble_until = time.monotonic() + self.spec.ft.startup_wait_s
@@ -332,5 +353,5 @@ class Island(Landing):
         whole = checksum(dict(self.model.named_parameters())) if self.whole else self.final_checksum
         return IslandResult(
             s.island_id, s.rounds_done, s.round, whole, bool(matches), self.losses, self.timing["compute_s"],
-            self.timing["wait_s"], self.timing["wall_s"], s.step, self.timing["straggler_s"],
+            self.timing["wait_s"], self.timing["wall_s"], s.step, self.timing["straggler_s"], self.late_folds,
         )

@@ -135,6 +135,10 @@ class Landing:
         if trouble or -lo != hi:
             self.resync(f, int(trouble) or LOST)
         else:
+            if ex.folded_into >= 0:  # the push was late: the coordinator folds it into a later round, discounted
+                self.late_folds += 1
+                log.info("%s: fragment %d round %d was folded late, into round %d; training for round %d", s.island_id, f,
+                         ex.round, ex.folded_into, got)
             carried = self._adopt(f, ex)
         ex.landed_at = time.monotonic()
         blocked = ex.landed_at - (ex.started_at if not ex.background else waited)
@@ -163,6 +167,12 @@ class Landing:
                 t.copy_(ex.staging[name])
         s.rounds[f], s.checksums[f] = header.round, header.checksum
         s.finished = s.finished or header.run_finished
+        self._align_step(f)  # a late fold may land us more than one round on
+        if header.push_codec in self.wire.codecs and header.push_codec != (s.codecs[f] or self.wire.codec.name):
+            # Compression per link: every rank and group hears the same advice; error feedback carries over as is.
+            log.info("%s: fragment %d pushes with %s from round %d (was %s)", s.island_id, f, header.push_codec, header.round,
+                     s.codecs[f] or self.wire.codec.name)
+            s.codecs[f] = header.push_codec
         final = header.round >= s.stop_round or header.run_finished  # the island ends holding exactly theta_global
         eager = self.eager[f] if self.eager is not None else None
         carried = 0.0
@@ -177,7 +187,7 @@ class Landing:
                 self.feedback.keep_residual_(shard.local, 1.0 - self.alpha)
                 carried = sum(self.feedback.buffers[n].abs().sum().item() for n in shard.local)
         if eager is not None:
-            if ex.mean is not None and ex.mean.complete and header.tokens > 0:
+            if ex.mean is not None and ex.mean.complete and header.tokens > 0 and header.round == ex.round + 1:
                 eager.replica.advance(ex.mean.tensors)
                 eager.prev_mean, eager.prev_own, eager.share = ex.mean.tensors, ex.pg, min(1.0, ex.tokens / header.tokens)
             else:
@@ -210,6 +220,7 @@ class Landing:
         s.rounds[f], s.checksums[f] = header.round, header.checksum
         s.finished = s.finished or header.run_finished
         mix_(shard.local, shard.flat, 0.0)
+        self._align_step(f)  # the coordinator may be more than one round on
         s.restart_fragment(f)
         s.resyncs += 1
         if self.eager is not None:

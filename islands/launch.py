@@ -186,7 +186,8 @@ def replica_spec(args, env: dict[str, str] = os.environ) -> ReplicaSpec:
         lighthouse=lighthouse, host=args.ft_host or env.get(FT_HOST_ENV, ""), timeout_s=args.ft_timeout,
         startup_wait_s=args.ft_startup_wait,
     )
-    return ReplicaSpec(group, groups, key or "", ft, args.report_dir or "", args.measure_memory, args.receive_window)
+    return ReplicaSpec(group, groups, key or "", ft, args.report_dir or "", args.measure_memory, args.receive_window,
+                       steps_per_round=getattr(args, "steps_per_round", 0), throttle_s=getattr(args, "throttle", 0.0))
 
 
 def run_island(

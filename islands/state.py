@@ -23,6 +23,10 @@ class ReplicaSpec:
     report_dir: str = ""  # per-rank JSON reports and final shards (tests, debugging)
     measure_memory: bool = False
     receive_window_bytes: int = 0  # see islands.client.channel_options
+    # This island's own H (0: the run's inner.steps_per_round), islands/pace.py; the same on every rank.
+    steps_per_round: int = 0
+    # Seconds slept in every inner step, as if on a slower device (tests and benchmarks of unequal islands).
+    throttle_s: float = 0.0
 
 
 @dataclass
@@ -38,6 +42,9 @@ class IslandState:
     loss: list[list[float]] = field(default_factory=list)  # [sum, count] of the inner losses since then
     tokens: list[int] = field(default_factory=list)  # tokens trained since then (the push's weight)
     finished: bool = False  # the coordinator said the run is over
+    # Compression per link: the codec each fragment pushes with, as the coordinator last advised ("": the run's).
+    # Part of the position so that every replica group (and a healed one) encodes, and moves its error feedback, alike.
+    codecs: list[str] = field(default_factory=list)
     rounds_done: int = 0  # fragment 0's rounds landed here
     resyncs: int = 0
     # Token corpus (islands/feed.py): the leased sample positions held, as [start, stop) pieces in
@@ -56,6 +63,7 @@ class IslandState:
         self.last_sync = self.last_sync or [self.step] * p
         self.loss = self.loss or [[0.0, 0] for _ in range(p)]
         self.tokens = self.tokens or [0] * p
+        self.codecs = self.codecs or [""] * p
         self.data_marks = self.data_marks or [self.data_cursor] * p
 
     @property

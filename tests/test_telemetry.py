@@ -134,7 +134,7 @@ def test_run_log_writes_every_round_as_json_and_tensorboard(tmp_path):
     assert first["event"] == "round" and first["eval_loss"] is None and second["eval_loss"] == 2.5
     assert first["traffic_factor"] == pytest.approx(2.0) and first["bytes_up"] == 1000
     assert first["wait_s"] == 1.5 and first["publish_s"] == 0.2 and first["closed_at"] > 0
-    assert first["contributions"][1] == {"island_id": "b", "tokens": 512, "train_loss": 3.6}
+    assert first["contributions"][1] == {"island_id": "b", "tokens": 512, "train_loss": 3.6, "staleness": 0, "weight": 0.0, "codec": ""}
     assert first["traffic"] == [{"island_id": "a", "bytes_up": 500, "bytes_down": 1500}]
     assert set(pb.RoundSummary.DESCRIPTOR.fields_by_name) <= set(first)
 

@@ -272,14 +272,18 @@ class PushEnd(_message.Message):
     def __init__(self, chunks: _Optional[int] = ...) -> None: ...
 
 class PushResponse(_message.Message):
-    __slots__ = ("accepted", "elements", "contribution_complete")
+    __slots__ = ("accepted", "elements", "contribution_complete", "late", "folded_into")
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     ELEMENTS_FIELD_NUMBER: _ClassVar[int]
     CONTRIBUTION_COMPLETE_FIELD_NUMBER: _ClassVar[int]
+    LATE_FIELD_NUMBER: _ClassVar[int]
+    FOLDED_INTO_FIELD_NUMBER: _ClassVar[int]
     accepted: bool
     elements: int
     contribution_complete: bool
-    def __init__(self, accepted: _Optional[bool] = ..., elements: _Optional[int] = ..., contribution_complete: _Optional[bool] = ...) -> None: ...
+    late: bool
+    folded_into: int
+    def __init__(self, accepted: _Optional[bool] = ..., elements: _Optional[int] = ..., contribution_complete: _Optional[bool] = ..., late: _Optional[bool] = ..., folded_into: _Optional[int] = ...) -> None: ...
 
 class PullRequest(_message.Message):
     __slots__ = ("island_id", "round", "timeout_s", "accept_delta", "ranges", "fragment", "want_mean")
@@ -300,7 +304,7 @@ class PullRequest(_message.Message):
     def __init__(self, island_id: _Optional[str] = ..., round: _Optional[int] = ..., timeout_s: _Optional[float] = ..., accept_delta: _Optional[bool] = ..., ranges: _Optional[_Iterable[_Union[TensorRange, _Mapping]]] = ..., fragment: _Optional[int] = ..., want_mean: _Optional[bool] = ...) -> None: ...
 
 class ResultHeader(_message.Message):
-    __slots__ = ("round", "codec", "checksum", "run_finished", "islands", "mode", "base_checksum", "ranges_checksum", "fragment", "fragments", "tokens", "held_s")
+    __slots__ = ("round", "codec", "checksum", "run_finished", "islands", "mode", "base_checksum", "ranges_checksum", "fragment", "fragments", "tokens", "held_s", "push_codec")
     class Mode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         VALUES: _ClassVar[ResultHeader.Mode]
@@ -319,6 +323,7 @@ class ResultHeader(_message.Message):
     FRAGMENTS_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     HELD_S_FIELD_NUMBER: _ClassVar[int]
+    PUSH_CODEC_FIELD_NUMBER: _ClassVar[int]
     round: int
     codec: str
     checksum: str
@@ -331,7 +336,8 @@ class ResultHeader(_message.Message):
     fragments: _containers.RepeatedCompositeFieldContainer[FragmentState]
     tokens: int
     held_s: float
-    def __init__(self, round: _Optional[int] = ..., codec: _Optional[str] = ..., checksum: _Optional[str] = ..., run_finished: _Optional[bool] = ..., islands: _Optional[int] = ..., mode: _Optional[_Union[ResultHeader.Mode, str]] = ..., base_checksum: _Optional[str] = ..., ranges_checksum: _Optional[str] = ..., fragment: _Optional[int] = ..., fragments: _Optional[_Iterable[_Union[FragmentState, _Mapping]]] = ..., tokens: _Optional[int] = ..., held_s: _Optional[float] = ...) -> None: ...
+    push_codec: str
+    def __init__(self, round: _Optional[int] = ..., codec: _Optional[str] = ..., checksum: _Optional[str] = ..., run_finished: _Optional[bool] = ..., islands: _Optional[int] = ..., mode: _Optional[_Union[ResultHeader.Mode, str]] = ..., base_checksum: _Optional[str] = ..., ranges_checksum: _Optional[str] = ..., fragment: _Optional[int] = ..., fragments: _Optional[_Iterable[_Union[FragmentState, _Mapping]]] = ..., tokens: _Optional[int] = ..., held_s: _Optional[float] = ..., push_codec: _Optional[str] = ...) -> None: ...
 
 class ResultMessage(_message.Message):
     __slots__ = ("header", "chunk", "mean_chunk")
@@ -463,14 +469,20 @@ class RoundSummary(_message.Message):
     def __init__(self, round: _Optional[int] = ..., islands: _Optional[_Iterable[str]] = ..., tokens: _Optional[int] = ..., train_loss: _Optional[float] = ..., eval_loss: _Optional[float] = ..., bytes_up: _Optional[int] = ..., bytes_down: _Optional[int] = ..., seconds: _Optional[float] = ..., checksum: _Optional[str] = ..., run_finished: _Optional[bool] = ..., initial_eval_loss: _Optional[float] = ..., ddp_bytes: _Optional[float] = ..., traffic: _Optional[_Iterable[_Union[IslandTraffic, _Mapping]]] = ..., dropped: _Optional[_Iterable[str]] = ..., elements_folded: _Optional[int] = ..., elements_expected: _Optional[int] = ..., fragment: _Optional[int] = ..., fragments: _Optional[int] = ..., data: _Optional[_Union[DataAccount, _Mapping]] = ..., clipped: _Optional[_Iterable[str]] = ..., wait_s: _Optional[float] = ..., fold_s: _Optional[float] = ..., step_s: _Optional[float] = ..., publish_s: _Optional[float] = ..., eval_s: _Optional[float] = ..., contributions: _Optional[_Iterable[_Union[IslandContribution, _Mapping]]] = ..., closed_at: _Optional[float] = ..., task_scores: _Optional[_Mapping[str, float]] = ...) -> None: ...
 
 class IslandContribution(_message.Message):
-    __slots__ = ("island_id", "tokens", "train_loss")
+    __slots__ = ("island_id", "tokens", "train_loss", "staleness", "weight", "codec")
     ISLAND_ID_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     TRAIN_LOSS_FIELD_NUMBER: _ClassVar[int]
+    STALENESS_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_FIELD_NUMBER: _ClassVar[int]
+    CODEC_FIELD_NUMBER: _ClassVar[int]
     island_id: str
     tokens: int
     train_loss: float
-    def __init__(self, island_id: _Optional[str] = ..., tokens: _Optional[int] = ..., train_loss: _Optional[float] = ...) -> None: ...
+    staleness: int
+    weight: float
+    codec: str
+    def __init__(self, island_id: _Optional[str] = ..., tokens: _Optional[int] = ..., train_loss: _Optional[float] = ..., staleness: _Optional[int] = ..., weight: _Optional[float] = ..., codec: _Optional[str] = ...) -> None: ...
 
 class DataAccount(_message.Message):
     __slots__ = ("leased", "folded", "returned", "lost", "held", "repeated", "folded_this_round", "epoch", "samples")

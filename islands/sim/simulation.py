@@ -72,8 +72,9 @@ class Simulation:
     """The processes of a one-node run: start, kill and restart them; watch the rounds."""
 
     def __init__(self, cfg: RunConfig, islands: int, workdir: Path, threads: int = 1, checkpoints: bool = False,
-                 wan: list[LinkSpec] | None = None, tls: bool = True):
+                 wan: list[LinkSpec] | None = None, tls: bool = True, island_args: dict[int, list[str]] | None = None):
         self.cfg, self.islands, self.workdir, self.threads = cfg, islands, workdir, threads
+        self.island_args = island_args or {}  # extra `islands join` flags per island (e.g. --throttle, --steps-per-round)
         # One emulated link per island (its own proxy port); the coordinator keeps its port across restarts.
         self.wan = wan
         self.links: dict[int, WanLink] = {}
@@ -149,7 +150,7 @@ class Simulation:
         args += ["--log-url", str(self.workdir / "logs"), "--metrics-port", str(self.metrics_ports[i])]
         if resume:
             args.append("--resume")
-        self.island_procs[i] = self._spawn(args, f"island-{i}.log")
+        self.island_procs[i] = self._spawn(args + list(self.island_args.get(i, ())), f"island-{i}.log")
 
     def start(self) -> None:
         self.started = time.monotonic()
@@ -244,7 +245,7 @@ def run_sim(
 
 EVENT_LABELS = {
     "leases_expired": "leases expired", "dropped_nonfinite": "non-finite contributions dropped",
-    "checksum_resyncs": "checksum resyncs", "late_pushes": "late pushes refused",
+    "checksum_resyncs": "checksum resyncs", "late_pushes": "late pushes refused", "late_folded": "late pushes folded",
     "restarts": "coordinator restarts", "rounds_lost": "rounds lost", "recovery_s": "coordinator recovery",
     "island_restarts": "island restarts", "island_silent_s": "restarted islands silent for",
 }

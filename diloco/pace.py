@@ -1,0 +1,41 @@
+"""How many inner steps an island's round holds, and where each sits on the inner lr schedule.
+
+Islands differ (GPU generations, counts): with `rounds.mode = "time"` each one
+trains for `rounds.round_s` seconds a round, between `inner.min_steps` and
+`inner.max_steps` inner steps; with `--steps-per-round` one island trains its
+own fixed H. The coordinator weights every contribution by its tokens, so
+unequal contributions fold as they should; this module holds the rules both
+sides must agree on.
+
+The lr schedule. It spans R x H positions (H = inner.steps_per_round, the
+nominal H in time mode), and round r owns positions r*H .. r*H + H - 1. An
+island's j-th inner step of round r trains at position r*H + min(j, H - 1):
+whatever its speed, every island is at the same point of the schedule in the
+same round (warmup and decay follow the run's rounds, which is what the outer
+step sees), a slow island skips its round's later positions and a fast one
+stays at the round's last position for its extra steps. With every island
+at H steps (the default) this is exactly the run-wide inner step of plain
+DiLoCo. With Streaming DiLoCo (P > 1) steps are not capped: fragments'
+rounds are offset within H and only the fixed schedule applies there.
+"""
+
+from __future__ import annotations
+
+from diloco.config import RunConfig
+
+
+def max_round_steps(cfg: RunConfig) -> int:
+    """The most inner steps one round of one island may hold (a push claiming more is refused)."""
+    return max(cfg.inner.steps_per_round, cfg.inner.max_steps) + cfg.streaming.overlap
+
+
+def lr_position(round_first: int, j: int, cfg: RunConfig) -> int:
+    """The schedule position of an island's j-th inner step (from 0) of a round starting at round_first."""
+    if cfg.streaming.fragments > 1:
+        return round_first + j
+    return round_first + min(j, cfg.inner.steps_per_round - 1)
+
+
+def paced(cfg: RunConfig, own_steps: int = 0) -> bool:
+    """Whether an island's rounds end by its own count or clock rather than the run's fixed H schedule."""
+    return cfg.rounds.mode == "time" or (own_steps > 0 and own_steps != cfg.inner.steps_per_round)
