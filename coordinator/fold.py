@@ -4,7 +4,9 @@ Each contribution's norm is summed chunk by chunk as its pushes arrive
 (`chunk_sumsq`), so at the close the guard judges the whole round before anything
 is folded, and every contribution is decoded once: folded in canonical island
 order with its token weight (discounted when late) times the guard's factor (1
-kept, < 1 clipped); a dropped one is not folded at all.
+kept, < 1 clipped); a dropped one is not folded at all. With split_late
+(rounds.late_mode = "delayed_nesterov") the late ones go to the accumulator's late
+part, over the same total weight (diloco/outer.py: delayed Nesterov).
 """
 
 from __future__ import annotations
@@ -32,10 +34,12 @@ def judge(guard: NormGuard, contributions: list[tuple[str, Contribution]], label
 
 
 def fold(accumulator: PseudoGradientAccumulator, codec: Codec, contributions: list[tuple[str, Contribution]],
-         verdict: Verdict, numel: int) -> int:
-    """Folds the kept contributions in the given (canonical) order; returns the elements folded."""
+         verdict: Verdict, numel: int, split_late: bool = False) -> int:
+    """Folds the kept contributions in the given (canonical) order; returns the elements folded. split_late: late
+    contributions go to the accumulator's late part (PseudoGradientAccumulator.parts())."""
     folded = 0
     for island, contribution in contributions:
+        late = split_late and contribution.staleness > 0
         factor = verdict.factors.get(fold_key(island, contribution), 1.0)
         if factor == 0.0:
             for spool in contribution.spools:
@@ -48,12 +52,12 @@ def fold(accumulator: PseudoGradientAccumulator, codec: Codec, contributions: li
             # Each push stream in the codec it came in (compression per link), else the run's.
             decoder = contribution.codecs[k] if k < len(contribution.codecs) else codec
             for chunk in spool.read():  # verified on arrival; the spool checks its own CRCs
-                accumulator.add_chunk(chunk.name, chunk.offset, decoder.decode(chunk.payload, chunk.numel), scale)
+                accumulator.add_chunk(chunk.name, chunk.offset, decoder.decode(chunk.payload, chunk.numel), scale, late)
                 elements += chunk.numel
             spool.discard()
         # Coverage proved exactly-once already; this is the invariant the summary reports.
         assert elements == numel, (elements, numel)
-        accumulator.commit(contribution.weight)
+        accumulator.commit(contribution.weight, late)
         folded += elements
     if not accumulator.contributions:  # every contribution dropped: the round's mean is zero
         accumulator.commit(0)

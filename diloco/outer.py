@@ -2,6 +2,36 @@
 
 Kept free of networking so the coordinator, the tests and the benchmarks share
 exactly the same arithmetic.
+
+Late contributions (rounds.late_rounds > 0) are folded one of two ways (rounds.late_mode):
+
+- "discount": into the round's token-weighted mean, each at weight w = tokens x
+  late_discount ** staleness (on time: w = tokens); one Nesterov step on the mean.
+- "delayed_nesterov": Liu et al. 2024 (arXiv 2401.09135, Algorithm 3), adapted to
+  synchronous rounds. There every push moves the parameters at once by lr x g / N,
+  momentum-free, and goes into a buffer; every N pushes the momentum takes the buffer's
+  mean and the step adds lr x beta x m (their momentum-activation factor c, which lets
+  part of the momentum act between those steps, is 0 here). A stale pseudo-gradient is
+  thus never amplified by the momentum it arrives at, yet in the end counts as much as
+  a fresh one. Rounds change the parameters only at a close, so taken literally (a
+  round as the window; a late contribution arrives in the window of the round it is
+  folded into) its direct step and its momentum update fall on the same close: one
+  Nesterov step on the round's mean, which is "discount". Keeping DN's separation, the
+  on-time contributions are the round's buffer and step as in plain DiLoCo, and a late
+  contribution moves the parameters momentum-free at the close that folds it, at its
+  share of that round, then joins the momentum one close later. With the same weights w,
+  and W_r the round's total weight (so A + B is the "discount" mean):
+
+      A_r = sum_on-time w_i g_i / W_r        B_r = sum_late w_j g_j / W_r   (B = 0 without late ones)
+      m_r = (mu m_{r-1} + B_{r-1}) + A_r     (m_0 = A_0)
+      theta_r = theta_{r-1} - lr (A_r + mu m_r) - lr B_r    (heavy ball, outer.nesterov false: - lr m_r - lr B_r)
+
+  late_discount ** staleness is the one knob of both modes. Without late contributions
+  this is torch's SGD, operation for operation, so bit for bit the default mode. Between
+  rounds the state is V_r = mu m_r + B_r (what the next round's momentum starts from), in
+  place of torch's momentum buffer, so nothing more is checkpointed; the one extra
+  model-sized buffer is the late part's sum (PseudoGradientAccumulator.late_sums,
+  allocated at the first late contribution in this mode, then reused).
 """
 
 from __future__ import annotations
@@ -22,15 +52,22 @@ class PseudoGradientAccumulator:
     """
 
     def __init__(self, shapes: Mapping[str, tuple[int, ...]]):
+        self.shapes = dict(shapes)
         self.sums = {name: torch.zeros(shape, dtype=torch.float32) for name, shape in shapes.items()}
+        # rounds.late_mode = "delayed_nesterov": late contributions summed apart (allocated at the first one).
+        self.late_sums: dict[str, torch.Tensor] | None = None
         self.reset()
 
     def reset(self) -> None:
         for t in self.sums.values():
             t.zero_()
+        if self.late_sums is not None:
+            for t in self.late_sums.values():
+                t.zero_()
         self.reference_tokens: int | None = None
         self.total_tokens = 0
         self.contributions = 0
+        self.late_contributions = 0
         self._divided = False
 
     def scale_for(self, tokens: float) -> float:
@@ -41,19 +78,23 @@ class PseudoGradientAccumulator:
         ref = self.reference_tokens or tokens
         return tokens / ref if tokens else 0.0
 
-    def add_chunk(self, name: str, offset: int, values: torch.Tensor, scale: float) -> None:
-        flat = self.sums[name].view(-1)
+    def add_chunk(self, name: str, offset: int, values: torch.Tensor, scale: float, late: bool = False) -> None:
+        """Adds values x scale at offset; late: into the late part (rounds.late_mode = "delayed_nesterov")."""
+        if late and self.late_sums is None:
+            self.late_sums = {n: torch.zeros(shape, dtype=torch.float32) for n, shape in self.shapes.items()}
+        flat = (self.late_sums if late else self.sums)[name].view(-1)
         flat[offset : offset + values.numel()].add_(values, alpha=scale)
 
-    def commit(self, tokens: float) -> None:
+    def commit(self, tokens: float, late: bool = False) -> None:
         """Counts a contribution whose chunks have all been added with scale_for(tokens). tokens is its weight: a
-        token count, or a late contribution's discounted one (a float)."""
+        token count, or a late contribution's discounted one (a float); late: it went to the late part."""
         if self._divided:
             raise RuntimeError("the accumulator holds a mean; reset() it before adding the next round")
         if self.reference_tokens is None and tokens > 0:
             self.reference_tokens = tokens
         self.total_tokens += tokens
         self.contributions += 1
+        self.late_contributions += late
 
     def add(self, tokens: int, pseudo_gradient: Mapping[str, torch.Tensor]) -> None:
         """Adds a whole contribution at once (in-process use and tests)."""
@@ -77,8 +118,15 @@ class PseudoGradientAccumulator:
         if divisor != 1.0 and not self._divided:
             for t in self.sums.values():
                 t.div_(divisor)
+            for t in (self.late_sums.values() if self.late_contributions else ()):
+                t.div_(divisor)
         self._divided = True
         return self.sums
+
+    def parts(self) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor] | None]:
+        """(A, B): the on-time and the late contributions each over the round's whole weight, so A + B is
+        mean() with every contribution in one sum; B is None when no late contribution went apart."""
+        return self.mean(), self.late_sums if self.late_contributions else None
 
 
 class OuterOptimizer:
@@ -96,21 +144,66 @@ class OuterOptimizer:
             momentum=cfg.momentum,
             nesterov=cfg.nesterov and cfg.momentum > 0,
         )
+        # Delayed Nesterov (step_delayed): V = mu m + B by parameter name, in place of torch's momentum buffer.
+        self.carry: dict[str, torch.Tensor] | None = None
 
     @torch.no_grad()
     def step(self, pseudo_gradient: Mapping[str, torch.Tensor]) -> None:
         """theta_global <- SGD step with the (mean) pseudo-gradient as the gradient."""
+        if self.carry:
+            raise RuntimeError("this outer optimizer steps with delayed Nesterov (rounds.late_mode); use step_delayed")
         for name, p in self.params.items():
             p.grad = pseudo_gradient[name].reshape(p.shape)
         self.optimizer.step()
         for p in self.params.values():
             p.grad = None
 
-    def state_dict(self) -> dict:
-        return self.optimizer.state_dict()
+    @torch.no_grad()
+    def step_delayed(self, on_time: Mapping[str, torch.Tensor], late: Mapping[str, torch.Tensor] | None = None) -> None:
+        """The delayed Nesterov step (module docstring): A = on_time drives the momentum now, B = late moves the
+        parameters momentum-free now and joins the momentum next round. The operations are torch's SGD ones in
+        its order, so with no late part ever the parameters are bit for bit those of step()."""
+        group = self.optimizer.param_groups[0]
+        lr, mu, nesterov = group["lr"], group["momentum"], group["nesterov"]
+        if self.carry is None:  # the first step, or torch's buffer from a checkpoint of a "discount" run: continue it
+            self.carry = {}
+            for name, p in self.params.items():
+                buf = self.optimizer.state[p].pop("momentum_buffer", None)
+                if buf is not None and mu:
+                    self.carry[name] = buf.mul_(mu)  # what torch's next step would start with
+        for name, p in self.params.items():
+            a = on_time[name].reshape(p.shape)
+            b = late[name].reshape(p.shape) if late is not None else None
+            if mu:
+                v = self.carry.get(name)
+                m = a.detach().clone() if v is None else v.add_(a)  # m_r = (mu m_{r-1} + B_{r-1}) + A_r
+                p.add_(a.add(m, alpha=mu) if nesterov else m, alpha=-lr)
+            else:
+                p.add_(a, alpha=-lr)
+            if b is not None:
+                p.add_(b, alpha=-lr)  # momentum-free this round
+            if mu:
+                self.carry[name] = m.mul_(mu) if b is None else m.mul_(mu).add_(b)  # V_r = mu m_r + B_r
 
-    def load_state_dict(self, state: dict) -> None:
+    def state_dict(self) -> dict:
+        state = self.optimizer.state_dict()
+        if self.carry is not None:
+            state["carry"] = self.carry
+        return state
+
+    def load_state_dict(self, state: dict, delayed: bool = False) -> None:
+        """delayed: the run steps with step_delayed (rounds.late_mode = "delayed_nesterov"); a "discount" run's
+        state continues exactly in it, not the other way round (V holds the late part and mu m together)."""
+        state = dict(state)
+        carry = state.pop("carry", None)
+        if carry and not delayed:
+            raise ValueError("this outer optimizer state was written with rounds.late_mode = 'delayed_nesterov'; "
+                             "resume with that setting")
+        if carry is not None and set(carry) - set(self.params):
+            raise ValueError(f"outer optimizer state for unknown parameters {sorted(set(carry) - set(self.params))[:3]}")
         self.optimizer.load_state_dict(state)
+        self.carry = None if carry is None else {n: t.detach().to(self.params[n].device, torch.float32).clone()
+                                                  for n, t in carry.items()}
 
 
 def pseudo_gradient(global_params: Mapping[str, torch.Tensor], local_params: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
