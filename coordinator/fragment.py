@@ -19,6 +19,8 @@ round closed (or a contribution still incomplete at the close) is kept in
 island order, with its weight discounted by rounds.late_discount per round of
 staleness (coordinator/records.py Contribution.weight); later than k it is
 refused (ROUND_CLOSED). One coordinator folds them all, so copies stay identical.
+A round does not wait for an island whose last contribution came late (`behind`)
+until it contributes on time again.
 """
 
 from __future__ import annotations
@@ -88,6 +90,9 @@ class FragmentRounds(PushIntake):
         # Late contributions (rounds.late_rounds) to fold at this round's close, by (island, round trained for), and
         # the checksum each recent round started from (what a late push must have trained from).
         self.late: dict[tuple[str, int], Contribution] = {}
+        # Islands whose last contribution came late: a round does not wait for them (they are folded late again if
+        # they miss it), so the islands that keep pace never idle for one that does not.
+        self.behind: set[str] = set()
         self.published: dict[int, str] = {self.round: self.checksum}
         self.dropped: set[str] = set()
         self.traffic: dict[tuple[int, str], list[int]] = {}  # (round, island) -> [up, down]
@@ -163,7 +168,8 @@ class FragmentRounds(PushIntake):
 
     def close_reason(self) -> str | None:
         """Why the current round may close now, or None. Caller holds cond."""
-        live = self.members.waited_for()
+        behind = (self.behind | {i for i, _ in self.late}) - set(self.contributions)  # pushing on time now: waited for
+        live = [i for i in self.members.waited_for() if i not in behind]
         overdue = self.clock() - self.round_opened_at > self.cfg.rounds.deadline_s
         done = [i for i, c in self.contributions.items() if c.state == "complete"]
         reason = close_reason(done, live, self.dropped, overdue, self.cfg.rounds.min_islands, self.cfg.rounds.max_islands)
@@ -204,6 +210,8 @@ class FragmentRounds(PushIntake):
                 late.staleness = self.round - late.origin
                 late.discount = self.cfg.rounds.late_discount ** late.staleness
                 complete.append((key[0], late))
+            late_now = {i for i, c in complete if c.staleness} | {i for i, _ in self.late}
+            self.behind = (self.behind | late_now) - set(self.contributions)
             self.contributions.clear()
             return Closing(reason, complete, self.clock() - self.round_opened_at)
 
@@ -216,15 +224,19 @@ class FragmentRounds(PushIntake):
         self.dropped.update(verdict.dropped)
         self.publication.release_values()
         summary.wait_s, started = closing.waited_s, time.perf_counter()
-        folded = fold(self.accumulator, self.codec, closing.contributions, verdict, self.manifest.total_numel())
+        delayed = self.cfg.rounds.late_mode == "delayed_nesterov"  # late ones apart (diloco/outer.py)
+        folded = fold(self.accumulator, self.codec, closing.contributions, verdict, self.manifest.total_numel(), delayed)
         summary.fold_s = time.perf_counter() - started
         # Step, publication and round change happen under the write lock, so no
         # reader ever sees new parameters under an old round number or the reverse.
         self.param_lock.acquire_write()
         try:
             started = time.perf_counter()
-            mean = self.accumulator.mean()
-            self.outer.step(mean)
+            mean, late = self.accumulator.parts()
+            if delayed:
+                self.outer.step_delayed(mean, late)
+            else:
+                self.outer.step(mean)
             summary.step_s, started = time.perf_counter() - started, time.perf_counter()
             if self.cfg.streaming.eager:
                 # Eager updates: islands build their provisional update from this (downlink codec, no feedback).
@@ -280,7 +292,7 @@ class FragmentRounds(PushIntake):
 
     def load_state_dict(self, state: dict, finished: bool) -> None:
         """Restores a checkpoint's round (its outer parameters already copied in); the round reopens now."""
-        self.outer.load_state_dict(state["outer"])
+        self.outer.load_state_dict(state["outer"], delayed=self.cfg.rounds.late_mode == "delayed_nesterov")
         self.publication.load_state_dict(state["published"])
         self.guard.load_state_dict(state.get("guard", {}))
         with self.cond:

@@ -15,8 +15,9 @@ same round (warmup and decay follow the run's rounds, which is what the outer
 step sees), a slow island skips its round's later positions and a fast one
 stays at the round's last position for its extra steps. With every island
 at H steps (the default) this is exactly the run-wide inner step of plain
-DiLoCo. With Streaming DiLoCo (P > 1) steps are not capped: fragments'
-rounds are offset within H and only the fixed schedule applies there.
+DiLoCo. With Streaming DiLoCo (P > 1) on the fixed schedule steps are not
+capped (fragments' rounds are offset within H: the run-wide step is the
+position); time-boxed, the island's lr follows fragment 0's rounds.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ def max_round_steps(cfg: RunConfig) -> int:
 
 def lr_position(round_first: int, j: int, cfg: RunConfig) -> int:
     """The schedule position of an island's j-th inner step (from 0) of a round starting at round_first."""
-    if cfg.streaming.fragments > 1:
+    if cfg.streaming.fragments > 1 and cfg.rounds.mode != "time":
         return round_first + j
     return round_first + min(j, cfg.inner.steps_per_round - 1)
 

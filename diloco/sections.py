@@ -123,15 +123,20 @@ class RoundConfig:
     max_island_ranks: int = 4096
     # "steps": every island trains inner.steps_per_round (H) inner steps a round (or its own
     # --steps-per-round); "time": each trains for round_s seconds of its own wall time from the start of
-    # its round, between inner.min_steps and inner.max_steps steps, then pushes with its token count, so
-    # fast islands do more steps instead of waiting (streaming.fragments = 1 only).
+    # its round (less the time blocked on a result), between inner.min_steps and inner.max_steps steps, then
+    # pushes with its token count, so fast islands do more steps instead of waiting (with fragments, one
+    # clock per fragment; replica groups agree on it through their gradient all-reduce).
     mode: str = "steps"
     round_s: float = 0.0
     # Late contributions: a push that arrives up to late_rounds rounds after its round closed is folded
     # into the current round with weight tokens x late_discount ** staleness (staleness: rounds between
-    # the round it trained for and the one it is folded into) instead of being refused; 0: refused.
+    # the round it trained for and the one it is folded into) instead of being refused; 0: refused. A round
+    # does not wait for an island whose last contribution came late until it contributes on time again.
     late_rounds: int = 0
     late_discount: float = 0.5
+    # "discount": late contributions join the round's mean and its one Nesterov step; "delayed_nesterov" (Liu et
+    # al. 2024): they move the parameters momentum-free (same weights) and join the momentum a round later.
+    late_mode: str = "discount"
 
 
 @dataclass

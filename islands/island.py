@@ -105,7 +105,9 @@ class Island(Landing, Pacing):
         self.state = IslandState(joined.island_id, list(joined.fragment_rounds) or [joined.round] * p, joined.total_rounds)
         self.feed = make_feed(cfg, joined, world, self.spec, client, lambda: self.state.island_id)
         self.tau, self.alpha = cfg.streaming.overlap, cfg.streaming.alpha
-        self.pace = RoundPace(cfg, self.spec.steps_per_round, self.spec.groups)  # when a round ends (islands/pace.py)
+        # When a round ends (islands/pace.py); a time box does not count the time blocked on a result.
+        self.pace = RoundPace(cfg, self.spec.steps_per_round, blocked=lambda: self.timing["wait_s"])
+        self.agreed_clock: tuple[int, list[float]] = (-1, [])  # (step, fragment clocks) every rank and group agreed on
         self.late_folds = 0
         self.eager = [EagerState(cfg.outer) for _ in range(p)] if cfg.streaming.eager else None
         self.inflight: dict[int, Exchange] = {}
@@ -167,11 +169,12 @@ class Island(Landing, Pacing):
 
             grads = list(local_grads(model))
             r = self._rounds_tag()
-            extra = torch.tensor([loss, r, r * r], dtype=grads[0].dtype, device=grads[0].device)
-            expected = extra[1:].tolist()  # as the collective's dtype holds them
+            clock = self._clock_extra()  # time-boxed rounds: the groups agree on the round's clock (islands/pace.py)
+            extra = torch.tensor([loss, r, r * r, *clock], dtype=grads[0].dtype, device=grads[0].device)
+            expected = extra[1:3].tolist()  # as the collective's dtype holds them
             flat = torch.cat(grads + [extra])
             self.replicas.allreduce_(flat)
-            loss, mean_r, mean_r2 = flat[-3:].tolist()
+            loss, mean_r, mean_r2, *clock = flat[-extra.numel():].tolist()
             disagree = [mean_r, mean_r2] != expected
             if disagree:
                 self.replicas.report_error(RuntimeError("replica groups are in different rounds"))
@@ -186,6 +189,8 @@ class Island(Landing, Pacing):
                 for f in range(len(self.fragments)):
                     self.resync(f, exchange.LOST)
             return None
+        if self.spec.groups > 1:
+            self._agree_clock(clock)
         return loss
 
     # --- one inner step ---------------------------------------------------------------------------
@@ -198,8 +203,9 @@ class Island(Landing, Pacing):
             # Charge this step only, not GPU work queued before it (a landing's copies into the model).
             torch.cuda.synchronize(self.world.device)
         t0 = time.monotonic()
-        if s.step == s.last_sync[0]:
-            self.pace.begin_round()  # the time box counts from the round's first inner step
+        for f in range(len(self.fragments)):
+            if s.step == s.last_sync[f]:
+                self.pace.begin_round(f)  # the time box counts from the round's first inner step
         loss = train_step(self.model, self.optimizer, batch, inner_lr(self._lr_step(), total_steps, cfg), cfg.grad_clip,
                           self._reduce_gradients, self.world.device, autocast=self.whole)
         if self.spec.throttle_s:
@@ -271,11 +277,12 @@ class Island(Landing, Pacing):
         exchange.start(shard, ex, self.wire)
 
     def _boundary(self) -> bool:
-        """Lands an exchange that is due, or starts the syncs that are due. True when this step's commit was used."""
+        """Lands an exchange that is due, or starts the syncs that are due. True when this step's commit was used.
+        Time-boxed with fragments, a due push goes first: it never waits behind a landing (islands/pace.py)."""
         s = self.state
-        for f in sorted(self.inflight):
-            if self.inflight[f].due <= s.step or s.done():
-                return self.land(f) or True
+        sync_first = self.pace.time_boxed and len(self.fragments) > 1
+        if not sync_first and self._land_due():
+            return True
         for f, shard in enumerate(self.fragments):
             if f in self.inflight or s.rounds[f] >= s.stop_round or s.finished:
                 continue
@@ -290,6 +297,12 @@ class Island(Landing, Pacing):
                 if isinstance(meter, PeakRss) and meter.peak_bytes is not None:
                     self.memory.append({"round": round_, "fragment": f, "peak_rss_bytes": meter.peak_bytes, "phases": meter.phases})
                 return True
+        return sync_first and self._land_due()
+
+    def _land_due(self) -> bool:
+        for f in sorted(self.inflight):
+            if self.inflight[f].due <= self.state.step or self.state.done():
+                return self.land(f) or True
         return False
 
     def _close_timing(self, marks: dict, started: float) -> None:

@@ -235,8 +235,10 @@ class Landing:
         groups: whether every shard matched), None if this step did not commit.
         """
         s = self.state
-        if s.stop_round < self.total_rounds and not s.finished:
-            for shard in self.fragments:  # leaving early: end on the global parameters all the same
+        # Leaving early, or time-boxed fragments (each ends its last round at its own step; the steps after it moved the
+        # model's copy of that fragment): end on the global parameters all the same.
+        if s.stop_round < self.total_rounds and not s.finished or self.pace.time_boxed and len(self.fragments) > 1:
+            for shard in self.fragments:
                 mix_(shard.local, shard.flat, 0.0)
         mine = all(torch.equal(self.local[n].cpu(), t.view(-1)) for n, t in self.global_shard.items())
         (bad,) = self.group_reduce([float(not mine)])
@@ -268,6 +270,7 @@ class Landing:
             "eager": [e.state_dict() for e in self.eager] if self.eager is not None else [],
             "inflight": {f: ex.state_dict() for f, ex in self.inflight.items()},
             "position": self.state.state_dict(),
+            "clock": {"agreed": list(self.agreed_clock), "pace": self.pace.state_dict()},  # time-boxed rounds
         }
 
     @torch.no_grad()
@@ -284,6 +287,9 @@ class Landing:
             e.load_state_dict(saved)
         optimizer_state_from_local(self.optimizer, sd["optimizer"])
         self.state.load_state_dict(sd["position"])
+        step, agreed = sd["clock"]["agreed"]
+        self.agreed_clock = (int(step), list(agreed))
+        self.pace.load_state_dict(sd["clock"]["pace"])
         self.inflight = {int(f): Exchange(**saved, pusher=False, status=NOBODY) for f, saved in sd["inflight"].items()}
         for ex in self.inflight.values():
             ex.pushed.set()  # it pulls at the landing; the push is its peers' (or a takeover's)

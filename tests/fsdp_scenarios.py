@@ -247,7 +247,25 @@ def cuda(workdir: Path, nproc: str = "0", groups: str = "1") -> None:
         run.close()
 
 
-SCENARIOS = {"two_islands": two_islands, "faults": faults, "torchrun": torchrun, "cuda": cuda}
+def time_boxed(workdir: Path) -> None:
+    """Time-boxed rounds with P = 2 fragments and tau = 1 on a 2 replica groups x 2 FSDP ranks island, beside a
+    one-rank island throttled to 0.4 s a step: every rank of every group must end each round at the same step."""
+    cfg = tiny_config(
+        "model.n_layers=2", "streaming.fragments=2", "streaming.tau=1", "inner.steps_per_round=4", "inner.max_steps=16",
+        "rounds.rounds=4", "rounds.mode='time'", "rounds.round_s=1.5", "rounds.min_islands=2", "data.shards=2",
+        "rounds.deadline_s=120", "rounds.heartbeat_s=0.5", "rounds.lease_s=30", "robust.check_claims=true",
+    )
+    run = Run(workdir, cfg, deadline_s=200)
+    try:
+        run.island("sharded", "--nproc-per-node", "2", "--replica-groups", "2", "--max-restarts", "0",
+                   "--report-dir", str(workdir / "sharded"), *SHARDED_FLAGS)
+        run.island("single", "--device", "cpu", "--threads", "1", "--throttle", "0.4")
+        run.finish()
+    finally:
+        run.close()
+
+
+SCENARIOS = {"two_islands": two_islands, "faults": faults, "torchrun": torchrun, "cuda": cuda, "time_boxed": time_boxed}
 
 if __name__ == "__main__":
     logging.basicConfig(level=logging.INFO, format="%(asctime)s [scenario] %(levelname)s %(name)s: %(message)s")

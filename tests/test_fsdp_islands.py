@@ -97,6 +97,30 @@ def test_outer_step_memory_per_rank_stays_far_below_the_full_model(two_islands):
     print("\nouter-step peak RSS growth per rank (bytes): " + ", ".join(f"{t}={p} (shard {s}, model {f})" for t, p, s, f in figures))
 
 
+@pytest.mark.timeout(300)
+def test_time_boxed_streaming_rounds_keep_every_group_and_rank_on_one_step(tmp_path):
+    """rounds.mode = "time" with P = 2, tau = 1: the groups agree on the round's clock through their gradient
+    all-reduce, so every rank of both groups syncs each fragment at the same step; the sharded island, unthrottled,
+    trains more steps than the throttled one; everyone ends on the coordinator's parameters."""
+    result = _scenario("time_boxed", tmp_path, timeout_s=240)
+    assert result["notes"]["exit_codes"] == {"sharded": 0, "single": 0}
+    assert result["final_round"] == 4
+    _assert_every_round_whole(result, islands=2)
+    assert set(result["islands"].values()) == {result["checksum"]}
+    reports, coordinator = tmp_path / "sharded", torch.load(tmp_path / "coordinator.pt")
+    syncs = set()
+    for group in (0, 1):
+        _assert_equals_coordinator(_assemble(reports, group, 0, 2, "global"), coordinator, f"group {group}")
+        for rank in (0, 1):
+            exchanges = [(e["fragment"], e["round"], e["pushed_step"]) for e in _events(reports, f"g{group}-r{rank}-a0")
+                         if e["event"] == "exchange"]
+            assert len(exchanges) == 8, exchanges  # 2 fragments x 4 rounds
+            syncs.add(tuple(exchanges))
+    assert len(syncs) == 1, f"groups or ranks synced at different steps: {syncs}"
+    steps = {i: s["inner_steps"] for i, s in result["island_stats"].items()}
+    assert len(steps) == 2 and max(steps.values()) > min(steps.values()), steps
+
+
 # --- SIGKILL of a replica group; the pushing group dying mid-push ------------------------------
 
 

@@ -170,8 +170,10 @@ def test_pace_config_and_lr_positions():
     assert not own.time_boxed and own.due(6, 0.0) and not own.due(5, 100.0)
     with pytest.raises(PaceError):
         RoundPace(cfg, own_steps=9)
-    with pytest.raises(ConfigError, match="streaming.fragments = 1"):
-        load_config(None, ["rounds.mode='time'", "rounds.round_s=1", "streaming.fragments=2", "model.n_layers=2"])
+    # Streaming: a fragment's first round is (H - o_f) / H of the box, so the syncs stay spread (o_1 = 2 of H = 4).
+    two = RoundPace(tiny_config("inner.steps_per_round=4", "rounds.mode='time'", "rounds.round_s=1.0", "streaming.fragments=2",
+                               "model.n_layers=2"))
+    assert two.due(1, 0.5, 1) and not two.due(1, 0.5, 0) and (two.synced(1) or not two.due(1, 0.5, 1))
     with pytest.raises(ConfigError, match="round_s"):
         load_config(None, ["rounds.mode='time'"])
     # Plain settings hash as before the new knobs existed; a time-boxed run is part of what islands agree on.
