@@ -18,7 +18,12 @@ are paced:
   (round_s x (1 + --grace)) and a push that misses it by up to 3 rounds is
   folded into the current round at weight x 0.5 ** staleness
   (`rounds.late_discount`) instead of holding every island back.
-- codecs: late, plus compression per link: `wire.link_codecs = [fp32, bf16,
+- overlap: late, plus `streaming.tau = --tau` (2): the island trains on while
+  its exchange is in flight and mixes the result in tau steps later, so the
+  transfer and the coordinator's close are hidden behind inner steps.
+- dn: overlap with `rounds.late_mode = "delayed_nesterov"` in place of the
+  discount folded into the round's Nesterov step (diloco/outer.py).
+- codecs: overlap, plus compression per link: `wire.link_codecs = [fp32, bf16,
   int8, e3m0]`, the coordinator advising each island the least lossy that fits
   `wire.link_fraction` of the round's time on its link (error feedback on).
 
@@ -56,9 +61,11 @@ from islands.sim.wan import parse_link  # noqa: E402
 
 log = logging.getLogger("heterogeneous-bench")
 
-METHODS = ("fixed", "time", "late", "codecs")
+METHODS = ("fixed", "time", "late", "overlap", "dn", "codecs")
 NAMES = {"fixed": "fixed H (today)", "time": "time-boxed", "late": "time-boxed + late contributions",
-         "codecs": "time-boxed + late + per-link codecs"}
+         "overlap": "time-boxed + late + overlap", "dn": "time-boxed + late (delayed Nesterov) + overlap",
+         "codecs": "time-boxed + late + overlap + per-link codecs"}
+LATE = ("late", "overlap", "dn", "codecs")
 
 
 @dataclass
@@ -125,9 +132,13 @@ def method_config(method: str, args: argparse.Namespace) -> RunConfig:
         o += ["rounds.deadline_s=600"]
     else:
         o += ["rounds.mode='time'", f"rounds.round_s={args.round_s:.3f}", f"inner.max_steps={3 * args.h}"]
-        o += [f"rounds.deadline_s={args.round_s * (1 + args.grace):.3f}" if method in ("late", "codecs") else "rounds.deadline_s=600"]
-    if method in ("late", "codecs"):  # a deadline closes a round with the islands that made it (min_islands 1)
+        o += [f"rounds.deadline_s={args.round_s * (1 + args.grace):.3f}" if method in LATE else "rounds.deadline_s=600"]
+    if method in LATE:  # a deadline closes a round with the islands that made it (min_islands 1)
         o += [f"rounds.late_rounds={args.late_rounds}", f"rounds.late_discount={args.late_discount}", "rounds.min_islands=1"]
+    if method in ("overlap", "dn", "codecs"):
+        o += [f"streaming.tau={args.tau}"]
+    if method == "dn":
+        o += ["rounds.late_mode='delayed_nesterov'"]
     if method == "codecs":
         o += ["wire.link_codecs=['fp32', 'bf16', 'int8', 'e3m0']", f"wire.link_fraction={args.link_fraction}",
               "wire.error_feedback=true"]
@@ -185,7 +196,7 @@ def markdown(results: list[RunResult], args: argparse.Namespace, command: str, w
         f"{params / 1e6:.2f}M parameters ({4 * params / 1e6:.1f} MB in fp32), batch {cfg.inner.batch_size} x seq_len "
         f"{cfg.data.seq_len} per island and step; fixed H = {args.h}, {args.rounds} rounds; {args.time_rounds} time-boxed rounds of "
         f"{args.round_s:.2f} s (at most {3 * args.h} steps); late: deadline round_s x {1 + args.grace:g}, late_rounds "
-        f"{args.late_rounds}, discount {args.late_discount:g} per round; per-link codecs: "
+        f"{args.late_rounds}, discount {args.late_discount:g} per round; overlap tau {args.tau}; per-link codecs: "
         f"link_fraction {args.link_fraction:g}. Eval loss at equal wall time: at {equal:.0f} s (the shortest run); "
         f"target eval loss {target:.4f}{' (fixed H final)' if not args.target else ''}. {os.cpu_count()} CPU cores shared "
         "by islands, coordinator and links, one torch thread per process.",
@@ -224,6 +235,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--late-rounds", type=int, default=3, help="late: rounds.late_rounds (default 3)")
     p.add_argument("--late-discount", type=float, default=0.5, help="late: rounds.late_discount (default 0.5)")
     p.add_argument("--link-fraction", type=float, default=0.25, help="per-link codecs: share of the round a push may take")
+    p.add_argument("--tau", type=int, default=2, help="overlap: inner steps an exchange runs behind (default 2)")
     p.add_argument("--target", type=float, default=0.0, help="target eval loss (default: the fixed-H run's final one)")
     p.add_argument("--eval-batches", type=int, default=4)
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE")
