@@ -170,10 +170,14 @@ class Pacing:
     def _align_step(self, f: int) -> None:
         """After adopting a round more than one ahead (a resync, a late fold), plain DiLoCo's fixed schedule would make
         the island train several rounds' steps in one: move the step counter (and the round's start with it) to the
-        round's start, so the round holds H steps and trains at its own lr."""
+        round's start, so the round holds H steps and trains at its own lr. After adopting a round whose end it has
+        already passed (its push for that round was not taken: leases the restarted coordinator does not know, a
+        checksum that diverged), it trains the round again instead of pushing an empty contribution to it."""
         s = self.state
         if self.pace.custom or len(self.fragments) > 1:
             return
-        shift = max(0, self.layout.round_start(f, s.rounds[f], self.total_rounds) - s.step)
+        start = self.layout.round_start(f, s.rounds[f], self.total_rounds)
+        redo = s.rounds[f] < s.stop_round and s.step >= self.layout.round_end(f, s.rounds[f], self.total_rounds) > start
+        shift = start - s.step if redo else max(0, start - s.step)
         s.step += shift
         s.last_sync[f] += shift
