@@ -270,6 +270,7 @@ class Island(Landing, Pacing):
                 mix_(shard.local, ex.estimate, self.alpha)
         log.debug("%s: fragment %d round %d pushes %d tokens of %d inner steps", s.island_id, f, ex.round, ex.tokens, ex.inner_steps)
         s.restart_fragment(f)
+        self.pace.synced(f)  # its next time box is a whole round_s (islands/pace.py)
         self.inflight[f] = ex
         if ex.pusher:  # tests: a pusher dying mid-push, or pushing late
             maybe_fault("die-before-push", self.spec.group, self.world.rank, ex.round)

@@ -118,10 +118,7 @@ class Pacing:
         if self.pace.time_boxed and len(self.fragments) > 1 and f != self._turn():
             return False
         elapsed = self._clock()[f] if self.pace.time_boxed and s.step > s.last_sync[f] else 0.0
-        if self.pace.due(s.step - s.last_sync[f], elapsed, f):
-            self.pace.synced(f)
-            return True
-        return False
+        return self.pace.due(s.step - s.last_sync[f], elapsed, f)
 
     def _turn(self) -> int:
         """The fragment whose sync comes next. Time-boxed, islands of different speeds must still push fragments in one
@@ -139,12 +136,12 @@ class Pacing:
         Several groups: what the last committed step's gradient all-reduce carried (`_clock_extra`), the same
         bits in every group, so all of them end a round at the same step."""
         s = self.state
+        step, agreed = self.agreed_clock
+        if step == s.step and (self.spec.groups > 1 or self.world.world_size > 1):
+            return agreed
         values = [self.pace.elapsed(f) for f in range(len(self.fragments))]
         if self.spec.groups == 1 and self.world.world_size == 1:
             return values
-        step, agreed = self.agreed_clock
-        if step == s.step:
-            return agreed
         if self.spec.groups > 1:
             log.warning("group %d: no agreed round clock at step %d; counting the round from now", self.spec.group, s.step)
             values = [0.0] * len(values)

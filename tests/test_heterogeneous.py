@@ -257,26 +257,32 @@ def _islands(coordinator, cfg, specs: list[ReplicaSpec], gates: dict[int, thread
         world.shutdown()
 
 
-def test_an_island_folded_late_carries_on_and_one_later_than_k_is_back_in_a_later_round(make_coordinator):
-    """Round 0 closes without the island (its push is held): the push then folds into round 1 and the island trains
-    round 1 on time. Its round-2 push is held until round 4 is open: 2 rounds late, refused (ROUND_CLOSED); the
-    island resyncs and contributes to round 4. Every copy ends on the coordinator's parameters."""
+def late_island_run(make_coordinator, *overrides: str):
+    """A real island beside a puppet, k = 1: its round-0 push is held until round 0 closed without it (folded late into
+    round 1), its round-2 push until round 4 is open (refused). Returns (state, puppet's id, the island, its result)."""
     cfg = tiny_config("rounds.rounds=5", "rounds.late_rounds=1", "rounds.late_discount=0.5", "rounds.deadline_s=120",
-                      "rounds.lease_s=600", "robust.check_claims=true")
+                      "rounds.lease_s=600", "robust.check_claims=true", *overrides)
     coordinator = make_coordinator(cfg)
-    state = coordinator.state
     puppet = Puppet(coordinator.port, cfg)
     gates = {0: threading.Event(), 2: threading.Event()}
     try:
         with _islands(coordinator, cfg, [ReplicaSpec()], gates) as ((island,), results):
-            _drive(state, puppet, island, gates)
+            _drive(coordinator.state, puppet, island, gates)
     finally:
         puppet.close()
-    (result,) = results.values()
+    return coordinator.state, puppet.island_id, island, results[0]
+
+
+def test_an_island_folded_late_carries_on_and_one_later_than_k_is_back_in_a_later_round(make_coordinator):
+    """Round 0 closes without the island (its push is held): the push then folds into round 1 and the island trains
+    round 1 on time. Its round-2 push is held until round 4 is open: 2 rounds late, refused (ROUND_CLOSED); the
+    island resyncs and contributes to round 4. Every copy ends on the coordinator's parameters."""
+    state, puppet_id, island, result = late_island_run(make_coordinator)
+    cfg = state.cfg
     by_round = {s.round: s for s in state.summaries}
     per_round = cfg.inner.batch_size * cfg.data.seq_len * cfg.inner.steps_per_round
     assert [(c.island_id, c.staleness, c.weight) for c in by_round[1].contributions] == [
-        (puppet.island_id, 0, per_round), (island.island_id, 0, per_round), (island.island_id, 1, per_round * 0.5)]
+        (puppet_id, 0, per_round), (island.island_id, 0, per_round), (island.island_id, 1, per_round * 0.5)]
     assert island.island_id not in by_round[2].islands and island.island_id not in by_round[3].islands
     assert state.events.late_folded == 1 and state.events.late_pushes == 1 and result.late_folds == 1
     # Back in round 4 with H steps' tokens (its step count moved to round 4's start, not 3 rounds' steps in one).

@@ -10,8 +10,6 @@ whose push comes late ends on the coordinator's parameters.
 
 from __future__ import annotations
 
-import threading
-
 import pytest
 import torch
 
@@ -21,8 +19,7 @@ from coordinator.server import initial_parameters
 from diloco.checkpoint import CheckpointStore
 from diloco.config import ConfigError
 from diloco.outer import OuterOptimizer, PseudoGradientAccumulator
-from islands.state import ReplicaSpec
-from test_heterogeneous import Clock, Puppet, Reference, _drive, _islands, make_state, push
+from test_heterogeneous import Clock, Reference, late_island_run, make_state, push
 
 DELAYED = "rounds.late_mode='delayed_nesterov'"
 LATE = ("rounds.late_rounds=2", "rounds.late_discount=0.5", "rounds.deadline_s=30", "rounds.lease_s=10000",
@@ -238,18 +235,7 @@ def test_late_mode_is_checked():
 def test_a_real_island_folded_late_with_delayed_nesterov_ends_on_the_coordinators_parameters(make_coordinator):
     """tests/test_heterogeneous.py's late-push scenario in this mode: the island's round-0 push is held until round 0
     closed (folded late into round 1), its round-2 push until round 4 is open (refused); every copy ends equal."""
-    cfg = tiny_config("rounds.rounds=5", "rounds.late_rounds=1", "rounds.late_discount=0.5", "rounds.deadline_s=120",
-                      "rounds.lease_s=600", "robust.check_claims=true", DELAYED)
-    coordinator = make_coordinator(cfg)
-    state = coordinator.state
-    puppet = Puppet(coordinator.port, cfg)
-    gates = {0: threading.Event(), 2: threading.Event()}
-    try:
-        with _islands(coordinator, cfg, [ReplicaSpec()], gates) as ((island,), results):
-            _drive(state, puppet, island, gates)
-    finally:
-        puppet.close()
-    (result,) = results.values()
+    state, _, island, result = late_island_run(make_coordinator, DELAYED)
     by_round = {s.round: s for s in state.summaries}
     assert (island.island_id, 1) in [(c.island_id, c.staleness) for c in by_round[1].contributions]
     assert state.events.late_folded == 1 and state.events.late_pushes == 1 and result.late_folds == 1
