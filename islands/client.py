@@ -143,7 +143,7 @@ class CoordinatorClient:
     def _retry(self, what: str, call, retry_local: bool = True):
         """Retries transient failures with backoff for up to reconnect_s (a coordinator restart).
 
-        Transient: the coordinator unreachable, a chunk corrupted on the way (the
+        Transient: the coordinator unreachable or stopping (its calls cancelled), a chunk corrupted on the way (the
         push resends from where the coordinator stopped keeping), and with
         retry_local a broken stream found on our side. A pull passes
         retry_local=False: it may have added part or all of a delta already, and
@@ -159,6 +159,9 @@ class CoordinatorClient:
                 transient = (
                     is_transport_failure(e) or (reason == Reason.CORRUPT_CHUNK and not local)
                     or (retry_local and local and reason in _LOCAL_RETRYABLE)
+                    # A coordinator that stops cancels the calls in flight: a restart, unless we closed the channel.
+                    or (e.code() == grpc.StatusCode.CANCELLED and reason == Reason.REASON_UNSPECIFIED and not local
+                        and not self._heartbeat_stop.is_set())
                 )
                 if not transient or time.monotonic() + delay > deadline:
                     raise

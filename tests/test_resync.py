@@ -10,6 +10,9 @@ waits for it): it resyncs, trains round 1's H steps again and contributes them.
 
 from __future__ import annotations
 
+import grpc
+import pytest
+
 from conftest import tiny_config
 from diloco.v1 import diloco_pb2 as pb
 from islands.client import CoordinatorClient
@@ -51,3 +54,40 @@ def _corrupting(real, refused: list):
             header = bad
         return real(self, header, chunks)
     return push
+
+
+class _Cancelled(grpc.RpcError):
+    """What a call in flight gets when the coordinator stops (a restart): CANCELLED, no refusal."""
+
+    def code(self):
+        return grpc.StatusCode.CANCELLED
+
+    def details(self):
+        return "CANCELLED"
+
+    def trailing_metadata(self):
+        return ()
+
+
+def test_a_call_cancelled_by_a_stopping_coordinator_is_retried_but_not_after_close(make_coordinator):
+    """The 2 x 2 parity scenario met it: the pushing group's pull, cancelled as the coordinator stopped for its
+    restart, ended the group (exit 2) while the other group waited for ever. Now it is retried like an unreachable
+    coordinator; a call cancelled because we closed our own client is not."""
+    coordinator = make_coordinator(tiny_config())
+    client = CoordinatorClient(f"127.0.0.1:{coordinator.port}", connect_timeout_s=10, reconnect_s=30)
+    calls = []
+
+    def call():
+        calls.append(1)
+        if len(calls) == 1:
+            raise _Cancelled()
+        return "pulled"
+
+    try:
+        assert client._retry("pull", call) == "pulled" and len(calls) == 2
+    finally:
+        client.close()
+    calls.clear()
+    with pytest.raises(grpc.RpcError):
+        client._retry("pull", call)
+    assert len(calls) == 1
