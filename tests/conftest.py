@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import os
 import urllib.request
 from contextlib import contextmanager
 import shlex
@@ -216,3 +217,26 @@ def straight_and_resumed(cfg, islands: int, workdir: Path, step: int = 2, timeou
         return straight, sim.finish(timeout_s)
     finally:
         sim.close()
+
+
+def _gloo_rank(rank: int, body, world_size: int, workdir: str) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{workdir}/store", rank=rank, world_size=world_size)
+    try:
+        body(rank, world_size, workdir)
+    finally:
+        dist.destroy_process_group()
+    # The rank's work is done and written: skip the interpreter's teardown, where gloo's threads can abort the
+    # process ("terminate called without an active exception", pytorch/pytorch#179291; as islands/cli.py does).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+def spawn_gloo_ranks(body, world_size: int, workdir: Path, monkeypatch) -> None:
+    """Runs body(rank, world_size, workdir) on world_size spawned processes joined in one gloo group over loopback."""
+    import torch.multiprocessing as mp
+
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")  # the spawned ranks inherit it
+    mp.start_processes(_gloo_rank, args=(body, world_size, str(workdir)), nprocs=world_size, start_method="spawn")

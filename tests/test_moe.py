@@ -8,12 +8,10 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn as nn
 import torch.nn.functional as F
 
-from conftest import island_on, run_scenario, tiny_config
+from conftest import spawn_gloo_ranks, island_on, run_scenario, tiny_config
 from coordinator.server import initial_parameters
 from diloco.config import ConfigError, ModelConfig, load_config
 from diloco.data import StepIndexedStream
@@ -251,28 +249,23 @@ def _rank(rank: int, world_size: int, workdir: str) -> None:
     from islands.fsdp import build_sharded_model, local_views, shard_range
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{workdir}/store", rank=rank, world_size=world_size)
-    try:
-        cfg = _fsdp_cfg()
-        torch.manual_seed(0)
-        start = dict(Transformer(cfg.model).named_parameters())
-        model = build_sharded_model(cfg.model, torch.device("cpu"), world_size)[0]
-        ranges = {n: shard_range(n, p) for n, p in model.named_parameters()}
-        with torch.no_grad():
-            for name, view in local_views(model).items():
-                view.copy_(start[name].reshape(-1)[ranges[name].offset : ranges[name].offset + ranges[name].numel])
-        half = BATCH // world_size
-        _train(model, cfg, slice(rank * half, (rank + 1) * half))
-        torch.save({"ranges": {n: (r.offset, r.numel) for n, r in ranges.items()},
-                    "model": {n: t.clone() for n, t in local_views(model).items()}}, Path(workdir) / f"rank{rank}.pt")
-    finally:
-        dist.destroy_process_group()
+    cfg = _fsdp_cfg()
+    torch.manual_seed(0)
+    start = dict(Transformer(cfg.model).named_parameters())
+    model = build_sharded_model(cfg.model, torch.device("cpu"), world_size)[0]
+    ranges = {n: shard_range(n, p) for n, p in model.named_parameters()}
+    with torch.no_grad():
+        for name, view in local_views(model).items():
+            view.copy_(start[name].reshape(-1)[ranges[name].offset : ranges[name].offset + ranges[name].numel])
+    half = BATCH // world_size
+    _train(model, cfg, slice(rank * half, (rank + 1) * half))
+    torch.save({"ranges": {n: (r.offset, r.numel) for n, r in ranges.items()},
+                "model": {n: t.clone() for n, t in local_views(model).items()}}, Path(workdir) / f"rank{rank}.pt")
 
 
 @pytest.mark.timeout(180)
 def test_a_sharded_group_on_half_batches_steps_as_one_rank_on_the_whole(tmp_path, monkeypatch):
-    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")  # loopback only; the spawned ranks inherit it
-    mp.start_processes(_rank, args=(2, str(tmp_path)), nprocs=2, start_method="spawn")
+    spawn_gloo_ranks(_rank, 2, tmp_path, monkeypatch)
     cfg = _fsdp_cfg()
     torch.manual_seed(0)
     single = Transformer(cfg.model)

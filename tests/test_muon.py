@@ -12,10 +12,8 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
-from conftest import tiny_config
+from conftest import spawn_gloo_ranks, tiny_config
 from diloco.data import StepIndexedStream
 from diloco.inner import build_inner_optimizer, inner_lr, train_step
 from diloco.model import Transformer
@@ -107,46 +105,41 @@ def _rank(rank: int, world_size: int, workdir: str) -> None:
     from islands.fsdp import build_sharded_model, local_views, optimizer_state_from_local, optimizer_state_to_local, shard_range
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{workdir}/store", rank=rank, world_size=world_size)
-    try:
-        cfg = _cfg()
-        start = dict(_model(cfg).named_parameters())
+    cfg = _cfg()
+    start = dict(_model(cfg).named_parameters())
 
-        def sharded():
-            model = build_sharded_model(cfg.model, torch.device("cpu"), world_size)[0]
-            with torch.no_grad():
-                for name, p in model.named_parameters():
-                    r = shard_range(name, p)
-                    local_views(model)[name].copy_(start[name].reshape(-1)[r.offset : r.offset + r.numel])
-            return model
-
-        model = sharded()
-        optimizer = build_inner_optimizer(model, cfg.inner)
-        assert optimizer.muon.sharded  # the gathering step, not torch's own on DTensors
-        _train(model, optimizer, cfg, range(STEPS), total=STEPS + 1)
-        buffer = io.BytesIO()  # what torchft's HTTP transport carries: a pickled state dict of local tensors
-        torch.save(optimizer_state_to_local(optimizer), buffer)
-        healed = sharded()
+    def sharded():
+        model = build_sharded_model(cfg.model, torch.device("cpu"), world_size)[0]
         with torch.no_grad():
-            for name, t in local_views(model).items():
-                local_views(healed)[name].copy_(t)
-        healed_optimizer = build_inner_optimizer(healed, cfg.inner)
-        optimizer_state_from_local(healed_optimizer, torch.load(io.BytesIO(buffer.getvalue()), weights_only=False))
-        _train(model, optimizer, cfg, range(STEPS, STEPS + 1), total=STEPS + 1)
-        _train(healed, healed_optimizer, cfg, range(STEPS, STEPS + 1), total=STEPS + 1)
-        views, healed_views = local_views(model), local_views(healed)
-        ranges = {name: (r.offset, r.numel) for name, r in ((n, shard_range(n, p)) for n, p in model.named_parameters())}
-        torch.save({"ranges": ranges, "model": {n: t.clone() for n, t in views.items()},
-                    "healed_equal": {n: torch.equal(t, healed_views[n]) for n, t in views.items()}},
-                   Path(workdir) / f"rank{rank}.pt")
-    finally:
-        dist.destroy_process_group()
+            for name, p in model.named_parameters():
+                r = shard_range(name, p)
+                local_views(model)[name].copy_(start[name].reshape(-1)[r.offset : r.offset + r.numel])
+        return model
+
+    model = sharded()
+    optimizer = build_inner_optimizer(model, cfg.inner)
+    assert optimizer.muon.sharded  # the gathering step, not torch's own on DTensors
+    _train(model, optimizer, cfg, range(STEPS), total=STEPS + 1)
+    buffer = io.BytesIO()  # what torchft's HTTP transport carries: a pickled state dict of local tensors
+    torch.save(optimizer_state_to_local(optimizer), buffer)
+    healed = sharded()
+    with torch.no_grad():
+        for name, t in local_views(model).items():
+            local_views(healed)[name].copy_(t)
+    healed_optimizer = build_inner_optimizer(healed, cfg.inner)
+    optimizer_state_from_local(healed_optimizer, torch.load(io.BytesIO(buffer.getvalue()), weights_only=False))
+    _train(model, optimizer, cfg, range(STEPS, STEPS + 1), total=STEPS + 1)
+    _train(healed, healed_optimizer, cfg, range(STEPS, STEPS + 1), total=STEPS + 1)
+    views, healed_views = local_views(model), local_views(healed)
+    ranges = {name: (r.offset, r.numel) for name, r in ((n, shard_range(n, p)) for n, p in model.named_parameters())}
+    torch.save({"ranges": ranges, "model": {n: t.clone() for n, t in views.items()},
+                "healed_equal": {n: torch.equal(t, healed_views[n]) for n, t in views.items()}},
+               Path(workdir) / f"rank{rank}.pt")
 
 
 @pytest.mark.timeout(180)
 def test_sharded_group_steps_as_one_rank_and_a_healed_group_goes_on_exactly(tmp_path, monkeypatch):
-    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")  # loopback only; the spawned ranks inherit it
-    mp.start_processes(_rank, args=(2, str(tmp_path)), nprocs=2, start_method="spawn")
+    spawn_gloo_ranks(_rank, 2, tmp_path, monkeypatch)
     cfg = _cfg()
     single = _model(cfg)
     _train(single, build_inner_optimizer(single, cfg.inner), cfg, range(STEPS + 1), total=STEPS + 1)
