@@ -210,8 +210,8 @@ def bare_server(port_file: str) -> None:
         return sum(1 for _ in requests).to_bytes(8, "little")
 
     def pull_messages(request, context):
-        if ("m", request) not in built:  # request: (name, offset, numel, payload bytes, crc32) per chunk, as JSON
-            built["m", request] = [pb.ResultMessage(chunk=pb.TensorChunk(name=n, offset=o, numel=k, payload=bytes(b), crc32=c))
+        if ("m", request) not in built:  # request: (name, offset, numel, payload bytes, xxh3) per chunk, as JSON
+            built["m", request] = [pb.ResultMessage(chunk=pb.TensorChunk(name=n, offset=o, numel=k, payload=bytes(b), xxh3=c))
                                    for n, o, k, b, c in json.loads(request)]
         yield from built["m", request]
 
@@ -239,7 +239,7 @@ def measure_bare(pushed: list[pb.PushMessage], pulled: list[pb.ResultMessage], i
     where, links = addresses(port, islands, link)
     channels = [grpc.insecure_channel(a) for a in where]
     spec = [pulled[0].ByteSize()] + [m.ByteSize() for m in pulled[1:]]
-    chunk_spec = json.dumps([(m.chunk.name, m.chunk.offset, m.chunk.numel, len(m.chunk.payload), m.chunk.crc32) for m in pulled[1:]])
+    chunk_spec = json.dumps([(m.chunk.name, m.chunk.offset, m.chunk.numel, len(m.chunk.payload), m.chunk.xxh3) for m in pulled[1:]])
     raw_pushed = [m.SerializeToString() for m in pushed]
     try:
         both = threading.Barrier(islands)

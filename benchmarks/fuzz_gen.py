@@ -11,7 +11,6 @@ from __future__ import annotations
 import random
 import struct
 import threading
-import zlib
 from dataclasses import dataclass, field
 
 import torch
@@ -21,7 +20,7 @@ from google.protobuf.message import DecodeError, Message
 
 from diloco.codec import Fp32Codec
 from diloco.v1 import diloco_pb2 as pb
-from diloco.wire import PROTOCOL_VERSION, Manifest, push_messages, tensor_chunks
+from diloco.wire import PROTOCOL_VERSION, Manifest, payload_digest, push_messages, tensor_chunks
 
 INT64 = (-(2**63), 2**63 - 1)
 INTS = [0, 1, -1, 2, 7, 1023, 1024, 4096, 2**31, 2**32, -(2**31), 10**9, *INT64]
@@ -143,7 +142,7 @@ class Gen:
             return self.rng.random() < 0.5
         if f.type == F.TYPE_ENUM:  # proto3 enums are open: unknown numbers are legal on the wire
             return self.rng.choice([v.number for v in f.enum_type.values] + [self.rng.randint(-3, 99)])
-        return self.integer(f.name, unsigned=f.type == F.TYPE_UINT32)
+        return self.integer(f.name, unsigned=f.type in (F.TYPE_UINT32, F.TYPE_UINT64, F.TYPE_FIXED64))
 
     # --- messages ----------------------------------------------------------------------
 
@@ -305,7 +304,7 @@ def flip_payload(g: Gen, msgs):
         p[g.rng.randrange(len(p))] ^= 1 << g.rng.randrange(8)
         c.payload = bytes(p)
         if g.rng.random() < 0.5:  # and fix its CRC: the payload is then well formed, only its values changed
-            c.crc32 = zlib.crc32(c.payload)
+            c.xxh3 = payload_digest(c.payload)
     return msgs
 
 
@@ -313,21 +312,21 @@ def nan_payload(g: Gen, msgs):
     if (c := g.pick_chunk(msgs)) is not None and c.payload:
         i = 4 * g.rng.randrange(len(c.payload) // 4)
         c.payload = c.payload[:i] + struct.pack("<f", g.rng.choice(FLOATS[-3:])) + c.payload[i + 4:]
-        c.crc32 = zlib.crc32(c.payload)
+        c.xxh3 = payload_digest(c.payload)
     return msgs
 
 
 def resize_payload(g: Gen, msgs):
     if (c := g.pick_chunk(msgs)) is not None:
         c.payload = g.rng.choice([c.payload[:-1], c.payload + b"\0", b"", g.raw(3 * g.t.chunk_bytes + 70_000)])
-        c.crc32 = zlib.crc32(c.payload)
+        c.xxh3 = payload_digest(c.payload)
     return msgs
 
 
 def readdress(g: Gen, msgs):
     if (c := g.pick_chunk(msgs)) is not None:
-        what = g.rng.choice(["name", "offset", "numel", "crc32"])
-        setattr(c, what, g.name() if what == "name" else g.integer(what, unsigned=what == "crc32"))
+        what = g.rng.choice(["name", "offset", "numel", "xxh3"])
+        setattr(c, what, g.name() if what == "name" else g.integer(what, unsigned=what == "xxh3"))
     return msgs
 
 

@@ -1,7 +1,7 @@
 """Folding a closed round's contributions into the mean, through the norm guard (diloco/robust.py).
 
 Each contribution's norm is summed chunk by chunk as its pushes arrive
-(`chunk_sumsq`), so at the close the guard judges the whole round before anything
+(Codec.sumsq, with the finiteness check), so at the close the guard judges the whole round before anything
 is folded, and every contribution is decoded once: folded in canonical island
 order with its token weight (discounted when late) times the guard's factor (1
 kept, < 1 clipped); a dropped one is not folded at all. With split_late
@@ -13,18 +13,11 @@ from __future__ import annotations
 
 import math
 
-import torch
 
 from coordinator.records import Contribution, fold_key
 from diloco.codec import Codec
 from diloco.outer import PseudoGradientAccumulator
 from diloco.robust import NormGuard, Verdict
-
-
-def chunk_sumsq(codec: Codec, payload: bytes, numel: int) -> float:
-    """The sum of squares of a chunk's values (in fp64: a model's worth of them stays exact enough)."""
-    values = codec.decode(payload, numel)
-    return float(torch.dot(values.double(), values.double()))
 
 
 def judge(guard: NormGuard, contributions: list[tuple[str, Contribution]], label: str) -> Verdict:

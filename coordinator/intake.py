@@ -12,12 +12,11 @@ import math
 import time
 from collections.abc import Iterator
 
-from coordinator.fold import chunk_sumsq
 from coordinator.ledger import ranges_of
 from coordinator.records import Contribution, Phase, Reason, Refused, check_claim, lr_sum
 from coordinator.spool import Spool
 from diloco.v1 import diloco_pb2 as pb
-from diloco.wire import ChunkCorrupt, ChunkError, Coverage, verify_chunk
+from diloco.wire import ChunkCorrupt, ChunkError, Coverage, framed_size, verify_chunk
 
 log = logging.getLogger("coordinator.fragment")
 
@@ -66,10 +65,12 @@ class PushIntake:
         """The codecs pushes may come in, by name: the run's, and with compression per link wire.link_codecs."""
         return self.ctx.codecs or {self.codec.name: self.codec}
 
-    def _verify(self, chunk: pb.TensorChunk, payload: bytes, codec) -> bool:  # ChunkError when malformed; else whether finite
+    def _verify(self, chunk: pb.TensorChunk, payload: bytes, codec) -> float:
+        """ChunkError when malformed; else the values' sum of squares (the norm guard's, when it is on; else 0),
+        not finite when a value is not."""
         if chunk.name not in self.manifest.shapes and (owner := self.ctx.fragment_of(chunk.name)) is not None:
             raise ChunkError(f"{chunk.name} belongs to fragment {owner}, not to fragment {self.index}")
-        return verify_chunk(chunk, self.manifest, codec, payload)
+        return verify_chunk(chunk, self.manifest, codec, payload, sumsq=self.cfg.robust.enabled)
 
     def receive(self, header: pb.PushHeader, chunks: Iterator[pb.TensorChunk]) -> pb.PushResponse:
         """Spools one push stream; the contribution is complete once every element arrived exactly once.
@@ -86,20 +87,20 @@ class PushIntake:
             for chunk in chunks:
                 payload = chunk.payload
                 try:
-                    finite = self._verify(chunk, payload, codec)
+                    sumsq = self._verify(chunk, payload, codec)
                 except ChunkCorrupt as e:
                     self._attach(header, spool, ranges, codec)
                     spool = None  # the contribution owns the chunks kept so far
                     raise Refused(Reason.CORRUPT_CHUNK, f"{e}; resend from chunk {len(ranges)}", resend_from_chunk=len(ranges)) from e
                 except ChunkError as e:
                     raise Refused(Reason.BAD_CHUNK, str(e)) from e
-                if not finite:
+                if not math.isfinite(sumsq):
                     self._drop_nonfinite(header, chunk)
-                spool.write(chunk.name, chunk.offset, chunk.numel, chunk.crc32, payload)
-                sumsq = chunk_sumsq(codec, payload, chunk.numel) if self.cfg.robust.enabled else 0.0
+                spool.write(chunk.name, chunk.offset, chunk.numel, chunk.xxh3, payload)
                 ranges.append((chunk.name, chunk.offset, chunk.numel, sumsq))
-                received += chunk.ByteSize()
-                self._count(header.round, header.island_id, up=chunk.ByteSize())
+                size = framed_size(chunk, len(payload))
+                received += size
+                self._count(header.round, header.island_id, up=size)
             if self.ctx.links is not None:  # what this island's link delivers (compression per link)
                 self.ctx.links.observe(header.island_id, received, time.monotonic() - started)
             return self._attach(header, spool, ranges, codec)

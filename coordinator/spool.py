@@ -3,9 +3,9 @@
 A pseudo-gradient only reaches the aggregate once every element of it has
 arrived, so a stream that breaks off leaves nothing behind. Spooling the
 (encoded) chunks to disk keeps coordinator memory at O(model) however many
-islands push at once. A record is the chunk's address, its CRC-32 and its
+islands push at once. A record is the chunk's address, its XXH3-64 digest and its
 payload as received (no protobuf round trip: the payload is written once and
-read once).
+read once), each checked again as it is read back.
 """
 
 from __future__ import annotations
@@ -14,14 +14,14 @@ import os
 import struct
 import tempfile
 import threading
-import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 from diloco.refusal import Reason, Refused
+from diloco.wire import payload_digest
 
-_RECORD = struct.Struct("<QQIHI")  # offset, numel, crc32, name bytes, payload bytes
+_RECORD = struct.Struct("<QQQHI")  # offset, numel, XXH3-64 of the payload, name bytes, payload bytes
 
 
 class SpoolCorrupt(OSError):
@@ -68,8 +68,8 @@ class Spool:
         self.chunks = self.numel = self.bytes = 0
         self.spools, self.max_numel = spools, max_numel
 
-    def write(self, name: str, offset: int, numel: int, crc32: int, payload: bytes) -> None:
-        """One chunk whose payload was verified against crc32 already."""
+    def write(self, name: str, offset: int, numel: int, digest: int, payload: bytes) -> None:
+        """One chunk whose payload was verified against its digest (diloco.wire.payload_digest) already."""
         encoded = name.encode()
         if self.max_numel is not None and self.numel + numel > self.max_numel:
             # Bounds a stream that repeats chunks: overlaps are only found once the stream ends.
@@ -79,7 +79,7 @@ class Spool:
             self.spools.reserve(size)
         self.bytes += size
         self.numel += numel
-        self._file.write(_RECORD.pack(offset, numel, crc32, len(encoded), len(payload)) + encoded)
+        self._file.write(_RECORD.pack(offset, numel, digest, len(encoded), len(payload)) + encoded)
         self._file.write(payload)
         self.chunks += 1
 
@@ -91,10 +91,10 @@ class Spool:
         self.close()
         with open(self.path, "rb", buffering=0) as f:
             while header := f.read(_RECORD.size):
-                offset, numel, crc32, name_len, size = _RECORD.unpack(header)
+                offset, numel, digest, name_len, size = _RECORD.unpack(header)
                 name = f.read(name_len).decode()
                 payload = f.read(size)
-                if len(payload) != size or zlib.crc32(payload) != crc32:
+                if len(payload) != size or payload_digest(payload) != digest:
                     raise SpoolCorrupt(f"spool {self.path}: {name}@{offset} does not read back as written")
                 yield SpooledChunk(name, offset, numel, payload)
 

@@ -36,6 +36,7 @@ from diloco.kernels import (
     _e3m0_encode,
     _int8_decode,
     _int8_encode,
+    _sumsq,
 )
 from diloco.topk import TopK
 
@@ -66,6 +67,11 @@ class Codec(Protocol):
         """Whether every decoded value would be finite; raises ValueError on a malformed payload."""
         ...
 
+    def sumsq(self, payload: bytes, numel: int) -> float:
+        """The decoded values' sum of squares in fp64 (the norm guard's measure), not finite when a value is
+        not: finite() and the norm in one pass. Raises ValueError on a malformed payload."""
+        ...
+
 
 class _Decoder:
     """decode() in terms of decode_into(); finite() by decoding."""
@@ -77,6 +83,9 @@ class _Decoder:
 
     def finite(self, payload: bytes, numel: int) -> bool:
         return _all_finite(self.decode(payload, numel).numpy().view(np.uint32))
+
+    def sumsq(self, payload: bytes, numel: int) -> float:
+        return float(_sumsq(self.decode(payload, numel).numpy()))
 
 
 def _as_f32_numpy(flat: torch.Tensor) -> np.ndarray:
@@ -118,6 +127,10 @@ class Fp32Codec(_Decoder):
     def finite(self, payload: bytes, numel: int) -> bool:
         _check_size(self, payload, numel)
         return _all_finite(np.frombuffer(payload, dtype="<u4"))  # on the payload itself: no copy
+
+    def sumsq(self, payload: bytes, numel: int) -> float:
+        _check_size(self, payload, numel)
+        return float(_sumsq(np.frombuffer(payload, dtype="<f4")))
 
 
 class Bf16Codec(_Decoder):

@@ -32,6 +32,23 @@ def _absmax_bits(bits):  # pragma: no cover - compiled
     return m
 
 
+@numba.njit(cache=True, nogil=True)
+def _sumsq(x):  # pragma: no cover - compiled
+    """The sum of squares of float32 values in fp64, in a fixed order (eight running sums, then a fixed tree):
+    the same bits on every machine. NaN or inf when a value is not finite."""
+    acc = np.zeros(8, dtype=np.float64)
+    whole = x.shape[0] - x.shape[0] % 8
+    for i in range(0, whole, 8):
+        for j in range(8):
+            v = np.float64(x[i + j])
+            acc[j] += v * v
+    tail = 0.0
+    for i in range(whole, x.shape[0]):
+        v = np.float64(x[i])
+        tail += v * v
+    return ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7])) + tail
+
+
 def _all_finite(bits: np.ndarray) -> bool:
     """Whether the float32 values whose bits these are (uint32) are all finite: one pass, no copy."""
     return bits.size == 0 or bool(_absmax_bits(bits) < _NONFINITE)

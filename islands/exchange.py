@@ -22,7 +22,6 @@ from __future__ import annotations
 import logging
 import threading
 import time
-import zlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
@@ -32,7 +31,7 @@ import torch
 from diloco.codec import Codec
 from diloco.feedback import ErrorFeedback
 from diloco.v1 import diloco_pb2 as pb
-from diloco.wire import FlatRange, Manifest
+from diloco.wire import FlatRange, Manifest, make_chunk
 from islands.client import CoordinatorClient, MeanBuffer, RegeneratingChunks
 from islands.outcome import Next, next_step, reason_name
 
@@ -154,7 +153,7 @@ def pg_chunks(shard: FragmentShard, ex: Exchange, wire: Wire, start: int = 0) ->
                         payload = wire.feedback.encode(r.name, lo, piece, codec)
                     else:
                         payload = codec.encode(piece)
-                yield pb.TensorChunk(name=r.name, offset=r.offset + lo, numel=hi - lo, payload=payload, crc32=zlib.crc32(payload))
+                yield make_chunk(r.name, r.offset + lo, hi - lo, payload)
             i += 1
 
 

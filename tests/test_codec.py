@@ -95,6 +95,20 @@ def test_non_finite_input_decodes_non_finite(name):
         codec.finite(codec.encode(_x(300))[:-3], 300)
 
 
+@pytest.mark.parametrize("name", ALL)
+def test_sumsq_is_the_decoded_values_norm_in_fp64_and_not_finite_with_them(name):
+    codec = get_codec(name, block_size=64, topk_block=128)
+    for n in (1, 7, 8, 300):  # below, at and past the kernel's eight running sums
+        payload = codec.encode(_x(n))
+        values = codec.decode(payload, n).double()
+        assert codec.sumsq(payload, n) == pytest.approx(float(values.dot(values)), rel=1e-12), (name, n)
+    x = _x(300)
+    x[77] = math.nan
+    assert not math.isfinite(codec.sumsq(codec.encode(x), 300))
+    with pytest.raises(ValueError):
+        codec.sumsq(codec.encode(_x(300))[:-3], 300)
+
+
 def test_int8_finite_sees_a_scale_whose_largest_code_overflows():
     import numpy as np
 

@@ -193,8 +193,9 @@ def test_sim_with_4bit_uplink_and_compressed_downlink(tmp_path):
     assert set(report["islands"].values()) == {report["checksum"]} and len(report["islands"]) == 2
     numel = sum(torch.Size(s).numel() for s in _shapes(cfg).values())
     for r in report["rounds"]:
-        # Each island pushes 4 bits per element (plus scales), compressed further by zstd.
-        assert r["bytes_up"] < 2 * 4 * numel / 7.5
+        # Each island pushes 4 bits per element (plus scales), compressed further by zstd; each of this tiny
+        # model's chunks also carries its address and 64-bit digest, a larger share than on a real model.
+        assert r["bytes_up"] < 2 * 4 * numel / 7.4
         assert set(r["traffic"]) == set(report["islands"])
     assert report["rounds"][-1]["eval_loss"] < report["initial_eval_loss"] - 0.25
     # Where to look (dashboard, island metrics), the header, then one line per round plus one per island per round.
@@ -244,11 +245,14 @@ def test_islands_keep_error_feedback_for_topk_however_it_is_spelled(make_coordin
 def test_framed_size_is_the_wrapping_messages_byte_size(payload):
     from diloco.wire import framed_size
 
-    chunk = pb.TensorChunk(name="blocks.0.w", offset=12345, numel=payload // 4, payload=b"\x01" * payload, crc32=7)
-    expected = framed_size(chunk)
-    assert pb.PushMessage(chunk=chunk).ByteSize() == expected
-    assert pb.ResultMessage(chunk=chunk).ByteSize() == expected
-    assert pb.ResultMessage(mean_chunk=chunk).ByteSize() == expected
+    for chunk in (pb.TensorChunk(name="blocks.0.w", offset=12345, numel=payload // 4, payload=b"\x01" * payload, xxh3=7),
+                  pb.TensorChunk(name="", offset=0, numel=2**40, payload=b"\x02" * payload, xxh3=2**64 - 1),
+                  pb.TensorChunk(name="é" * 200, offset=-1, numel=1, payload=b"\x03" * payload)):
+        expected = framed_size(chunk)
+        assert pb.PushMessage(chunk=chunk).ByteSize() == expected
+        assert pb.ResultMessage(chunk=chunk).ByteSize() == expected
+        assert pb.ResultMessage(mean_chunk=chunk).ByteSize() == expected
+        assert framed_size(chunk, len(chunk.payload)) == expected
 
 
 def test_island_keeps_the_topk_residual_in_its_parameters_and_ends_on_the_global_ones(make_coordinator):

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import threading
 import time
-import zlib
 
 import grpc
 import pytest
@@ -15,7 +14,7 @@ from conftest import ended, join, random_like, tiny_config, wait_for_round
 from diloco.codec import Fp32Codec
 from diloco.refusal import Reason, reason_of, refusal_of
 from diloco.v1 import diloco_pb2 as pb
-from diloco.wire import Manifest, tensor_chunks
+from diloco.wire import Manifest, make_chunk, tensor_chunks
 
 
 def _header(island_id, round_=0, tokens=1000):
@@ -24,7 +23,7 @@ def _header(island_id, round_=0, tokens=1000):
 
 def _chunk(name, offset, values: torch.Tensor):
     payload = Fp32Codec().encode(values)
-    return pb.PushMessage(chunk=pb.TensorChunk(name=name, offset=offset, numel=values.numel(), payload=payload, crc32=zlib.crc32(payload)))
+    return pb.PushMessage(chunk=make_chunk(name, offset, values.numel(), payload))
 
 
 def _messages(island_id, pg, chunk_bytes, round_=0, tokens=1000):
@@ -91,7 +90,7 @@ def test_bad_chunk_is_invalid_argument_and_aggregate_unaffected(run, bad_chunk, 
 def test_payload_that_does_not_match_numel_is_refused(run):
     cfg, coordinator, stub, a, b, manifest, theta0 = run
     payload = Fp32Codec().encode(torch.ones(3))
-    lying = pb.PushMessage(chunk=pb.TensorChunk(name="norm.weight", offset=0, numel=4, payload=payload, crc32=zlib.crc32(payload)))
+    lying = pb.PushMessage(chunk=make_chunk("norm.weight", 0, 4, payload))
     with pytest.raises(grpc.RpcError) as err:
         stub.PushPseudoGradient(iter([_header(a), lying]), timeout=10)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "payload is 12 bytes" in err.value.details()
@@ -101,7 +100,7 @@ def test_payload_that_does_not_match_numel_is_refused(run):
 def test_corrupt_chunk_is_data_loss(run):
     cfg, coordinator, stub, a, b, manifest, theta0 = run
     good = _chunk("norm.weight", 0, torch.ones(32))
-    good.chunk.crc32 ^= 1
+    good.chunk.xxh3 ^= 1
     with pytest.raises(grpc.RpcError) as err:
         stub.PushPseudoGradient(iter([_header(a), _chunk("blocks.0.attn_norm.weight", 0, torch.ones(32)), good]), timeout=10)
     assert err.value.code() == grpc.StatusCode.DATA_LOSS

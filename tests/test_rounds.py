@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import itertools
 import threading
-import zlib
 
 import pytest
 import torch
@@ -23,7 +22,7 @@ from coordinator.spool import Spool, SpoolCorrupt
 from coordinator.state import CoordinatorState
 from diloco.refusal import Reason
 from diloco.v1 import diloco_pb2 as pb
-from diloco.wire import tensor_chunks, uplink_codec
+from diloco.wire import payload_digest, tensor_chunks, uplink_codec
 
 
 class Clock:
@@ -187,7 +186,7 @@ def test_spool_reads_back_what_was_written_and_refuses_a_damaged_file(tmp_path):
     spool = Spool(tmp_path)
     records = [("blocks.0.w", 0, 3, b"\x01\x02\x03\x04" * 3), ("embed", 4096, 1, b"\xff\x00\x7f\x80")]
     for name, offset, numel, payload in records:
-        spool.write(name, offset, numel, zlib.crc32(payload), payload)
+        spool.write(name, offset, numel, payload_digest(payload), payload)
     assert [(c.name, c.offset, c.numel, c.payload) for c in spool.read()] == records
     data = bytearray(spool.path.read_bytes())
     data[-1] ^= 0xFF

@@ -192,18 +192,18 @@ class TensorRange(_message.Message):
     def __init__(self, name: _Optional[str] = ..., offset: _Optional[int] = ..., numel: _Optional[int] = ...) -> None: ...
 
 class TensorChunk(_message.Message):
-    __slots__ = ("name", "offset", "numel", "payload", "crc32")
+    __slots__ = ("name", "offset", "numel", "payload", "xxh3")
     NAME_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     NUMEL_FIELD_NUMBER: _ClassVar[int]
     PAYLOAD_FIELD_NUMBER: _ClassVar[int]
-    CRC32_FIELD_NUMBER: _ClassVar[int]
+    XXH3_FIELD_NUMBER: _ClassVar[int]
     name: str
     offset: int
     numel: int
     payload: bytes
-    crc32: int
-    def __init__(self, name: _Optional[str] = ..., offset: _Optional[int] = ..., numel: _Optional[int] = ..., payload: _Optional[bytes] = ..., crc32: _Optional[int] = ...) -> None: ...
+    xxh3: int
+    def __init__(self, name: _Optional[str] = ..., offset: _Optional[int] = ..., numel: _Optional[int] = ..., payload: _Optional[bytes] = ..., xxh3: _Optional[int] = ...) -> None: ...
 
 class PushHeader(_message.Message):
     __slots__ = ("island_id", "round", "tokens", "train_loss", "codec", "global_checksum", "inner_steps", "fragment", "samples", "first_step")
