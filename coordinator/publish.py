@@ -15,10 +15,10 @@ from collections.abc import Iterator, Mapping
 
 import torch
 
-from diloco.codec import Codec, get_codec
+from diloco.codec import Codec
 from diloco.params import checksum
 from diloco.v1 import diloco_pb2 as pb
-from diloco.wire import Manifest, decode_chunk, encode_chunks, tensor_chunks
+from diloco.wire import Manifest, decode_chunk, encode_chunks, serialized_values
 
 
 class SharedStream:
@@ -65,8 +65,7 @@ class Publication:
         """
         with self._values_lock:
             if self._values is None:
-                chunks = tensor_chunks(self.params, get_codec("fp32"), self.chunk_bytes)
-                self._values = SharedStream((b, len(b)) for b in (pb.ResultMessage(chunk=c).SerializeToString() for c in chunks))
+                self._values = SharedStream((b, len(b)) for b in serialized_values(self.params, self.chunk_bytes))
             return self._values
 
     def release_values(self) -> None:
