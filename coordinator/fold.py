@@ -44,8 +44,8 @@ def fold(accumulator: PseudoGradientAccumulator, codec: Codec, contributions: li
         for k, spool in enumerate(contribution.spools):
             # Each push stream in the codec it came in (compression per link), else the run's.
             decoder = contribution.codecs[k] if k < len(contribution.codecs) else codec
-            for chunk in spool.read():  # verified on arrival; the spool checks its own CRCs
-                accumulator.add_chunk(chunk.name, chunk.offset, decoder.decode(chunk.payload, chunk.numel), scale, late)
+            for chunk in spool.read():  # verified on arrival; the spool checks its own digests
+                accumulator.add_chunk(chunk.name, chunk.offset, decoder.decode_view(chunk.payload, chunk.numel), scale, late)
                 elements += chunk.numel
             spool.discard()
         # Coverage proved exactly-once already; this is the invariant the summary reports.

@@ -33,7 +33,7 @@ class SpooledChunk:
     name: str
     offset: int
     numel: int
-    payload: bytes
+    payload: memoryview  # valid until the next chunk is read (Spool.read)
 
 
 class Spools:
@@ -88,13 +88,18 @@ class Spool:
             self._file.close()
 
     def read(self) -> Iterator[SpooledChunk]:
+        """The chunks in the order written. Each payload is a view into one reused (writable) buffer: valid until
+        the next chunk is read, so the fold decodes it in place instead of allocating and copying per chunk."""
         self.close()
+        buffer = bytearray()
         with open(self.path, "rb", buffering=0) as f:
             while header := f.read(_RECORD.size):
                 offset, numel, digest, name_len, size = _RECORD.unpack(header)
                 name = f.read(name_len).decode()
-                payload = f.read(size)
-                if len(payload) != size or payload_digest(payload) != digest:
+                if size > len(buffer):
+                    buffer = bytearray(size)  # a new one: the previous chunk's view may still be held
+                payload = memoryview(buffer)[:size]
+                if f.readinto(payload) != size or payload_digest(payload) != digest:
                     raise SpoolCorrupt(f"spool {self.path}: {name}@{offset} does not read back as written")
                 yield SpooledChunk(name, offset, numel, payload)
 

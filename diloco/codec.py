@@ -22,6 +22,7 @@ measures both).
 
 from __future__ import annotations
 
+import sys
 import threading
 from typing import Protocol
 
@@ -67,6 +68,11 @@ class Codec(Protocol):
         """Whether every decoded value would be finite; raises ValueError on a malformed payload."""
         ...
 
+    def decode_view(self, payload: bytes | memoryview, numel: int) -> torch.Tensor:
+        """decode(), except that the values may share memory with a writable payload (fp32: no copy); use them
+        before the payload changes."""
+        ...
+
     def sumsq(self, payload: bytes, numel: int) -> float:
         """The decoded values' sum of squares in fp64 (the norm guard's measure), not finite when a value is
         not: finite() and the norm in one pass. Raises ValueError on a malformed payload."""
@@ -86,6 +92,9 @@ class _Decoder:
 
     def sumsq(self, payload: bytes, numel: int) -> float:
         return float(_sumsq(self.decode(payload, numel).numpy()))
+
+    def decode_view(self, payload: bytes | memoryview, numel: int) -> torch.Tensor:
+        return self.decode(payload, numel)
 
 
 def _as_f32_numpy(flat: torch.Tensor) -> np.ndarray:
@@ -131,6 +140,12 @@ class Fp32Codec(_Decoder):
     def sumsq(self, payload: bytes, numel: int) -> float:
         _check_size(self, payload, numel)
         return float(_sumsq(np.frombuffer(payload, dtype="<f4")))
+
+    def decode_view(self, payload: bytes | memoryview, numel: int) -> torch.Tensor:
+        if isinstance(payload, bytes) or sys.byteorder != "little":  # torch views only writable, native-order buffers
+            return self.decode(payload, numel)
+        _check_size(self, payload, numel)
+        return torch.frombuffer(payload, dtype=torch.float32, count=numel) if numel else torch.empty(0)
 
 
 class Bf16Codec(_Decoder):

@@ -109,6 +109,17 @@ def test_sumsq_is_the_decoded_values_norm_in_fp64_and_not_finite_with_them(name)
         codec.sumsq(codec.encode(_x(300))[:-3], 300)
 
 
+@pytest.mark.parametrize("name", ALL)
+def test_decode_view_of_a_spooled_payload_is_decode(name):
+    codec = get_codec(name, block_size=64, topk_block=128)
+    payload = codec.encode(_x(300))
+    view = memoryview(bytearray(payload))  # what Spool.read hands the fold
+    assert torch.equal(codec.decode_view(view, 300), codec.decode(payload, 300))
+    assert torch.equal(codec.decode_view(payload, 300), codec.decode(payload, 300))
+    with pytest.raises(ValueError):
+        codec.decode_view(view[:-3], 300)
+
+
 def test_int8_finite_sees_a_scale_whose_largest_code_overflows():
     import numpy as np
 

@@ -187,7 +187,7 @@ def test_spool_reads_back_what_was_written_and_refuses_a_damaged_file(tmp_path):
     records = [("blocks.0.w", 0, 3, b"\x01\x02\x03\x04" * 3), ("embed", 4096, 1, b"\xff\x00\x7f\x80")]
     for name, offset, numel, payload in records:
         spool.write(name, offset, numel, payload_digest(payload), payload)
-    assert [(c.name, c.offset, c.numel, c.payload) for c in spool.read()] == records
+    assert [(c.name, c.offset, c.numel, bytes(c.payload)) for c in spool.read()] == records
     data = bytearray(spool.path.read_bytes())
     data[-1] ^= 0xFF
     spool.path.write_bytes(bytes(data))
