@@ -18,7 +18,8 @@ import torch
 from diloco.codec import Codec
 from diloco.params import checksum
 from diloco.v1 import diloco_pb2 as pb
-from diloco.wire import Manifest, decode_chunk, encode_chunks, serialized_values
+from diloco.frames import serialized_values
+from diloco.wire import Manifest, decode_chunk, encode_chunks
 
 
 class SharedStream:

@@ -18,6 +18,7 @@ from coordinator.records import Reason, Refused
 from coordinator.state import CoordinatorState
 from diloco.codec import get_codec
 from diloco.credentials import identity_from_auth_context
+from diloco.frames import ChunkView, chunk_deserializer
 from diloco.params import ranges_checksum
 from diloco.v1 import diloco_pb2 as pb
 from diloco.v1 import diloco_pb2_grpc as pb_grpc
@@ -235,12 +236,16 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
     def PushPseudoGradient(self, request_iterator: Iterator[pb.PushMessage], context) -> pb.PushResponse:
         request_iterator = idle_bounded(request_iterator, self.state.cfg.limits.push_idle_s)
         first = next(request_iterator, None)
-        if first is None or not first.HasField("header"):
+        if first is None or isinstance(first, ChunkView) or not first.HasField("header"):
             raise Refused(Reason.BAD_REQUEST, "a push must start with a PushHeader")
 
         def chunks() -> Iterator[pb.TensorChunk]:
             n = 0
             for message in request_iterator:
+                if isinstance(message, ChunkView):  # parsed by hand (diloco/frames.py): its payload not copied
+                    n += 1
+                    yield message
+                    continue
                 kind = message.WhichOneof("kind")
                 if kind == "end":
                     if message.end.chunks != n or next(request_iterator, None) is not None:
@@ -310,7 +315,8 @@ def _serialize(message: pb.ResultMessage | bytes) -> bytes:
 
 
 def add_to_server(service: CoordinatorService, server: grpc.Server) -> None:
-    """The generated registration, except that result streams also take messages serialized already."""
+    """The generated registration, except that result streams also take messages serialized already, and a
+    push's chunk messages arrive as ChunkViews (diloco/frames.py)."""
 
     class Capture:
         def add_generic_rpc_handlers(self, handlers) -> None:
@@ -324,5 +330,7 @@ def add_to_server(service: CoordinatorService, server: grpc.Server) -> None:
     handlers = dict(capture.handlers)
     for method in ("FetchParameters", "PullRoundResult"):
         handlers[method] = handlers[method]._replace(response_serializer=_serialize)
+    handlers["PushPseudoGradient"] = handlers["PushPseudoGradient"]._replace(
+        request_deserializer=chunk_deserializer(pb.PushMessage, (2,)))
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(capture.name, handlers),))
     server.add_registered_method_handlers(capture.name, handlers)

@@ -8,8 +8,6 @@ chunk size comes from the codec so that every message stays far below gRPC's
 from __future__ import annotations
 
 import math
-import struct
-import sys
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 
@@ -29,7 +27,6 @@ from diloco.v1 import diloco_pb2 as pb
 #    compression per link (ResultHeader.push_codec; pushes in any of wire.link_codecs).
 # 9: chunks carry an XXH3-64 of their payload (TensorChunk.xxh3) instead of a CRC-32.
 PROTOCOL_VERSION = 9
-_LITTLE_ENDIAN = sys.byteorder == "little"  # fp32 values are their own payload
 
 
 class ChunkError(ValueError):
@@ -132,37 +129,6 @@ def tensor_chunks(
 ) -> Iterator[pb.TensorChunk]:
     for name, t in tensors.items():
         yield from encode_chunks(name, t.detach().reshape(-1), codec, chunk_bytes, feedback=feedback)
-
-
-def _varint(n: int) -> bytes:
-    out = bytearray()
-    while n > 0x7F:
-        out.append(0x80 | (n & 0x7F))
-        n >>= 7
-    out.append(n)
-    return bytes(out)
-
-
-def serialized_values(tensors: Mapping[str, torch.Tensor], chunk_bytes: int) -> Iterator[bytes]:
-    """The bytes of ResultMessage(chunk=...) for the fp32 values of tensors, chunked as tensor_chunks(fp32) chunks
-    them, with one copy of the values (building and serializing the messages copies them three more times).
-
-    Byte for byte what SerializeToString() gives (tests/test_compression.py): fields in number order, defaults
-    left out. What the coordinator publishes each round to every island.
-    """
-    step = max(1, chunk_bytes // 4)
-    for name, t in tensors.items():
-        flat = t.detach().reshape(-1)
-        encoded = name.encode()
-        for start in range(0, flat.numel(), step):
-            piece = flat[start : start + step]
-            payload = memoryview(piece.numpy()).cast("B") if _LITTLE_ENDIAN else get_codec("fp32").encode(piece)
-            head = b"\x0a" + _varint(len(encoded)) + encoded  # 1: name
-            head += (b"\x10" + _varint(start) if start else b"") + b"\x18" + _varint(piece.numel())  # 2: offset, 3: numel
-            head += b"\x22" + _varint(len(payload))  # 4: payload
-            tail = b"\x31" + struct.pack("<Q", payload_digest(payload))  # 6: xxh3 (fixed64)
-            size = len(head) + len(payload) + len(tail)
-            yield b"".join((b"\x12" + _varint(size), head, payload, tail))  # ResultMessage field 2: chunk
 
 
 def push_messages(header: pb.PushHeader, chunks: Iterable[pb.TensorChunk]) -> Iterator[pb.PushMessage]:

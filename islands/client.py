@@ -13,6 +13,7 @@ import torch
 
 from diloco.codec import Codec, get_codec
 from diloco.credentials import TlsFiles
+from diloco.frames import ChunkView, chunk_deserializer, result_chunk
 from diloco.params import checksum, ranges_checksum
 from diloco.progress import WORTH_SHOWING, Progress
 from diloco.refusal import Reason, is_transport_failure, refusal_of, status_of
@@ -125,6 +126,9 @@ class CoordinatorClient:
                 "check the address and that `diloco-coordinator serve` is running"
             ) from None
         self.stub = pb_grpc.CoordinatorStub(self.channel)
+        for method, request in (("FetchParameters", pb.FetchRequest), ("PullRoundResult", pb.PullRequest)):  # ChunkViews
+            setattr(self.stub, method, self.channel.unary_stream(f"/diloco.v1.Coordinator/{method}", request.SerializeToString,
+                                                                 chunk_deserializer(pb.ResultMessage, (2, 3))))
         self.bytes_sent = 0
         self.bytes_received = 0
         # Codecs results may arrive in, by name; the island adds the run's downlink codec.
@@ -225,7 +229,7 @@ class CoordinatorClient:
         ranges_checksum (the whole model's checksum is out of reach).
         """
         first = next(stream, None)
-        if first is None or not first.HasField("header"):
+        if first is None or isinstance(first, ChunkView) or not first.HasField("header"):
             raise LocalRefusal(Reason.BAD_CHUNK, "result stream without a header")
         header = first.header
         tally = tally if tally is not None else [0]
@@ -245,12 +249,12 @@ class CoordinatorClient:
 
         def chunks():
             for message in stream:
-                if message.HasField("mean_chunk"):
-                    got(framed_size(message.mean_chunk))
-                    mean_chunks.append(message.mean_chunk)
+                chunk, size, is_mean = result_chunk(message)  # a ChunkView, unless protobuf parsed it
+                got(size)
+                if is_mean:
+                    mean_chunks.append(chunk)
                 else:
-                    got(framed_size(message.chunk))
-                    yield message.chunk
+                    yield chunk
 
         codec = self.codecs.get(header.codec)
         if codec is None:

@@ -255,17 +255,6 @@ def test_framed_size_is_the_wrapping_messages_byte_size(payload):
         assert framed_size(chunk, len(chunk.payload)) == expected
 
 
-def test_serialized_values_are_the_messages_bytes():
-    from diloco.codec import get_codec
-    from diloco.wire import serialized_values, tensor_chunks
-
-    torch.manual_seed(0)
-    tensors = {"a": torch.randn(3), "w" * 200: torch.randn(70, 300), "b": torch.randn(0), "c.weight": torch.randn(5000)}
-    for chunk_bytes in (4, 1000, 1 << 20):  # one element a chunk; chunks ending inside a tensor; whole tensors
-        expected = [pb.ResultMessage(chunk=c).SerializeToString() for c in tensor_chunks(tensors, get_codec("fp32"), chunk_bytes)]
-        assert list(serialized_values(tensors, chunk_bytes)) == expected
-
-
 def test_island_keeps_the_topk_residual_in_its_parameters_and_ends_on_the_global_ones(make_coordinator):
     """wire.feedback_in_model: after every landed round but the last, theta_local = theta_global - residual;
     after the last, exactly theta_global; the global copies stay bit-identical throughout."""

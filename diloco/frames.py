@@ -1,0 +1,149 @@
+"""Chunk messages on the hot path, framed by hand instead of through protobuf objects.
+
+Every round a model's worth of chunks goes up (PushMessage.chunk) and comes
+back (ResultMessage.chunk). Through protobuf objects each payload is copied
+several times: into a TensorChunk, into its wrapper, out again when serialized;
+on receipt into upb's arena and again whenever `.payload` is read. Here:
+
+- serialized_values: the bytes of the published values' ResultMessages with
+  one copy of the parameters (the coordinator, once a round);
+- parse_chunk_message: a received message that holds only a chunk, as a
+  ChunkView whose payload is a view of the bytes gRPC handed over (no copy);
+  anything else, or anything it is not sure of, is left to protobuf.
+
+Both speak exactly the protocol of protos/: serialized_values gives
+SerializeToString()'s bytes, and a ChunkView reads as the parsed TensorChunk
+would (tests/test_frames.py compares them on random and damaged messages).
+"""
+
+from __future__ import annotations
+
+import struct
+import sys
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+
+import torch
+
+from diloco.codec import get_codec
+from diloco.wire import framed_size, payload_digest
+
+_LITTLE_ENDIAN = sys.byteorder == "little"  # fp32 values are their own payload
+_FIXED64 = struct.Struct("<Q")
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while n > 0x7F:
+        out.append(0x80 | (n & 0x7F))
+        n >>= 7
+    out.append(n)
+    return bytes(out)
+
+
+def serialized_values(tensors: Mapping[str, torch.Tensor], chunk_bytes: int) -> Iterator[bytes]:
+    """The bytes of ResultMessage(chunk=...) for the fp32 values of tensors, chunked as tensor_chunks(fp32) chunks
+    them: fields in number order, defaults left out, as SerializeToString() writes them."""
+    step = max(1, chunk_bytes // 4)
+    for name, t in tensors.items():
+        flat = t.detach().reshape(-1)
+        encoded = name.encode()
+        for start in range(0, flat.numel(), step):
+            piece = flat[start : start + step]
+            payload = memoryview(piece.numpy()).cast("B") if _LITTLE_ENDIAN else get_codec("fp32").encode(piece)
+            head = b"\x0a" + _varint(len(encoded)) + encoded  # 1: name
+            head += (b"\x10" + _varint(start) if start else b"") + b"\x18" + _varint(piece.numel())  # 2: offset, 3: numel
+            head += b"\x22" + _varint(len(payload))  # 4: payload
+            tail = b"\x31" + _FIXED64.pack(payload_digest(payload))  # 6: xxh3 (fixed64)
+            size = len(head) + len(payload) + len(tail)
+            yield b"".join((b"\x12" + _varint(size), head, payload, tail))  # ResultMessage field 2: chunk
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkView:
+    """A received TensorChunk, read like one; its payload is a view of the message's bytes."""
+
+    name: str
+    offset: int
+    numel: int
+    payload: memoryview
+    xxh3: int
+    field: int  # the wrapper's field that held it (ResultMessage: 2 chunk, 3 mean_chunk)
+    size: int  # bytes of the whole message
+
+
+def _read_varint(raw: bytes, i: int, end: int) -> tuple[int, int]:
+    """(value, next position); raises IndexError or ValueError where protobuf might read it otherwise."""
+    value = shift = 0
+    while True:
+        if i >= end or shift > 63:
+            raise ValueError("varint")
+        b = raw[i]
+        i += 1
+        value |= (b & 0x7F) << shift
+        if b < 0x80:
+            return value, i
+        shift += 7
+
+
+def _int64(v: int) -> int:
+    v &= (1 << 64) - 1
+    return v - (1 << 64) if v >> 63 else v
+
+
+def parse_chunk_message(raw: bytes, chunk_fields: tuple[int, ...]) -> ChunkView | None:
+    """The chunk of a message holding exactly one field, one of chunk_fields, that is a TensorChunk whose fields
+    each appear at most once; None for anything else (the caller parses it with protobuf, which also gives
+    the errors)."""
+    try:
+        tag, i = _read_varint(raw, 0, len(raw))
+        length, i = _read_varint(raw, i, len(raw))
+        if tag & 7 != 2 or tag >> 3 not in chunk_fields or i + length != len(raw):
+            return None
+        fields: dict[int, object] = {}
+        while i < len(raw):
+            key, i = _read_varint(raw, i, len(raw))
+            number, wire_type = key >> 3, key & 7
+            if number in fields:
+                return None
+            if wire_type == 0 and number in (2, 3):  # offset, numel: int64
+                value, i = _read_varint(raw, i, len(raw))
+                fields[number] = _int64(value)
+            elif wire_type == 2 and number in (1, 4):  # name, payload
+                n, i = _read_varint(raw, i, len(raw))
+                if i + n > len(raw):
+                    return None
+                fields[number] = memoryview(raw)[i : i + n]
+                i += n
+            elif wire_type == 1 and number == 6:  # xxh3: fixed64
+                if i + 8 > len(raw):
+                    return None
+                fields[number] = _FIXED64.unpack_from(raw, i)[0]
+                i += 8
+            else:
+                return None
+        name = bytes(fields.get(1, b"")).decode("utf-8")  # strict, as protobuf is for a string field
+    except (ValueError, IndexError):
+        return None
+    return ChunkView(name, fields.get(2, 0), fields.get(3, 0), fields.get(4, memoryview(b"")), fields.get(6, 0),
+                     tag >> 3, len(raw))
+
+
+def result_chunk(message) -> tuple[object, int, bool]:
+    """(the chunk, its message's bytes, whether it is a mean chunk) of a ResultMessage after the header, or of
+    the ChunkView it was parsed into."""
+    if isinstance(message, ChunkView):
+        return message, message.size, message.field == 3
+    mean = message.HasField("mean_chunk")
+    chunk = message.mean_chunk if mean else message.chunk
+    return chunk, framed_size(chunk), mean
+
+
+def chunk_deserializer(message_type, chunk_fields: tuple[int, ...]) -> Callable[[bytes], object]:
+    """A gRPC deserializer: chunk messages as ChunkViews, every other message as message_type."""
+
+    def parse(raw: bytes):
+        view = parse_chunk_message(raw, chunk_fields)
+        return view if view is not None else message_type.FromString(raw)
+
+    return parse

@@ -1,0 +1,105 @@
+"""Chunk messages framed by hand (diloco/frames.py) against protobuf's own serializing and parsing."""
+
+from __future__ import annotations
+
+import random
+import struct
+
+import pytest
+import torch
+from google.protobuf.message import DecodeError
+
+from diloco.codec import get_codec
+from diloco.frames import ChunkView, parse_chunk_message, serialized_values
+from diloco.v1 import diloco_pb2 as pb
+from diloco.wire import make_chunk, tensor_chunks
+
+
+def test_serialized_values_are_the_messages_bytes():
+    torch.manual_seed(0)
+    tensors = {"a": torch.randn(3), "w" * 200: torch.randn(70, 300), "b": torch.randn(0), "c.weight": torch.randn(5000)}
+    for chunk_bytes in (4, 1000, 1 << 20):  # one element a chunk; chunks ending inside a tensor; whole tensors
+        expected = [pb.ResultMessage(chunk=c).SerializeToString() for c in tensor_chunks(tensors, get_codec("fp32"), chunk_bytes)]
+        assert list(serialized_values(tensors, chunk_bytes)) == expected
+
+
+def _chunk(rng: random.Random) -> pb.TensorChunk:
+    name = rng.choice(["", "embed", "blocks.0.attn.w", "é" * 70, "x" * 300])
+    payload = rng.randbytes(rng.choice([0, 1, 4, 130, 3000]))
+    chunk = make_chunk(name, rng.choice([0, 1, 127, 128, 2**40, -1, -(2**63)]), rng.choice([0, 1, 300, 2**31]), payload)
+    if rng.random() < 0.2:
+        chunk.xxh3 = rng.choice([0, 1, 2**64 - 1])
+    return chunk
+
+
+def _messages(rng: random.Random) -> bytes:
+    chunk = _chunk(rng)
+    kind = rng.randrange(6)
+    if kind == 0:
+        return pb.PushMessage(header=pb.PushHeader(island_id="i", round=3)).SerializeToString()
+    if kind == 1:
+        return pb.PushMessage(end=pb.PushEnd(chunks=rng.randrange(5))).SerializeToString()
+    if kind == 2:
+        return pb.ResultMessage(mean_chunk=chunk).SerializeToString()
+    raw = pb.PushMessage(chunk=chunk).SerializeToString()
+    if kind == 4:  # a field twice, an unknown field, the old CRC-32 field, or a field of the wrong wire type
+        extra = rng.choice([b"\x18\x05", b"\x0a\x01a", b"\x38\x01", b"\x28\x07", b"\x12\x01x", b"\x31" + struct.pack("<Q", 9)])
+        body = pb.TensorChunk.FromString(raw[len(raw) - chunk.ByteSize():]).SerializeToString() + extra
+        raw = b"\x12" + bytes([len(body)]) + body if len(body) < 128 else raw
+    return raw
+
+
+def _damaged(rng: random.Random, raw: bytes) -> bytes:
+    data = bytearray(raw)
+    for _ in range(rng.randrange(1, 4)):
+        what = rng.randrange(4)
+        if what == 0 and data:
+            data[rng.randrange(len(data))] ^= 1 << rng.randrange(8)
+        elif what == 1:
+            del data[rng.randrange(len(data) + 1):]
+        elif what == 2:
+            data += rng.randbytes(rng.randrange(1, 4))
+        elif data:
+            data[rng.randrange(len(data))] = rng.choice([0x80, 0xFF, 0x00, 0x12, 0x1A])
+    return bytes(data)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_chunk_view_reads_as_protobuf_parses_and_anything_else_is_left_to_protobuf(seed):
+    rng = random.Random(seed)
+    parsed = 0
+    for n in range(3000):
+        raw = _messages(rng) if n % 2 else _damaged(rng, _messages(rng))
+        for wrapper, fields in ((pb.PushMessage, (2,)), (pb.ResultMessage, (2, 3))):
+            view = parse_chunk_message(raw, fields)
+            try:
+                message = wrapper.FromString(raw)
+            except DecodeError:
+                assert view is None, raw  # protobuf refuses it: so must the view, and protobuf gives the error
+                continue
+            if view is None:
+                continue
+            parsed += 1
+            assert isinstance(view, ChunkView) and message.WhichOneof("kind") == wrapper.DESCRIPTOR.fields_by_number[view.field].name
+            chunk = getattr(message, message.WhichOneof("kind"))
+            assert (view.name, view.offset, view.numel, bytes(view.payload), view.xxh3) == \
+                (chunk.name, chunk.offset, chunk.numel, chunk.payload, chunk.xxh3), raw
+            assert view.size == len(raw)
+    assert parsed > 1000  # the views were not all declined
+
+
+def test_a_chunk_with_a_field_it_does_not_know_or_a_field_twice_is_left_to_protobuf():
+    body = make_chunk("w", 4, 1, b"\x00\x00\x80\x3f").SerializeToString()
+    assert parse_chunk_message(b"\x12" + bytes([len(body)]) + body, (2,)) is not None
+    for extra in (b"\x38\x01", b"\x28\x07", b"\x18\x02", b"\x12\x01x", b"\x1a\x00"):  # unknown, old CRC, twice, wire types
+        raw = b"\x12" + bytes([len(body) + len(extra)]) + body + extra
+        pb.PushMessage.FromString(raw)  # protobuf takes each of them (keeping or merging fields)
+        assert parse_chunk_message(raw, (2,)) is None, extra
+
+
+def test_only_the_chunk_fields_asked_for_are_views():
+    chunk = make_chunk("w", 4, 1, b"\x00\x00\x80\x3f")
+    end = pb.PushMessage(end=pb.PushEnd(chunks=3)).SerializeToString()  # field 3 of a push is PushEnd, not a chunk
+    assert parse_chunk_message(end, (2,)) is None
+    mean = pb.ResultMessage(mean_chunk=chunk).SerializeToString()
+    assert parse_chunk_message(mean, (2, 3)).field == 3 and parse_chunk_message(mean, (2,)) is None
