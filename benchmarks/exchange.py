@@ -28,9 +28,11 @@ round costs".
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import os
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -83,11 +85,18 @@ def peak_rss(pid: int) -> int:
     raise RuntimeError(f"no VmHWM for pid {pid}")
 
 
+def _die_with_parent() -> None:
+    """A server dies with the benchmark, even one killed outright (out of memory): an orphaned coordinator kept
+    its memory and the next sizes ran out of it."""
+    if sys.platform == "linux":
+        ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
 def spawn(args: list[str], workdir: Path, name: str) -> tuple[subprocess.Popen, int]:
     port_file = workdir / f"{name}.port"
     log = open(workdir / f"{name}.log", "w")
     proc = subprocess.Popen([sys.executable, *args, "--port-file", str(port_file)], stdout=log, stderr=subprocess.STDOUT,
-                            cwd=REPO_ROOT, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+                            cwd=REPO_ROOT, env=dict(os.environ, PYTHONUNBUFFERED="1"), preexec_fn=_die_with_parent)
     deadline = time.monotonic() + 600
     while not port_file.exists() or not port_file.read_text().strip():
         if proc.poll() is not None or time.monotonic() > deadline:

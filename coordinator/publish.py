@@ -19,7 +19,7 @@ from diloco.codec import Codec
 from diloco.params import checksum
 from diloco.v1 import diloco_pb2 as pb
 from diloco.frames import serialized_values
-from diloco.wire import Manifest, decode_chunk, encode_chunks
+from diloco.wire import Manifest, make_chunk
 
 
 class SharedStream:
@@ -81,14 +81,15 @@ class Publication:
         if self.lossless:
             self.delta_chunks, self.delta_base = [], ""
         else:
-            chunks = []
+            chunks, step = [], max(1, self.codec.max_elements(self.chunk_bytes))  # encode_chunks' chunks
             for name, outer in self.outer_params.items():
-                published = self.params[name].view(-1)
-                gap = outer.view(-1) - published
-                for chunk in encode_chunks(name, gap, self.codec, self.chunk_bytes):
-                    decoded = decode_chunk(chunk, self.manifest, self.codec)
-                    published[chunk.offset : chunk.offset + chunk.numel].add_(decoded)
-                    chunks.append(chunk)
+                published, outer = self.params[name].view(-1), outer.view(-1)
+                # Chunk by chunk, so each piece is subtracted, encoded, decoded and added while it is in cache.
+                for lo in range(0, outer.numel(), step):
+                    hi = min(lo + step, outer.numel())
+                    payload = self.codec.encode(outer[lo:hi] - published[lo:hi])
+                    published[lo:hi].add_(self.codec.decode(payload, hi - lo))
+                    chunks.append(make_chunk(name, lo, hi - lo, payload))
             self.delta_chunks, self.delta_base = chunks, self.checksum
         self.checksum = checksum(self.params)
 

@@ -35,8 +35,10 @@ from diloco.kernels import (
     _all_finite,
     _e3m0_decode,
     _e3m0_encode,
+    _e3m0_sumsq,
     _int8_decode,
     _int8_encode,
+    _int8_sumsq,
     _sumsq,
 )
 from diloco.topk import TopK
@@ -223,6 +225,10 @@ class Int8Codec(_BlockScaledCodec):
         scales, codes = self._split(payload, out.numel())
         _int8_decode(codes.view(np.int8), scales, self.block, out.numpy())
 
+    def sumsq(self, payload: bytes, numel: int) -> float:
+        scales, codes = self._split(payload, numel)
+        return float(_int8_sumsq(codes.view(np.int8), scales, self.block))
+
 
 class E3M0Codec(_BlockScaledCodec):
     name = "e3m0"
@@ -239,6 +245,10 @@ class E3M0Codec(_BlockScaledCodec):
     def decode_into(self, payload: bytes, out: torch.Tensor) -> None:
         scales, codes = self._split(payload, out.numel())
         _e3m0_decode(codes, scales, self.block, out.numpy())
+
+    def sumsq(self, payload: bytes, numel: int) -> float:
+        scales, codes = self._split(payload, numel)
+        return float(_e3m0_sumsq(codes, scales, self.block, numel))
 
 
 class TopKCodec(_Decoder, TopK):

@@ -116,6 +116,16 @@ def _e3m0_encode(x, block, scales, packed):  # pragma: no cover - compiled
             pb[n // 2] = codes[n - 1]
 
 
+def _e3m0_values() -> np.ndarray:
+    """The 16 codes' values before scaling: 2**(c - 7) with bit 3 the sign; c = 0 is zero (of either sign)."""
+    c = np.arange(16, dtype=np.int32)
+    e = c & 7
+    return np.where(e > 0, ((e + 120) << 23) | ((c & 8) << 28), 0).astype(np.int32).view(np.float32)
+
+
+_E3M0_VALUES = _e3m0_values()
+
+
 @numba.njit(cache=True, nogil=True)
 def _e3m0_decode(packed, scales, block, out):  # pragma: no cover - compiled
     bits = np.empty(block, dtype=np.int32)
@@ -136,6 +146,37 @@ def _e3m0_decode(packed, scales, block, out):  # pragma: no cover - compiled
                 bits[2 * j + 1] = (((e + 120) << 23) | ((hi & 8) << 28)) if e else 0
         for i in range(n):
             ob[i] = values[i] * s
+
+
+@numba.njit(cache=True, nogil=True)
+def _e3m0_sumsq(packed, scales, block, numel):  # pragma: no cover - compiled
+    """_sumsq of what _e3m0_decode would write, without writing it."""
+    table = np.empty(16, dtype=np.float64)
+    acc = np.zeros(8, dtype=np.float64)
+    for b in range(scales.shape[0]):
+        for k in range(16):
+            v = np.float64(_E3M0_VALUES[k] * scales[b])
+            table[k] = v * v
+        n = min(block, numel - b * block)
+        pb = packed[b * (block // 2) : b * (block // 2) + (n + 1) // 2]
+        for j in range(n // 2):
+            acc[j & 7] += table[pb[j] & 15] + table[pb[j] >> 4]
+        if n & 1:
+            acc[0] += table[pb[n // 2] & 15]
+    return ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]))
+
+
+@numba.njit(cache=True, nogil=True)
+def _int8_sumsq(q, scales, block):  # pragma: no cover - compiled
+    """_sumsq of what _int8_decode would write, without writing it."""
+    acc = np.zeros(8, dtype=np.float64)
+    for b in range(scales.shape[0]):
+        s = scales[b]
+        qb = q[b * block : (b + 1) * block]
+        for i in range(qb.shape[0]):
+            v = np.float64(np.float32(qb[i]) * s)
+            acc[i & 7] += v * v
+    return ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]))
 
 
 @numba.njit(cache=True, nogil=True)

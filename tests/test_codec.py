@@ -129,6 +129,7 @@ def test_int8_finite_sees_a_scale_whose_largest_code_overflows():
     assert torch.isfinite(torch.tensor(np.frombuffer(bytes(payload[:8]), "<f4"))).all()
     assert not torch.isfinite(codec.decode(bytes(payload), 128)).all()
     assert codec.finite(bytes(payload), 128) is False
+    assert not math.isfinite(codec.sumsq(bytes(payload), 128))  # the norm guard's pass sees it too
 
 
 @pytest.mark.parametrize("name", ALL)
