@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+import zlib
 from collections.abc import Callable
 from pathlib import Path
 
@@ -34,7 +35,7 @@ from diloco.model import Transformer
 from diloco.outer import pseudo_gradient
 from diloco.params import fp32_copy
 from diloco.v1 import diloco_pb2 as pb
-from diloco.wire import tensor_chunks
+from diloco.wire import payload_digest, tensor_chunks
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 CHUNK_BYTES = 1 << 20
@@ -149,6 +150,25 @@ def throughput(names: list[str], sizes: list[int], repeat: int) -> list[str]:
     return rows
 
 
+def digest_rates(n: int, repeat: int) -> str:
+    """What checking a chunk costs: the chunk digest (diloco.wire.payload_digest, XXH3-64) against the CRC-32 it
+    replaced (protocol 8), over n fp32 elements in CHUNK_BYTES chunks."""
+    data = memoryview(torch.randn(n).numpy()).cast("B")
+    chunks = [data[i : i + CHUNK_BYTES] for i in range(0, len(data), CHUNK_BYTES)]
+
+    def rate(digest: Callable) -> float:
+        best = min(_timed(lambda: [digest(c) for c in chunks]) for _ in range(repeat))
+        return len(data) / best / 1e6
+
+    return f"Chunk digest over {n / 2**20:.0f}Mi fp32 elements: XXH3-64 {rate(payload_digest):,.0f} MB/s, CRC-32 {rate(zlib.crc32):,.0f} MB/s"
+
+
+def _timed(work: Callable) -> float:
+    started = time.perf_counter()
+    work()
+    return time.perf_counter() - started
+
+
 # --- bytes on the wire for a real pseudo-gradient ------------------------------------------
 
 
@@ -208,6 +228,7 @@ def main() -> None:
         print("Throughput, one core (MB/s of fp32 input, best of %d):\n" % args.repeat, flush=True)
         rows = throughput(args.codecs.split(","), [int(s) << 20 for s in args.sizes.split(",")], args.repeat)
         print("\n".join(rows), flush=True)
+        print("\n" + digest_rates(max(int(s) for s in args.sizes.split(",")) << 20, args.repeat), flush=True)
     if not args.skip_wire:
         data = Path(args.data)
         data = data if data.is_absolute() else (REPO_ROOT / data).resolve()

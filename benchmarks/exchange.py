@@ -51,6 +51,7 @@ import torch  # noqa: E402
 from diloco.cli import ArgumentParser, fail  # noqa: E402
 from diloco.config import RunConfig, load_config  # noqa: E402
 from diloco.v1 import diloco_pb2 as pb  # noqa: E402
+from diloco.v1 import diloco_pb2_grpc as pb_grpc  # noqa: E402
 from diloco.wire import FlatRange, Manifest, downlink_codec, push_messages, tensor_chunks, uplink_codec  # noqa: E402
 from islands.client import CoordinatorClient  # noqa: E402
 from islands.exchange import Exchange, FragmentShard, Wire, pg_chunks, pull, push  # noqa: E402
@@ -135,14 +136,30 @@ class Island:
         # so the mean is a division, as with most real rounds.
         self.tokens = cfg.inner.batch_size * cfg.data.seq_len
 
-    def exchange(self, round_: int) -> tuple[int, int]:
-        """Push and pull of one round; returns the bytes sent and received."""
+    def exchange(self, round_: int) -> tuple[int, int, float, float]:
+        """Push and pull of one round; returns the bytes sent and received, and the seconds each took (the pull's
+        include the wait for the close)."""
         sent, received = self.client.bytes_sent, self.client.bytes_received
         ex = Exchange(0, round_, 0, 0, self.tokens, 1, 1.0, self.checksum, pusher=True, pg=self.pg)
+        started = time.perf_counter()
         if push(self.shard, ex, self.wire) != 1:  # PUSHED
             raise RuntimeError(f"{self.id}: push of round {round_} refused")
+        pushed = time.perf_counter()
         self.checksum = pull(self.shard, ex, self.wire).checksum
-        return self.client.bytes_sent - sent, self.client.bytes_received - received
+        return self.client.bytes_sent - sent, self.client.bytes_received - received, pushed - started, time.perf_counter() - pushed
+
+
+def round_costs(address: str, repeat: int) -> dict:
+    """The coordinator's own timing of the measured rounds' close (fold, outer step, publication), medians, from
+    the round summaries it streams to watchers."""
+    channel = grpc.insecure_channel(address)
+    try:
+        stream = pb_grpc.CoordinatorStub(channel).WatchRounds(pb.WatchRequest(from_round=1), timeout=600)
+        summaries = [next(stream) for _ in range(repeat)]
+        stream.cancel()
+    finally:
+        channel.close()
+    return {f"{k}_s": statistics.median(getattr(s, f"{k}_s") for s in summaries) for k in ("fold", "step", "publish")}
 
 
 def addresses(port: int, islands: int, link: LinkSpec | None) -> tuple[list[str], list[WanLink]]:
@@ -184,8 +201,8 @@ def measure_exchange(cfg: RunConfig, islands: int, repeat: int, workdir: Path, l
         base_rss = peak_rss(proc.pid)
         first = Island(where[0], cfg, None)
         members = [first] + [Island(a, cfg, first.pg) for a in where[1:]]
-        traffic: dict[int, tuple[int, int]] = {}
-        seconds = []
+        traffic: dict[int, tuple[int, int, float, float]] = {}
+        seconds, push_s, pull_s = [], [], []
         for round_ in range(repeat + 1):
             def work(island: Island, r: int = round_) -> None:
                 traffic[id(island)] = island.exchange(r)
@@ -193,14 +210,18 @@ def measure_exchange(cfg: RunConfig, islands: int, repeat: int, workdir: Path, l
             s = timed(members, work)
             if round_:  # round 0 warms up: codecs' JIT, connections, first allocations
                 seconds.append(s)
+                push_s.append(max(t[2] for t in traffic.values()))
+                pull_s.append(statistics.median(t[3] for t in traffic.values()))
         checksums = {m.checksum for m in members}
         assert len(checksums) == 1, "islands ended on different parameters"
         peak = peak_rss(proc.pid)
         for m in members:
             m.client.close()
-        up, down = traffic[id(first)]
+        up, down = traffic[id(first)][:2]
+        close = round_costs(f"127.0.0.1:{port}", repeat)
         return {"seconds": statistics.median(seconds), "all_seconds": seconds, "bytes_up": up, "bytes_down": down,
-                "peak_rss": peak, "rss_after_start": base_rss, "_first": first}
+                "peak_rss": peak, "rss_after_start": base_rss, "_first": first,
+                "push_s": statistics.median(push_s), "pull_s": statistics.median(pull_s), **close}
     finally:
         for lk in links:
             lk.stop()
@@ -308,6 +329,9 @@ def one(size: str, codec: str, islands: int, repeat: int, link: LinkSpec | None 
         "bare_bytes_up_per_island": sum(m.ByteSize() for m in pushed), "bare_bytes_down_per_island": sum(m.ByteSize() for m in pulled),
         "coordinator_peak_rss": ex["peak_rss"], "coordinator_rss_after_start": ex["rss_after_start"],
         "model_fp32_bytes": 4 * params,
+        # Where one exchange's time goes: the slowest island's push; the coordinator's fold, step and publication;
+        # an island's pull (from its push's end: the close is inside it). Medians over the measured exchanges.
+        **{k: ex[k] for k in ("push_s", "fold_s", "step_s", "publish_s", "pull_s")},
     }
 
 
@@ -350,8 +374,8 @@ def main(argv: list[str] | None = None) -> None:
           f"{'each island on an emulated link ' + str(link) if link else 'loopback'}, "
           f"median of {args.repeat} after a warm-up", flush=True)
     print("| parameters | codec | islands | exchange | gRPC, same messages | ratio | gRPC, raw bytes | per island up / down "
-          "| coordinator peak RSS (model fp32) |")
-    print("|---|---|---|---|---|---|---|---|---|", flush=True)
+          "| coordinator peak RSS (model fp32) | push, fold, step, publish, pull |")
+    print("|---|---|---|---|---|---|---|---|---|---|", flush=True)
     rows = []
     for size in sizes:
         for codec in codecs:
@@ -360,7 +384,8 @@ def main(argv: list[str] | None = None) -> None:
                 rows.append(r)
                 print(f"| {r['parameters'] / 1e6:.1f}M | {codec} | {n} | {r['exchange_s']:.3f} s | {r['bare_s']:.3f} s | "
                       f"{r['ratio']:.2f}x | {r['raw_s']:.3f} s | {r['bytes_up_per_island'] / 1e6:.1f} / {r['bytes_down_per_island'] / 1e6:.1f} MB | "
-                      f"{r['coordinator_peak_rss'] / 2**20:.0f} MiB ({r['model_fp32_bytes'] / 2**20:.0f} MiB) |", flush=True)
+                      f"{r['coordinator_peak_rss'] / 2**20:.0f} MiB ({r['model_fp32_bytes'] / 2**20:.0f} MiB) | "
+                      f"{', '.join(f'{r[k]:.3f}' for k in ('push_s', 'fold_s', 'step_s', 'publish_s', 'pull_s'))} s |", flush=True)
                 if args.json:
                     Path(args.json).write_text(json.dumps(rows, indent=1))
 

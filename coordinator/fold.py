@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import math
 
-
 from coordinator.records import Contribution, fold_key
 from diloco.codec import Codec
 from diloco.outer import PseudoGradientAccumulator

@@ -19,7 +19,7 @@ from diloco.codec import Codec
 from diloco.params import checksum
 from diloco.v1 import diloco_pb2 as pb
 from diloco.frames import serialized_values
-from diloco.wire import Manifest, make_chunk
+from diloco.wire import chunk_spans, make_chunk
 
 
 class SharedStream:
@@ -47,7 +47,6 @@ class Publication:
         self.codec = codec
         self.chunk_bytes = chunk_bytes
         self.lossless = codec.name == "fp32"
-        self.manifest = Manifest.of(outer_params)
         self.params = dict(outer_params) if self.lossless else {n: t.clone() for n, t in outer_params.items()}
         self.checksum = checksum(self.params)
         # The last round's update: it takes params with delta_base to params with checksum.
@@ -81,12 +80,11 @@ class Publication:
         if self.lossless:
             self.delta_chunks, self.delta_base = [], ""
         else:
-            chunks, step = [], max(1, self.codec.max_elements(self.chunk_bytes))  # encode_chunks' chunks
+            chunks = []
             for name, outer in self.outer_params.items():
                 published, outer = self.params[name].view(-1), outer.view(-1)
                 # Chunk by chunk, so each piece is subtracted, encoded, decoded and added while it is in cache.
-                for lo in range(0, outer.numel(), step):
-                    hi = min(lo + step, outer.numel())
+                for lo, hi in chunk_spans(outer.numel(), self.codec, self.chunk_bytes):
                     payload = self.codec.encode(outer[lo:hi] - published[lo:hi])
                     published[lo:hi].add_(self.codec.decode(payload, hi - lo))
                     chunks.append(make_chunk(name, lo, hi - lo, payload))

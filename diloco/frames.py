@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from diloco.codec import get_codec
-from diloco.wire import framed_size, payload_digest
+from diloco.wire import chunk_spans, framed_size, payload_digest
 
 _LITTLE_ENDIAN = sys.byteorder == "little"  # fp32 values are their own payload
 _FIXED64 = struct.Struct("<Q")
@@ -44,13 +44,13 @@ def _varint(n: int) -> bytes:
 def serialized_values(tensors: Mapping[str, torch.Tensor], chunk_bytes: int) -> Iterator[bytes]:
     """The bytes of ResultMessage(chunk=...) for the fp32 values of tensors, chunked as tensor_chunks(fp32) chunks
     them: fields in number order, defaults left out, as SerializeToString() writes them."""
-    step = max(1, chunk_bytes // 4)
+    fp32 = get_codec("fp32")
     for name, t in tensors.items():
         flat = t.detach().reshape(-1)
         encoded = name.encode()
-        for start in range(0, flat.numel(), step):
-            piece = flat[start : start + step]
-            payload = memoryview(piece.numpy()).cast("B") if _LITTLE_ENDIAN else get_codec("fp32").encode(piece)
+        for start, end in chunk_spans(flat.numel(), fp32, chunk_bytes):
+            piece = flat[start:end]
+            payload = memoryview(piece.numpy()).cast("B") if _LITTLE_ENDIAN else fp32.encode(piece)
             head = b"\x0a" + _varint(len(encoded)) + encoded  # 1: name
             head += (b"\x10" + _varint(start) if start else b"") + b"\x18" + _varint(piece.numel())  # 2: offset, 3: numel
             head += b"\x22" + _varint(len(payload))  # 4: payload

@@ -92,6 +92,14 @@ def downlink_codec(wire: WireConfig) -> Codec:
     return get_codec(wire.downlink_codec or wire.codec, **_codec_options(wire))
 
 
+def chunk_spans(numel: int, codec: Codec, chunk_bytes: int) -> Iterator[tuple[int, int]]:
+    """Where a flat tensor of numel elements is cut into chunks: [lo, hi) spans of at most what the codec fits in
+    chunk_bytes. Every sender cuts here, so a chunk's bytes never depend on who built it."""
+    step = max(1, codec.max_elements(chunk_bytes))
+    for lo in range(0, numel, step):
+        yield lo, min(lo + step, numel)
+
+
 def encode_chunks(
     name: str,
     flat: torch.Tensor,
@@ -105,9 +113,8 @@ def encode_chunks(
     With feedback, each chunk sends the pseudo-gradient plus what earlier rounds
     failed to send, and keeps what this chunk fails to send for later.
     """
-    step = max(1, codec.max_elements(chunk_bytes))
-    for start in range(0, flat.numel(), step):
-        piece = flat[start : start + step]
+    for start, end in chunk_spans(flat.numel(), codec, chunk_bytes):
+        piece = flat[start:end]
         if feedback is not None:
             payload = feedback.compress(name, base_offset + start, piece, codec)
         else:

@@ -31,7 +31,7 @@ import torch
 from diloco.codec import Codec
 from diloco.feedback import ErrorFeedback
 from diloco.v1 import diloco_pb2 as pb
-from diloco.wire import FlatRange, Manifest, make_chunk
+from diloco.wire import FlatRange, Manifest, chunk_spans, make_chunk
 from islands.client import CoordinatorClient, MeanBuffer, RegeneratingChunks
 from islands.outcome import Next, next_step, reason_name
 
@@ -138,11 +138,9 @@ def pg_chunks(shard: FragmentShard, ex: Exchange, wire: Wire, start: int = 0) ->
     """The pseudo-gradient of this rank's shard as chunks, one chunk at a time; a pure function of the
     exchange (error feedback writes only its pending residual), so every resend is the same bytes."""
     codec = wire.codec_for(ex)
-    step = max(1, codec.max_elements(wire.chunk_bytes))
     i = 0
     for r in shard.ranges:
-        for lo in range(0, r.numel, step):
-            hi = min(lo + step, r.numel)
+        for lo, hi in chunk_spans(r.numel, codec, wire.chunk_bytes):
             if i >= start:
                 with torch.no_grad():  # runs on gRPC's thread, where grad mode is on
                     if ex.pg is not None:

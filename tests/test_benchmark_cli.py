@@ -61,6 +61,8 @@ def test_exchange_benchmark_moves_the_same_bytes_as_its_bare_transfer(tmp_path):
         exchanged, bare = row[f"bytes_{direction}_per_island"], row[f"bare_bytes_{direction}_per_island"]
         assert abs(exchanged - bare) <= 0.01 * bare, (direction, exchanged, bare)
     assert row["exchange_s"] > 0 and row["bare_s"] > 0 and row["coordinator_peak_rss"] > 0
+    # Where the time went: the islands' push and pull, the coordinator's own fold, step and publication timings.
+    assert all(0 < row[k] < 600 for k in ("push_s", "fold_s", "step_s", "publish_s", "pull_s")), row
     assert "| 1.0M | int8 | 2 |" in run.stdout
 
 

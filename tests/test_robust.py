@@ -125,15 +125,19 @@ def test_an_island_may_hold_only_so_many_push_streams_open(make_coordinator, cha
             stub.PushPseudoGradient(iter([pb.PushMessage(header=header)]), timeout=10)
         return reason_of(e.value)
 
+    def refused(f) -> bool:
+        return f.done() and reason_of(f.exception()) == Reason.TOO_MANY_STREAMS
+
     futures = [stub.PushPseudoGradient.future(held(), timeout=60) for _ in range(4)]
     try:
         deadline = time.monotonic() + 30
-        while (reason := probe()) != Reason.TOO_MANY_STREAMS and time.monotonic() < deadline:
+        # A probe may open before the last held stream does; that one is then refused for the bound (the same proof).
+        while (reason := probe()) != Reason.TOO_MANY_STREAMS and not any(map(refused, futures)) and time.monotonic() < deadline:
             assert reason == Reason.BAD_REQUEST
             time.sleep(0.05)
-        assert reason == Reason.TOO_MANY_STREAMS
+        assert reason == Reason.TOO_MANY_STREAMS or sum(map(refused, futures)) == 1
     finally:
         release.set()
     for f in futures:  # the held streams end without their PushEnd: nothing kept
-        assert f.exception(30) is not None and reason_of(f.exception()) == Reason.BAD_REQUEST
+        assert f.exception(30) is not None and (reason_of(f.exception()) == Reason.BAD_REQUEST or refused(f))
     assert probe() == Reason.BAD_REQUEST and island not in coordinator.state.fragments[0].contributions
