@@ -123,7 +123,7 @@ def encode_chunks(
 
 
 def payload_digest(payload: bytes | memoryview) -> int:
-    """What a chunk carries to prove its payload arrived intact: XXH3-64 (a pass at ~30 GB/s; CRC-32 ran at ~7)."""
+    """What a chunk carries to prove its payload arrived intact: XXH3-64 (48 GB/s on one core here; CRC-32: 6.9, benchmarks/codecs.py)."""
     return xxhash.xxh3_64_intdigest(payload)
 
 
