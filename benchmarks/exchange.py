@@ -52,7 +52,8 @@ from diloco.cli import ArgumentParser, fail  # noqa: E402
 from diloco.config import RunConfig, load_config  # noqa: E402
 from diloco.v1 import diloco_pb2 as pb  # noqa: E402
 from diloco.v1 import diloco_pb2_grpc as pb_grpc  # noqa: E402
-from diloco.wire import FlatRange, Manifest, downlink_codec, push_messages, tensor_chunks, uplink_codec  # noqa: E402
+from diloco.frames import push_frames  # noqa: E402
+from diloco.wire import FlatRange, Manifest, downlink_codec, tensor_chunks, uplink_codec  # noqa: E402
 from islands.client import CoordinatorClient  # noqa: E402
 from islands.exchange import Exchange, FragmentShard, Wire, pg_chunks, pull, push  # noqa: E402
 from islands.sim.wan import LinkSpec, WanLink, WanSpecError, parse_link  # noqa: E402
@@ -301,7 +302,7 @@ def messages_of(first: Island, cfg: RunConfig) -> tuple[list[pb.PushMessage], li
     """The messages one island pushes, and messages like those the coordinator sends back (header first)."""
     ex = Exchange(0, 0, 0, 0, first.tokens, 1, 1.0, first.checksum, pusher=True, pg=first.pg)
     header = pb.PushHeader(island_id=first.id, tokens=first.tokens, codec=first.wire.codec.name)
-    pushed = list(push_messages(header, pg_chunks(first.shard, ex, first.wire)))
+    pushed = [pb.PushMessage.FromString(m) for m in push_frames(header, pg_chunks(first.shard, ex, first.wire))]  # the same bytes
     codec = downlink_codec(cfg.wire)  # fp32: the values; a lossy codec: the update
     pulled = [pb.ResultMessage(header=pb.ResultHeader(round=1, checksum="0" * 32, codec=codec.name))]
     pulled += [pb.ResultMessage(chunk=c) for c in tensor_chunks(first.pg, codec, cfg.wire.chunk_bytes)]

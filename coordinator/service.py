@@ -18,7 +18,7 @@ from coordinator.records import Reason, Refused
 from coordinator.state import CoordinatorState
 from diloco.codec import get_codec
 from diloco.credentials import identity_from_auth_context
-from diloco.frames import ChunkView, chunk_deserializer
+from diloco.frames import ChunkView, chunk_deserializer, frame_chunk, serialized
 from diloco.params import ranges_checksum
 from diloco.v1 import diloco_pb2 as pb
 from diloco.v1 import diloco_pb2_grpc as pb_grpc
@@ -26,7 +26,6 @@ from diloco.wire import (
     PROTOCOL_VERSION,
     ChunkError,
     FlatRange,
-    framed_size,
     overlapping_chunks,
     range_values_chunks,
     ranges_from_proto,
@@ -210,13 +209,15 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                 chunks = tensor_chunks(params, fp32, chunk_bytes)
             else:
                 chunks = None  # the values, serialized once a round whoever pulls (see add_to_server)
-            messages = iter(values()) if chunks is None else ((pb.ResultMessage(chunk=c), framed_size(c)) for c in chunks)
+            # Framed by hand (diloco/frames.py): a ResultMessage around each chunk would copy it through upb.
+            messages = iter(values()) if chunks is None else ((b, len(b)) for b in (frame_chunk(2, c) for c in chunks))
             for message, size in messages:
                 sent += size
                 yield message
             for chunk in mean if ranges is None else overlapping_chunks(mean, ranges):
-                sent += framed_size(chunk)
-                yield pb.ResultMessage(mean_chunk=chunk)
+                message = frame_chunk(3, chunk)  # ResultMessage field 3: mean_chunk
+                sent += len(message)
+                yield message
         self.state.count_down(header.round, island_id, sent, fragment or 0)
 
     @_refusals
@@ -310,10 +311,6 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         yield from self.state.watch(request.from_round, self.stop, context.is_active)  # a caller gone frees its thread
 
 
-def _serialize(message: pb.ResultMessage | bytes) -> bytes:
-    return message if isinstance(message, bytes) else message.SerializeToString()
-
-
 def add_to_server(service: CoordinatorService, server: grpc.Server) -> None:
     """The generated registration, except that result streams also take messages serialized already, and a
     push's chunk messages arrive as ChunkViews (diloco/frames.py)."""
@@ -329,7 +326,7 @@ def add_to_server(service: CoordinatorService, server: grpc.Server) -> None:
     pb_grpc.add_CoordinatorServicer_to_server(service, capture)
     handlers = dict(capture.handlers)
     for method in ("FetchParameters", "PullRoundResult"):
-        handlers[method] = handlers[method]._replace(response_serializer=_serialize)
+        handlers[method] = handlers[method]._replace(response_serializer=serialized)
     handlers["PushPseudoGradient"] = handlers["PushPseudoGradient"]._replace(
         request_deserializer=chunk_deserializer(pb.PushMessage, (2,)))
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(capture.name, handlers),))

@@ -7,11 +7,15 @@ on receipt into upb's arena and again whenever `.payload` is read. Here:
 
 - serialized_values: the bytes of the published values' ResultMessages with
   one copy of the parameters (the coordinator, once a round);
+- frame_chunk / push_frames: any chunk message (an island's push, a result's
+  delta or mean chunk) from its fields with one copy of the payload: wrapping a
+  TensorChunk in its PushMessage or ResultMessage copies it through upb at
+  under 1 GB/s (0.72 s of a 125M fp32 push);
 - parse_chunk_message: a received message that holds only a chunk, as a
   ChunkView whose payload is a view of the bytes gRPC handed over (no copy);
   anything else, or anything it is not sure of, is left to protobuf.
 
-Both speak exactly the protocol of protos/: serialized_values gives
+All speak exactly the protocol of protos/: the framing gives
 SerializeToString()'s bytes, and a ChunkView reads as the parsed TensorChunk
 would (tests/test_frames.py compares them on random and damaged messages).
 """
@@ -20,12 +24,13 @@ from __future__ import annotations
 
 import struct
 import sys
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 
 import torch
 
 from diloco.codec import get_codec
+from diloco.v1 import diloco_pb2 as pb
 from diloco.wire import chunk_spans, framed_size, payload_digest
 
 _LITTLE_ENDIAN = sys.byteorder == "little"  # fp32 values are their own payload
@@ -41,9 +46,58 @@ def _varint(n: int) -> bytes:
     return bytes(out)
 
 
+@dataclass(frozen=True, slots=True)
+class Chunk:
+    """A chunk to send: a TensorChunk's fields, its payload kept out of protobuf until frame_chunk frames it."""
+
+    name: str
+    offset: int
+    numel: int
+    payload: bytes | memoryview
+    xxh3: int
+
+
+def chunk_of(name: str, offset: int, numel: int, payload: bytes | memoryview) -> Chunk:
+    """make_chunk's fields without the TensorChunk: its digest over the payload."""
+    return Chunk(name, offset, numel, payload, payload_digest(payload))
+
+
+def frame_chunk(field: int, chunk, name: bytes | None = None) -> bytes:
+    """The bytes of a message whose one field (number < 16) holds this chunk (a TensorChunk, Chunk or ChunkView),
+    as SerializeToString() writes them: fields in number order, defaults left out. name: the chunk's name
+    encoded already (the caller framing many chunks of one parameter)."""
+    encoded = chunk.name.encode() if name is None else name
+    payload = chunk.payload  # a TensorChunk's is copied out once here; the others' are views
+    offset, numel, digest = chunk.offset, chunk.numel, chunk.xxh3
+    if offset < 0 or numel < 0:  # int64 below zero: ten-byte varints, never ours; protobuf frames them
+        message = pb.TensorChunk(name=chunk.name, offset=offset, numel=numel, payload=bytes(payload), xxh3=digest)
+        return bytes([field << 3 | 2]) + _varint(message.ByteSize()) + message.SerializeToString()
+    head = b"\x0a" + _varint(len(encoded)) + encoded if encoded else b""  # 1: name
+    head += (b"\x10" + _varint(offset) if offset else b"") + (b"\x18" + _varint(numel) if numel else b"")  # 2: offset, 3: numel
+    head += b"\x22" + _varint(len(payload)) if len(payload) else b""  # 4: payload
+    tail = b"\x31" + _FIXED64.pack(digest) if digest else b""  # 6: xxh3 (fixed64)
+    size = len(head) + len(payload) + len(tail)
+    return b"".join((bytes([field << 3 | 2]) + _varint(size), head, payload, tail))
+
+
+def push_frames(header: pb.PushHeader, chunks: Iterable) -> Iterator[bytes]:
+    """wire.push_messages serialized: the header, each chunk framed by hand, the PushEnd."""
+    yield pb.PushMessage(header=header).SerializeToString()
+    n = 0
+    for chunk in chunks:
+        n += 1
+        yield frame_chunk(2, chunk)  # PushMessage field 2: chunk
+    yield pb.PushMessage(end=pb.PushEnd(chunks=n)).SerializeToString()
+
+
+def serialized(message: object) -> bytes:
+    """A gRPC serializer for streams of messages some of which are framed already (bytes)."""
+    return message if isinstance(message, bytes) else message.SerializeToString()
+
+
 def serialized_values(tensors: Mapping[str, torch.Tensor], chunk_bytes: int) -> Iterator[bytes]:
     """The bytes of ResultMessage(chunk=...) for the fp32 values of tensors, chunked as tensor_chunks(fp32) chunks
-    them: fields in number order, defaults left out, as SerializeToString() writes them."""
+    them, with one copy of the values."""
     fp32 = get_codec("fp32")
     for name, t in tensors.items():
         flat = t.detach().reshape(-1)
@@ -51,12 +105,7 @@ def serialized_values(tensors: Mapping[str, torch.Tensor], chunk_bytes: int) -> 
         for start, end in chunk_spans(flat.numel(), fp32, chunk_bytes):
             piece = flat[start:end]
             payload = memoryview(piece.numpy()).cast("B") if _LITTLE_ENDIAN else fp32.encode(piece)
-            head = b"\x0a" + _varint(len(encoded)) + encoded  # 1: name
-            head += (b"\x10" + _varint(start) if start else b"") + b"\x18" + _varint(piece.numel())  # 2: offset, 3: numel
-            head += b"\x22" + _varint(len(payload))  # 4: payload
-            tail = b"\x31" + _FIXED64.pack(payload_digest(payload))  # 6: xxh3 (fixed64)
-            size = len(head) + len(payload) + len(tail)
-            yield b"".join((b"\x12" + _varint(size), head, payload, tail))  # ResultMessage field 2: chunk
+            yield frame_chunk(2, chunk_of(name, start, piece.numel(), payload), encoded)  # ResultMessage field 2: chunk
 
 
 @dataclass(frozen=True, slots=True)

@@ -13,13 +13,13 @@ import torch
 
 from diloco.codec import Codec, get_codec
 from diloco.credentials import TlsFiles
-from diloco.frames import ChunkView, chunk_deserializer, result_chunk
+from diloco.frames import ChunkView, chunk_deserializer, push_frames, result_chunk, serialized
 from diloco.params import checksum, ranges_checksum
 from diloco.progress import WORTH_SHOWING, Progress
 from diloco.refusal import Reason, is_transport_failure, refusal_of, status_of
 from diloco.v1 import diloco_pb2 as pb
 from diloco.v1 import diloco_pb2_grpc as pb_grpc
-from diloco.wire import PROTOCOL_VERSION, FlatRange, Manifest, apply_chunks, framed_size, push_messages, ranges_to_proto
+from diloco.wire import PROTOCOL_VERSION, FlatRange, Manifest, apply_chunks, framed_size, ranges_to_proto
 
 log = logging.getLogger(__name__)
 
@@ -103,6 +103,17 @@ def channel_options(receive_window_bytes: int = 0) -> list[tuple[str, int]]:
     return [("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", receive_window_bytes)]
 
 
+def stub_for(channel: grpc.Channel) -> pb_grpc.CoordinatorStub:
+    """The generated stub, except that results arrive as ChunkViews and a push's messages go framed by hand
+    (diloco/frames.py): neither side copies a payload through protobuf objects."""
+    stub = pb_grpc.CoordinatorStub(channel)
+    for method, request in (("FetchParameters", pb.FetchRequest), ("PullRoundResult", pb.PullRequest)):
+        setattr(stub, method, channel.unary_stream(f"/diloco.v1.Coordinator/{method}", request.SerializeToString,
+                                                   chunk_deserializer(pb.ResultMessage, (2, 3))))
+    stub.PushPseudoGradient = channel.stream_unary("/diloco.v1.Coordinator/PushPseudoGradient", serialized, pb.PushResponse.FromString)
+    return stub
+
+
 class CoordinatorClient:
     def __init__(self, address: str, connect_timeout_s: float = 30.0, reconnect_s: float = 120.0, receive_window_bytes: int = 0,
                  tls: TlsFiles | None = None):
@@ -125,10 +136,7 @@ class CoordinatorClient:
                 f"cannot reach the coordinator at {address} within {connect_timeout_s:.0f}s{how}; "
                 "check the address and that `diloco-coordinator serve` is running"
             ) from None
-        self.stub = pb_grpc.CoordinatorStub(self.channel)
-        for method, request in (("FetchParameters", pb.FetchRequest), ("PullRoundResult", pb.PullRequest)):  # ChunkViews
-            setattr(self.stub, method, self.channel.unary_stream(f"/diloco.v1.Coordinator/{method}", request.SerializeToString,
-                                                                 chunk_deserializer(pb.ResultMessage, (2, 3))))
+        self.stub = stub_for(self.channel)
         self.bytes_sent = 0
         self.bytes_received = 0
         # Codecs results may arrive in, by name; the island adds the run's downlink codec.
@@ -342,8 +350,8 @@ class CoordinatorClient:
                 tally[0] += n
                 yield chunk
 
-        def messages() -> Iterator[pb.PushMessage]:
-            return push_messages(header, counted(chunks.iter_from(start)))
+        def messages() -> Iterator[bytes]:
+            return push_frames(header, counted(chunks.iter_from(start)))
 
         def attempt() -> pb.PushResponse:
             nonlocal start

@@ -30,8 +30,9 @@ import torch
 
 from diloco.codec import Codec
 from diloco.feedback import ErrorFeedback
+from diloco.frames import Chunk, chunk_of
 from diloco.v1 import diloco_pb2 as pb
-from diloco.wire import FlatRange, Manifest, chunk_spans, make_chunk
+from diloco.wire import FlatRange, Manifest, chunk_spans
 from islands.client import CoordinatorClient, MeanBuffer, RegeneratingChunks
 from islands.outcome import Next, next_step, reason_name
 
@@ -134,7 +135,7 @@ class Exchange:
         return {k: getattr(self, k) for k in keys} | {"pg": self.pg}
 
 
-def pg_chunks(shard: FragmentShard, ex: Exchange, wire: Wire, start: int = 0) -> Iterator[pb.TensorChunk]:
+def pg_chunks(shard: FragmentShard, ex: Exchange, wire: Wire, start: int = 0) -> Iterator[Chunk]:
     """The pseudo-gradient of this rank's shard as chunks, one chunk at a time; a pure function of the
     exchange (error feedback writes only its pending residual), so every resend is the same bytes."""
     codec = wire.codec_for(ex)
@@ -151,7 +152,7 @@ def pg_chunks(shard: FragmentShard, ex: Exchange, wire: Wire, start: int = 0) ->
                         payload = wire.feedback.encode(r.name, lo, piece, codec)
                     else:
                         payload = codec.encode(piece)
-                yield make_chunk(r.name, r.offset + lo, hi - lo, payload)
+                yield chunk_of(r.name, r.offset + lo, hi - lo, payload)
             i += 1
 
 

@@ -19,7 +19,7 @@ from diloco.params import checksum
 from islands.sim.simulation import run_sim
 from diloco.v1 import diloco_pb2 as pb
 from diloco.wire import Manifest, downlink_codec, tensor_chunks, uplink_codec
-from islands.client import CoordinatorClient, ReplayableChunks
+from islands.client import CoordinatorClient, ReplayableChunks, stub_for
 from islands.island import Island
 from islands.world import IslandWorld
 
@@ -94,17 +94,16 @@ def test_corrupt_chunk_in_transit_is_refused_and_resent(make_coordinator, damage
 
             def messages():
                 for i, message in enumerate(request_iterator):
-                    if len(attempts) == 1 and i == 3:  # header, then chunks 0, 1, 2
-                        message = pb.PushMessage.FromString(message.SerializeToString())
-                        payload = message.chunk.payload
-                        message.chunk.payload = payload[:-4] if damage == "truncate" else bytes([payload[0] ^ 1]) + payload[1:]
+                    if len(attempts) == 1 and i == 3:  # header, then chunks 0, 1, 2 (framed by hand: bytes)
+                        damaged = pb.PushMessage.FromString(message)
+                        payload = damaged.chunk.payload
+                        damaged.chunk.payload = payload[:-4] if damage == "truncate" else bytes([payload[0] ^ 1]) + payload[1:]
+                        message = damaged.SerializeToString()
                     yield message
 
             return continuation(details, messages())
 
-    from diloco.v1 import diloco_pb2_grpc as pb_grpc
-
-    client.stub = pb_grpc.CoordinatorStub(grpc.intercept_channel(client.channel, DamageThirdChunkOnce()))
+    client.stub = stub_for(grpc.intercept_channel(client.channel, DamageThirdChunkOnce()))
     manifest = Manifest.from_proto(joined.parameters)
     theta0 = {n: t.clone() for n, t in coordinator.state.params.items()}
     pg = random_like(manifest.shapes, seed=4)

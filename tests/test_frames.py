@@ -10,9 +10,9 @@ import torch
 from google.protobuf.message import DecodeError
 
 from diloco.codec import get_codec
-from diloco.frames import ChunkView, parse_chunk_message, serialized_values
+from diloco.frames import ChunkView, chunk_of, frame_chunk, parse_chunk_message, push_frames, serialized_values
 from diloco.v1 import diloco_pb2 as pb
-from diloco.wire import make_chunk, tensor_chunks
+from diloco.wire import make_chunk, push_messages, tensor_chunks
 
 
 def test_serialized_values_are_the_messages_bytes():
@@ -21,6 +21,36 @@ def test_serialized_values_are_the_messages_bytes():
     for chunk_bytes in (4, 1000, 1 << 20):  # one element a chunk; chunks ending inside a tensor; whole tensors
         expected = [pb.ResultMessage(chunk=c).SerializeToString() for c in tensor_chunks(tensors, get_codec("fp32"), chunk_bytes)]
         assert list(serialized_values(tensors, chunk_bytes)) == expected
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_a_chunk_framed_by_hand_is_the_messages_bytes_whatever_holds_it(seed):
+    """Every field at its default or not, negative and ten-byte offsets, names of one and two-byte varint lengths:
+    frame_chunk gives SerializeToString()'s bytes for a TensorChunk, for its fields (Chunk), and for the ChunkView
+    a received message was read as."""
+    rng = random.Random(seed)
+    for _ in range(2000):
+        chunk = _chunk(rng)
+        if rng.random() < 0.1:
+            chunk.xxh3 = 0
+        plain = chunk_of(chunk.name, chunk.offset, chunk.numel, memoryview(chunk.payload))
+        for field, wrapper in ((2, pb.PushMessage(chunk=chunk)), (2, pb.ResultMessage(chunk=chunk)), (3, pb.ResultMessage(mean_chunk=chunk))):
+            expected = wrapper.SerializeToString()
+            assert frame_chunk(field, chunk) == expected
+            if chunk.xxh3 == plain.xxh3:  # the digest chunk_of computes, unless the chunk was given another
+                assert frame_chunk(field, plain) == expected
+            view = parse_chunk_message(expected, (field,))
+            if view is not None:
+                assert frame_chunk(field, view) == expected
+
+
+def test_a_push_framed_by_hand_is_the_push_messages_bytes():
+    torch.manual_seed(0)
+    header = pb.PushHeader(island_id="island-1", round=7, tokens=4096, codec="int8", global_checksum="ab" * 16)
+    chunks = list(tensor_chunks({"a": torch.randn(3000), "b.weight": torch.randn(40, 50)}, get_codec("int8"), 1000))
+    expected = [m.SerializeToString() for m in push_messages(header, chunks)]
+    assert len(expected) > 4 and list(push_frames(header, chunks)) == expected
+    assert list(push_frames(header, [])) == [m.SerializeToString() for m in push_messages(header, [])]
 
 
 def _chunk(rng: random.Random) -> pb.TensorChunk:
