@@ -13,12 +13,11 @@ import torch
 
 from diloco.codec import Codec, get_codec
 from diloco.credentials import TlsFiles
-from diloco.frames import ChunkView, chunk_deserializer, push_frames, result_chunk, serialized
+from diloco.frames import ChunkView, push_frames, result_chunk, stub_for
 from diloco.params import checksum, ranges_checksum
 from diloco.progress import WORTH_SHOWING, Progress
 from diloco.refusal import Reason, is_transport_failure, refusal_of, status_of
 from diloco.v1 import diloco_pb2 as pb
-from diloco.v1 import diloco_pb2_grpc as pb_grpc
 from diloco.wire import PROTOCOL_VERSION, FlatRange, Manifest, apply_chunks, framed_size, ranges_to_proto
 
 log = logging.getLogger(__name__)
@@ -101,17 +100,6 @@ def channel_options(receive_window_bytes: int = 0) -> list[tuple[str, int]]:
     if receive_window_bytes <= 0:
         return []
     return [("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", receive_window_bytes)]
-
-
-def stub_for(channel: grpc.Channel) -> pb_grpc.CoordinatorStub:
-    """The generated stub, except that results arrive as ChunkViews and a push's messages go framed by hand
-    (diloco/frames.py): neither side copies a payload through protobuf objects."""
-    stub = pb_grpc.CoordinatorStub(channel)
-    for method, request in (("FetchParameters", pb.FetchRequest), ("PullRoundResult", pb.PullRequest)):
-        setattr(stub, method, channel.unary_stream(f"/diloco.v1.Coordinator/{method}", request.SerializeToString,
-                                                   chunk_deserializer(pb.ResultMessage, (2, 3))))
-    stub.PushPseudoGradient = channel.stream_unary("/diloco.v1.Coordinator/PushPseudoGradient", serialized, pb.PushResponse.FromString)
-    return stub
 
 
 class CoordinatorClient:

@@ -19,7 +19,8 @@ from diloco.params import checksum
 from islands.sim.simulation import run_sim
 from diloco.v1 import diloco_pb2 as pb
 from diloco.wire import Manifest, downlink_codec, tensor_chunks, uplink_codec
-from islands.client import CoordinatorClient, ReplayableChunks, stub_for
+from diloco.frames import stub_for
+from islands.client import CoordinatorClient, ReplayableChunks
 from islands.island import Island
 from islands.world import IslandWorld
 
