@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 import torch
 
-from coordinator.fold import fold, judge
+from coordinator.fold import FoldAhead, fold, judge
 from coordinator.intake import PushIntake
 from coordinator.ledger import DataLedger
 from coordinator.links import LinkAdvisor
@@ -83,6 +83,7 @@ class FragmentRounds(PushIntake):
         self.outer = OuterOptimizer(params, cfg.outer)
         self.publication = Publication(params, downlink_codec(cfg.wire), cfg.wire.chunk_bytes)
         self.accumulator = PseudoGradientAccumulator(self.manifest.shapes)
+        self.ahead = FoldAhead()  # what of the open round is folded already (the driver's thread only)
         self.guard = NormGuard(cfg.robust)
         self.param_lock = ReadWriteLock()
         self.phase, self.round, self.round_opened_at = Phase.OPEN, 0, self.clock()
@@ -215,6 +216,19 @@ class FragmentRounds(PushIntake):
             self.contributions.clear()
             return Closing(reason, complete, self.clock() - self.round_opened_at)
 
+    def fold_ahead(self) -> bool:
+        """While the round is open: folds the next contribution in canonical order if it is complete (coordinator/fold.py
+        FoldAhead); returns whether it folded one. Called by the round's driver between its close checks, so the
+        accumulator is never folded ahead and closed at once."""
+        with self.cond:
+            if self.phase is not Phase.OPEN:
+                return False
+            nxt = self.ahead.next(self.contributions, self.members.waited_for())
+        if nxt is None:
+            return False
+        self.ahead.fold(self.accumulator, self.codec, *nxt, self.manifest.total_numel())
+        return True
+
     def apply(self, closing: Closing) -> pb.RoundSummary:
         """Folds, takes the outer step, publishes the result and opens the next round; returns the round's summary."""
         verdict = judge(self.guard, closing.contributions, self.label)
@@ -225,22 +239,31 @@ class FragmentRounds(PushIntake):
         self.publication.release_values()
         summary.wait_s, started = closing.waited_s, time.perf_counter()
         delayed = self.cfg.rounds.late_mode == "delayed_nesterov"  # late ones apart (diloco/outer.py)
-        folded = fold(self.accumulator, self.codec, closing.contributions, verdict, self.manifest.total_numel(), delayed)
-        summary.fold_s = time.perf_counter() - started
+        ahead = self.ahead.take(self.accumulator, closing.contributions, verdict)  # folded while the round was open
+        for _, contribution in closing.contributions[:ahead]:
+            for spool in contribution.spools:
+                spool.discard()
+        folded = fold(self.accumulator, self.codec, closing.contributions[ahead:], verdict, self.manifest.total_numel(), delayed)
+        folded += ahead * self.manifest.total_numel()
+        summary.fold_s, summary.folded_ahead = time.perf_counter() - started, ahead
         # Step, publication and round change happen under the write lock, so no
         # reader ever sees new parameters under an old round number or the reverse.
         self.param_lock.acquire_write()
         try:
             started = time.perf_counter()
             mean, late = self.accumulator.parts()
+            eager_s = 0.0  # counted with the publication, as it is sent with it
+            if self.cfg.streaming.eager:
+                # Eager updates: islands build their provisional update from this (downlink codec, no feedback).
+                # Encoded before the step, which may overwrite the mean (the accumulator is reset after it).
+                eager_s = time.perf_counter()
+                self.mean_chunks = list(tensor_chunks(mean, self.publication.codec, self.cfg.wire.chunk_bytes))
+                eager_s = time.perf_counter() - eager_s
             if delayed:
                 self.outer.step_delayed(mean, late)
             else:
-                self.outer.step(mean)
-            summary.step_s, started = time.perf_counter() - started, time.perf_counter()
-            if self.cfg.streaming.eager:
-                # Eager updates: islands build their provisional update from this (downlink codec, no feedback).
-                self.mean_chunks = list(tensor_chunks(mean, self.publication.codec, self.cfg.wire.chunk_bytes))
+                self.outer.step(mean, consume=True)
+            summary.step_s, started = time.perf_counter() - started - eager_s, time.perf_counter() - eager_s
             self.publication.publish()
             summary.publish_s, summary.closed_at = time.perf_counter() - started, time.time()
             with self.cond:
@@ -293,6 +316,8 @@ class FragmentRounds(PushIntake):
     def load_state_dict(self, state: dict, finished: bool) -> None:
         """Restores a checkpoint's round (its outer parameters already copied in); the round reopens now."""
         self.outer.load_state_dict(state["outer"], delayed=self.cfg.rounds.late_mode == "delayed_nesterov")
+        self.accumulator.reset()
+        self.ahead.reset()
         self.publication.load_state_dict(state["published"])
         self.guard.load_state_dict(state.get("guard", {}))
         with self.cond:

@@ -257,6 +257,7 @@ class CoordinatorState:
         f = self.fragments[fragment]
         closing = f.close(poll_s)
         if closing is None:
+            f.fold_ahead()  # the contributions in so far, while the others are still pushing
             return None
         with self.cond:
             self._wave.pending += 1

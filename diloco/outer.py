@@ -148,10 +148,28 @@ class OuterOptimizer:
         self.carry: dict[str, torch.Tensor] | None = None
 
     @torch.no_grad()
-    def step(self, pseudo_gradient: Mapping[str, torch.Tensor]) -> None:
-        """theta_global <- SGD step with the (mean) pseudo-gradient as the gradient."""
+    def step(self, pseudo_gradient: Mapping[str, torch.Tensor], consume: bool = False) -> None:
+        """theta_global <- SGD step with the (mean) pseudo-gradient as the gradient.
+
+        consume: the pseudo-gradient's tensors are the caller's to overwrite (the coordinator's accumulator, reset
+        after the step), so Nesterov's look-ahead g + mu m is formed in them instead of in a new model-sized tensor
+        each round (its first touch alone cost ~0.15 s of page faults at 125M here). The same operations on the
+        same values as torch's single-tensor SGD, so the same bits (tested against torch.optim.SGD).
+        """
         if self.carry:
             raise RuntimeError("this outer optimizer steps with delayed Nesterov (rounds.late_mode); use step_delayed")
+        group = self.optimizer.param_groups[0]
+        if consume and group["nesterov"] and not (group["weight_decay"] or group["dampening"] or group["maximize"]):
+            lr, mu = group["lr"], group["momentum"]
+            for name, p in self.params.items():
+                grad, state = pseudo_gradient[name].view(p.shape), self.optimizer.state[p]
+                buf = state.get("momentum_buffer")
+                if buf is None:
+                    state["momentum_buffer"] = buf = grad.detach().clone()
+                else:
+                    buf.mul_(mu).add_(grad)
+                p.add_(grad.add_(buf, alpha=mu), alpha=-lr)
+            return
         for name, p in self.params.items():
             p.grad = pseudo_gradient[name].reshape(p.shape)
         self.optimizer.step()

@@ -7,7 +7,8 @@ import torch
 
 from conftest import random_like, tiny_config
 from diloco.codec import Fp32Codec
-from diloco.outer import PseudoGradientAccumulator
+from diloco.config import OuterConfig
+from diloco.outer import OuterOptimizer, PseudoGradientAccumulator
 from diloco.v1 import diloco_pb2 as pb
 from diloco.wire import Manifest, tensor_chunks
 from islands.client import CoordinatorClient, ReplayableChunks
@@ -129,3 +130,30 @@ def test_a_contribution_trained_on_no_tokens_does_not_dilute_the_others():
     assert torch.equal(empty.mean()["w"], torch.zeros(3, 4))  # nobody trained: no update
     with pytest.raises(ValueError, match=">= 0"):
         empty.scale_for(-1)
+
+
+@pytest.mark.parametrize("nesterov,momentum", [(True, 0.9), (False, 0.9), (True, 0.0)])
+def test_an_outer_step_that_consumes_its_pseudo_gradient_is_torch_sgd_bit_for_bit(nesterov, momentum):
+    """The coordinator's step forms Nesterov's look-ahead in the mean it was given (no model-sized temporary):
+    the same bits as torch.optim.SGD, round after round, and the momentum it keeps is torch's, so checkpoints and
+    a step without consume continue it exactly."""
+    torch.manual_seed(0)
+    shapes = {"a": (300, 70), "b": (5000,), "c": (1,)}
+    ours = {n: torch.randn(s) for n, s in shapes.items()}
+    reference = {n: t.clone() for n, t in ours.items()}
+    outer = OuterOptimizer(ours, OuterConfig(lr=0.7, momentum=momentum, nesterov=nesterov))
+    sgd = torch.optim.SGD(list(reference.values()), lr=0.7, momentum=momentum, nesterov=nesterov and momentum > 0)
+    for round_ in range(5):
+        mean = {n: torch.randn(s) * 1e-2 for n, s in shapes.items()}
+        for n, p in reference.items():
+            p.grad = mean[n].clone()
+        sgd.step()
+        outer.step({n: t.clone() for n, t in mean.items()}, consume=round_ < 4)  # the last round through torch's step
+        for n in shapes:
+            assert torch.equal(ours[n], reference[n]), (round_, n)
+    ours_state, torch_state = outer.state_dict()["state"], sgd.state_dict()["state"]
+    assert ours_state.keys() == torch_state.keys()
+    for k, state in torch_state.items():
+        buf = state.get("momentum_buffer")
+        assert (buf is None) == (ours_state[k].get("momentum_buffer") is None)
+        assert buf is None or torch.equal(ours_state[k]["momentum_buffer"], buf)

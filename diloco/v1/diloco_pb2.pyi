@@ -402,7 +402,7 @@ class WatchRequest(_message.Message):
     def __init__(self, from_round: _Optional[int] = ...) -> None: ...
 
 class RoundSummary(_message.Message):
-    __slots__ = ("round", "islands", "tokens", "train_loss", "eval_loss", "bytes_up", "bytes_down", "seconds", "checksum", "run_finished", "initial_eval_loss", "ddp_bytes", "traffic", "dropped", "elements_folded", "elements_expected", "fragment", "fragments", "data", "clipped", "wait_s", "fold_s", "step_s", "publish_s", "eval_s", "contributions", "closed_at", "task_scores")
+    __slots__ = ("round", "islands", "tokens", "train_loss", "eval_loss", "bytes_up", "bytes_down", "seconds", "checksum", "run_finished", "initial_eval_loss", "ddp_bytes", "traffic", "dropped", "elements_folded", "elements_expected", "fragment", "fragments", "data", "clipped", "wait_s", "fold_s", "step_s", "publish_s", "eval_s", "contributions", "closed_at", "task_scores", "folded_ahead")
     class TaskScoresEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -438,6 +438,7 @@ class RoundSummary(_message.Message):
     CONTRIBUTIONS_FIELD_NUMBER: _ClassVar[int]
     CLOSED_AT_FIELD_NUMBER: _ClassVar[int]
     TASK_SCORES_FIELD_NUMBER: _ClassVar[int]
+    FOLDED_AHEAD_FIELD_NUMBER: _ClassVar[int]
     round: int
     islands: _containers.RepeatedScalarFieldContainer[str]
     tokens: int
@@ -466,7 +467,8 @@ class RoundSummary(_message.Message):
     contributions: _containers.RepeatedCompositeFieldContainer[IslandContribution]
     closed_at: float
     task_scores: _containers.ScalarMap[str, float]
-    def __init__(self, round: _Optional[int] = ..., islands: _Optional[_Iterable[str]] = ..., tokens: _Optional[int] = ..., train_loss: _Optional[float] = ..., eval_loss: _Optional[float] = ..., bytes_up: _Optional[int] = ..., bytes_down: _Optional[int] = ..., seconds: _Optional[float] = ..., checksum: _Optional[str] = ..., run_finished: _Optional[bool] = ..., initial_eval_loss: _Optional[float] = ..., ddp_bytes: _Optional[float] = ..., traffic: _Optional[_Iterable[_Union[IslandTraffic, _Mapping]]] = ..., dropped: _Optional[_Iterable[str]] = ..., elements_folded: _Optional[int] = ..., elements_expected: _Optional[int] = ..., fragment: _Optional[int] = ..., fragments: _Optional[int] = ..., data: _Optional[_Union[DataAccount, _Mapping]] = ..., clipped: _Optional[_Iterable[str]] = ..., wait_s: _Optional[float] = ..., fold_s: _Optional[float] = ..., step_s: _Optional[float] = ..., publish_s: _Optional[float] = ..., eval_s: _Optional[float] = ..., contributions: _Optional[_Iterable[_Union[IslandContribution, _Mapping]]] = ..., closed_at: _Optional[float] = ..., task_scores: _Optional[_Mapping[str, float]] = ...) -> None: ...
+    folded_ahead: int
+    def __init__(self, round: _Optional[int] = ..., islands: _Optional[_Iterable[str]] = ..., tokens: _Optional[int] = ..., train_loss: _Optional[float] = ..., eval_loss: _Optional[float] = ..., bytes_up: _Optional[int] = ..., bytes_down: _Optional[int] = ..., seconds: _Optional[float] = ..., checksum: _Optional[str] = ..., run_finished: _Optional[bool] = ..., initial_eval_loss: _Optional[float] = ..., ddp_bytes: _Optional[float] = ..., traffic: _Optional[_Iterable[_Union[IslandTraffic, _Mapping]]] = ..., dropped: _Optional[_Iterable[str]] = ..., elements_folded: _Optional[int] = ..., elements_expected: _Optional[int] = ..., fragment: _Optional[int] = ..., fragments: _Optional[int] = ..., data: _Optional[_Union[DataAccount, _Mapping]] = ..., clipped: _Optional[_Iterable[str]] = ..., wait_s: _Optional[float] = ..., fold_s: _Optional[float] = ..., step_s: _Optional[float] = ..., publish_s: _Optional[float] = ..., eval_s: _Optional[float] = ..., contributions: _Optional[_Iterable[_Union[IslandContribution, _Mapping]]] = ..., closed_at: _Optional[float] = ..., task_scores: _Optional[_Mapping[str, float]] = ..., folded_ahead: _Optional[int] = ...) -> None: ...
 
 class IslandContribution(_message.Message):
     __slots__ = ("island_id", "tokens", "train_loss", "staleness", "weight", "codec")
