@@ -1,11 +1,18 @@
-"""Spool files: one push stream's chunks, kept on disk until the contribution is whole.
+"""Spools: one push stream's chunks, kept until the contribution is whole and its round closes.
 
 A pseudo-gradient only reaches the aggregate once every element of it has
-arrived, so a stream that breaks off leaves nothing behind. Spooling the
-(encoded) chunks to disk keeps coordinator memory at O(model) however many
-islands push at once. A record is the chunk's address, its XXH3-64 digest and its
-payload as received (no protobuf round trip: the payload is written once and
-read once), each checked again as it is read back.
+arrived, so a stream that breaks off leaves nothing behind. A record is the
+chunk's address, its XXH3-64 digest and its payload as received (no protobuf
+round trip: the payload is written once and read once).
+
+Records go first into blocks of memory from a pool all spools share
+(limits.spool_memory_gb), then, once the pool is spent, into the spool's file
+on disk. The pool's blocks are kept once allocated and handed from spool to
+spool, so a round's pushes cost one copy into memory that is already mapped,
+and the fold reads them in place; a write to the page cache and a read back
+cost three times as much (125M fp32: 0.13 + 0.05 s against 0.05 s). Memory is
+bounded by the pool whatever the number of islands; what does not fit waits on
+disk (read back verified: disk or filesystem trouble is SpoolCorrupt).
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ from diloco.refusal import Reason, Refused
 from diloco.wire import payload_digest
 
 _RECORD = struct.Struct("<QQQHI")  # offset, numel, XXH3-64 of the payload, name bytes, payload bytes
+BLOCK_BYTES = 8 << 20  # a pool block: more than a chunk's largest record (wire.chunk_bytes <= 3 MiB, names < 64 KiB)
 
 
 class SpoolCorrupt(OSError):
@@ -36,11 +44,37 @@ class SpooledChunk:
     payload: memoryview  # valid until the next chunk is read (Spool.read)
 
 
-class Spools:
-    """Where pushes spool, and the disk they may use there, all islands together (limits.spool_gb)."""
+class BlockPool:
+    """Blocks of memory for spools: allocated up to max_bytes on demand, then reused."""
 
-    def __init__(self, directory: Path, max_bytes: int):
+    def __init__(self, max_bytes: int):
+        self.max_blocks = max_bytes // BLOCK_BYTES
+        self.allocated = 0
+        self._free: list[bytearray] = []
+        self._lock = threading.Lock()
+
+    def take(self) -> bytearray | None:
+        """A free block, or None when the pool is spent."""
+        with self._lock:
+            if self._free:
+                return self._free.pop()
+            if self.allocated >= self.max_blocks:
+                return None
+            self.allocated += 1
+        return bytearray(BLOCK_BYTES)
+
+    def give_back(self, blocks: list[bytearray]) -> None:
+        with self._lock:
+            self._free.extend(blocks)
+
+
+class Spools:
+    """Where pushes spool, and the bytes they may take there, all islands together: memory (limits.spool_memory_gb)
+    first, then disk, at most limits.spool_gb in all."""
+
+    def __init__(self, directory: Path, max_bytes: int, memory_bytes: int = 0):
         self.directory, self.max_bytes = directory, max_bytes
+        self.pool = BlockPool(memory_bytes)
         self.used = 0
         self._lock = threading.Lock()
 
@@ -62,11 +96,18 @@ class Spools:
 
 class Spool:
     def __init__(self, directory: Path, spools: Spools | None = None, max_numel: int | None = None):
-        fd, path = tempfile.mkstemp(prefix="push-", suffix=".spool", dir=directory)
-        self.path = Path(path)
-        self._file = os.fdopen(fd, "wb")
+        self.directory = directory
+        self.path: Path | None = None  # the file, once records go to disk
+        self._file = None
+        self._blocks: list[tuple[bytearray, int]] = []  # pool blocks and the bytes written in each
         self.chunks = self.numel = self.bytes = 0
         self.spools, self.max_numel = spools, max_numel
+        if spools is None:  # a spool of its own (tests): on disk
+            self._open_file()
+
+    def _open_file(self) -> None:
+        fd, path = tempfile.mkstemp(prefix="push-", suffix=".spool", dir=self.directory)
+        self.path, self._file = Path(path), os.fdopen(fd, "wb")
 
     def write(self, name: str, offset: int, numel: int, digest: int, payload: bytes) -> None:
         """One chunk whose payload was verified against its digest (diloco.wire.payload_digest) already."""
@@ -79,18 +120,50 @@ class Spool:
             self.spools.reserve(size)
         self.bytes += size
         self.numel += numel
-        self._file.write(_RECORD.pack(offset, numel, digest, len(encoded), len(payload)) + encoded)
-        self._file.write(payload)
+        head = _RECORD.pack(offset, numel, digest, len(encoded), len(payload)) + encoded
+        if not self._to_memory(head, payload, size):
+            self._file.write(head)
+            self._file.write(payload)
         self.chunks += 1
 
+    def _to_memory(self, head: bytes, payload: bytes, size: int) -> bool:
+        """Appends the record to this spool's last block, or to a new one from the pool; False once on disk."""
+        if self._file is not None or self.spools is None:
+            return False
+        block, used = self._blocks[-1] if self._blocks else (None, BLOCK_BYTES)
+        if used + size > BLOCK_BYTES:
+            block = self.spools.pool.take() if size <= BLOCK_BYTES else None
+            if block is None:  # the pool is spent: this record and the rest of the stream go to disk, in order
+                self._open_file()
+                return False
+            self._blocks.append((block, 0))
+            used = 0
+        view = memoryview(block)
+        view[used : used + len(head)] = head
+        view[used + len(head) : used + size] = payload
+        self._blocks[-1] = (block, used + size)
+        return True
+
     def close(self) -> None:
-        if not self._file.closed:
+        if self._file is not None and not self._file.closed:
             self._file.close()
 
     def read(self) -> Iterator[SpooledChunk]:
-        """The chunks in the order written. Each payload is a view into one reused (writable) buffer: valid until
-        the next chunk is read, so the fold decodes it in place instead of allocating and copying per chunk."""
+        """The chunks in the order written. A payload in memory is a view of its block (valid until discard()); one
+        from disk is a view of one reused buffer, valid until the next chunk is read, so the fold decodes it in place
+        instead of allocating and copying per chunk."""
         self.close()
+        for block, used in self._blocks:
+            view, i = memoryview(block), 0
+            while i < used:
+                offset, numel, _, name_len, size = _RECORD.unpack_from(block, i)
+                i += _RECORD.size
+                name = bytes(view[i : i + name_len]).decode()
+                i += name_len
+                yield SpooledChunk(name, offset, numel, view[i : i + size])
+                i += size
+        if self.path is None:
+            return
         buffer = bytearray()
         with open(self.path, "rb", buffering=0) as f:
             while header := f.read(_RECORD.size):
@@ -105,7 +178,9 @@ class Spool:
 
     def discard(self) -> None:
         self.close()
-        self.path.unlink(missing_ok=True)
+        if self.path is not None:
+            self.path.unlink(missing_ok=True)
         if self.spools is not None:
+            self.spools.pool.give_back([block for block, _ in self._blocks])
             self.spools.release(self.bytes)
-        self.bytes = 0
+        self._blocks, self.bytes = [], 0

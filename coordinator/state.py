@@ -82,8 +82,10 @@ class CoordinatorState:
         codecs = link_codecs(cfg.wire)
         advised = list(codecs.values())[:len(cfg.wire.link_codecs)]
         self.links = LinkAdvisor(advised, cfg.wire.link_fraction) if advised else None
+        # Pushes wait in memory up to limits.spool_memory_models fp32 models, then on disk (coordinator/spool.py).
+        spools = Spools(spool_dir, int(cfg.limits.spool_gb * 1e9), int(4 * self.manifest.total_numel() * cfg.limits.spool_memory_models))
         ctx = FragmentContext(
-            cfg, self.codec, self.cond, clock, Spools(spool_dir, int(cfg.limits.spool_gb * 1e9)), self.members,
+            cfg, self.codec, self.cond, clock, spools, self.members,
             run_finished=lambda: self.finished, fragment_of=self._fragment_of, ledger=ledger, codecs=codecs, links=self.links,
         )
         self.fragments = [FragmentRounds(ctx, f.index, self.layout.subset(f.index, params)) for f in self.layout]

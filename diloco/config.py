@@ -126,7 +126,7 @@ class RunConfig:
             (self.robust.norm_factor > 1 and self.robust.history >= 1 and self.robust.action in ("clip", "drop"),
              "robust.norm_factor must be > 1, robust.history >= 1 and robust.action 'clip' or 'drop'"),
             (self.checkpoint.keep_last >= 1, "checkpoint.keep_last must be >= 1"),
-            (self.limits.valid(), "limits.*: every bound must be > 0 (limits.idle_rounds >= 0; 0 turns idle removal off)"),
+            (self.limits.valid(), "limits.*: every bound must be > 0 (limits.idle_rounds and limits.spool_memory_models >= 0; 0 turns them off)"),
         ]
         for ok, message in checks:
             if not ok:

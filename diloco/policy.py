@@ -45,7 +45,11 @@ class LimitsConfig:
     idle_rounds: int = 3
     # Disk the spooled pushes may use, all islands together; a chunk beyond it: SPOOL_FULL.
     spool_gb: float = 64.0
+    # Memory the spooled pushes use before they go to disk, all islands together, in fp32 copies of the model
+    # (coordinator/spool.py): kept once allocated, so the coordinator's memory stays a few models whatever the
+    # number of islands. 0: every push waits on disk.
+    spool_memory_models: float = 1.0
 
     def valid(self) -> bool:
         return (min(self.push_streams_per_rank, self.push_idle_s, self.heartbeats_per_interval, self.joins_per_minute,
-                    self.spool_gb) > 0 and self.idle_rounds >= 0)
+                    self.spool_gb) > 0 and self.idle_rounds >= 0 and self.spool_memory_models >= 0)

@@ -1,0 +1,85 @@
+"""Spools (coordinator/spool.py): pushes wait in the shared memory pool, then on disk, and read back in order."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from coordinator.records import Refused
+from coordinator.spool import BLOCK_BYTES, SpoolCorrupt, Spools
+from diloco.refusal import Reason
+from diloco.wire import payload_digest
+
+
+def _records(seed: int, n: int, size: int) -> list[tuple[str, int, int, bytes]]:
+    rng = random.Random(seed)
+    return [(f"blocks.{k}.w", 1000 * k, size // 4, rng.randbytes(size)) for k in range(n)]
+
+
+def _write(spool, records) -> None:
+    for name, offset, numel, payload in records:
+        spool.write(name, offset, numel, payload_digest(payload), payload)
+
+
+def _read(spool) -> list[tuple[str, int, int, bytes]]:
+    return [(c.name, c.offset, c.numel, bytes(c.payload)) for c in spool.read()]
+
+
+def test_pushes_fill_the_memory_pool_then_go_to_disk_and_read_back_in_order(tmp_path):
+    spools = Spools(tmp_path, max_bytes=1 << 30, memory_bytes=2 * BLOCK_BYTES)
+    records = _records(0, 12, 3 << 20)  # two records a block: 4 in memory, 8 on disk
+    first, second = spools.open(1 << 40), spools.open(1 << 40)
+    _write(first, records[:5])
+    assert first.path is not None and spools.pool.allocated == 2  # the fifth record did not fit: the file began
+    _write(first, records[5:8])
+    _write(second, records[8:])  # the pool is spent: all on disk
+    assert _read(first) == records[:8] and _read(second) == records[8:]
+    assert spools.used == sum(s.bytes for s in (first, second)) > 12 * (3 << 20)
+    first.discard(), second.discard()
+    assert spools.used == 0 and not first.path.exists() and not second.path.exists()
+    # The blocks are reused, not allocated again: the next spool is in memory alone.
+    third = spools.open(1 << 40)
+    _write(third, records[:4])
+    assert third.path is None and spools.pool.allocated == 2
+    assert _read(third) == records[:4]
+    third.discard()
+
+
+def test_a_spool_in_memory_holds_records_of_every_size_and_refuses_what_its_fragment_cannot_hold(tmp_path):
+    spools = Spools(tmp_path, max_bytes=1 << 30, memory_bytes=4 * BLOCK_BYTES)
+    rng = random.Random(1)
+    records = [(rng.choice(["a", "é" * 40, "embed.weight"]), rng.randrange(1 << 40), rng.randrange(1, 1 << 20), rng.randbytes(size))
+               for size in (0, 1, 4, 4097, 1 << 20, (3 << 20) + 5, 17, 0)]
+    spool = spools.open(sum(r[2] for r in records))
+    _write(spool, records)
+    assert spool.path is None and _read(spool) == records
+    with pytest.raises(Refused) as err:  # one element more than the fragment has
+        spool.write("a", 0, 1, payload_digest(b"\0" * 4), b"\0" * 4)
+    assert err.value.refusal.reason == Reason.BAD_CHUNK
+    spool.discard()
+
+
+def test_the_spool_bound_counts_memory_and_disk_together(tmp_path):
+    spools = Spools(tmp_path, max_bytes=3 * (1 << 20), memory_bytes=BLOCK_BYTES)
+    spool = spools.open(1 << 40)
+    _write(spool, _records(2, 2, 1 << 20))  # in memory
+    with pytest.raises(Refused) as err:
+        _write(spool, _records(3, 1, 1 << 20))
+    assert err.value.refusal.reason == Reason.SPOOL_FULL
+    spool.discard()
+    assert spools.used == 0
+
+
+def test_what_went_to_disk_is_verified_as_it_is_read_back(tmp_path):
+    spools = Spools(tmp_path, max_bytes=1 << 30, memory_bytes=BLOCK_BYTES)
+    records = _records(4, 4, 3 << 20)  # two in memory, two on disk
+    spool = spools.open(1 << 40)
+    _write(spool, records)
+    spool.close()
+    data = bytearray(spool.path.read_bytes())
+    data[-1] ^= 0xFF
+    spool.path.write_bytes(bytes(data))
+    with pytest.raises(SpoolCorrupt, match="blocks.3.w@3000"):
+        _read(spool)
+    spool.discard()
