@@ -27,19 +27,13 @@ round costs".
 
 from __future__ import annotations
 
-import argparse
-import ctypes
 import json
 import os
 import shutil
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
-import threading
 import time
-from concurrent import futures
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -56,7 +50,8 @@ from diloco.frames import push_frames  # noqa: E402
 from diloco.wire import FlatRange, Manifest, downlink_codec, tensor_chunks, uplink_codec  # noqa: E402
 from islands.client import CoordinatorClient  # noqa: E402
 from islands.exchange import Exchange, FragmentShard, Wire, pg_chunks, pull, push  # noqa: E402
-from islands.sim.wan import LinkSpec, WanLink, WanSpecError, parse_link  # noqa: E402
+from islands.sim.wan import LinkSpec, WanSpecError, parse_link  # noqa: E402
+from benchmarks.transfer import addresses, measure_bare, peak_rss, spawn, stop, timed  # noqa: E402
 
 PROG = "exchange"
 # name -> (vocab_size, d_model, n_layers, d_ff); parameters counted from the model the coordinator builds
@@ -67,7 +62,6 @@ SIZES = {
     "125m": (50304, 768, 12, 2048),
     "350m": (50304, 1024, 24, 2731),
 }
-BARE_SERVICE = "diloco.bench.Bare"
 
 
 def run_config(size: str, codec: str, islands: int, rounds: int) -> RunConfig:
@@ -78,43 +72,6 @@ def run_config(size: str, codec: str, islands: int, rounds: int) -> RunConfig:
         f"rounds.min_islands={islands}", f"rounds.max_islands={islands}", f"data.shards={islands}",
         "rounds.lease_s=3600", "rounds.heartbeat_s=600", "rounds.deadline_s=3600", "eval.batches=0",
     ])
-
-
-def peak_rss(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError(f"no VmHWM for pid {pid}")
-
-
-def _die_with_parent() -> None:
-    """A server dies with the benchmark, even one killed outright (out of memory): an orphaned coordinator kept
-    its memory and the next sizes ran out of it."""
-    if sys.platform == "linux":
-        ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-
-
-def spawn(args: list[str], workdir: Path, name: str) -> tuple[subprocess.Popen, int]:
-    port_file = workdir / f"{name}.port"
-    log = open(workdir / f"{name}.log", "w")
-    proc = subprocess.Popen([sys.executable, *args, "--port-file", str(port_file)], stdout=log, stderr=subprocess.STDOUT,
-                            cwd=REPO_ROOT, env=dict(os.environ, PYTHONUNBUFFERED="1"), preexec_fn=_die_with_parent)
-    deadline = time.monotonic() + 600
-    while not port_file.exists() or not port_file.read_text().strip():
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            raise RuntimeError(f"{name} did not start; see {workdir / (name + '.log')}")
-        time.sleep(0.05)
-    return proc, int(port_file.read_text())
-
-
-def stop(proc: subprocess.Popen) -> None:
-    proc.terminate()
-    try:
-        proc.wait(30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
 
 
 class Island:
@@ -137,9 +94,10 @@ class Island:
         # so the mean is a division, as with most real rounds.
         self.tokens = cfg.inner.batch_size * cfg.data.seq_len
 
-    def exchange(self, round_: int) -> tuple[int, int, float, float]:
-        """Push and pull of one round; returns the bytes sent and received, and the seconds each took (the pull's
-        include the wait for the close)."""
+    def exchange(self, round_: int, delay_s: float = 0.0) -> tuple[int, int, float, float, float, float]:
+        """Push (after delay_s) and pull of one round; returns the bytes sent and received, the seconds each took (the
+        pull's include the wait for the close), and when the push and the pull ended (perf_counter)."""
+        time.sleep(delay_s)
         sent, received = self.client.bytes_sent, self.client.bytes_received
         ex = Exchange(0, round_, 0, 0, self.tokens, 1, 1.0, self.checksum, pusher=True, pg=self.pg)
         started = time.perf_counter()
@@ -147,7 +105,8 @@ class Island:
             raise RuntimeError(f"{self.id}: push of round {round_} refused")
         pushed = time.perf_counter()
         self.checksum = pull(self.shard, ex, self.wire).checksum
-        return self.client.bytes_sent - sent, self.client.bytes_received - received, pushed - started, time.perf_counter() - pushed
+        done = time.perf_counter()
+        return self.client.bytes_sent - sent, self.client.bytes_received - received, pushed - started, done - pushed, pushed, done
 
 
 def round_costs(address: str, repeat: int) -> dict:
@@ -160,40 +119,11 @@ def round_costs(address: str, repeat: int) -> dict:
         stream.cancel()
     finally:
         channel.close()
-    return {f"{k}_s": statistics.median(getattr(s, f"{k}_s") for s in summaries) for k in ("fold", "step", "publish")}
+    return {**{f"{k}_s": statistics.median(getattr(s, f"{k}_s") for s in summaries) for k in ("fold", "step", "publish")},
+            "folded_ahead": statistics.median(s.folded_ahead for s in summaries)}
 
 
-def addresses(port: int, islands: int, link: LinkSpec | None) -> tuple[list[str], list[WanLink]]:
-    """Where each island connects: the server, or an emulated WAN link of its own in front of it."""
-    links = [WanLink(("127.0.0.1", port), link).start() for _ in range(islands)] if link else []
-    return ([lk.address for lk in links] if links else [f"127.0.0.1:{port}"] * islands), links
-
-
-def timed(workers: list, work) -> float:
-    """Runs work(worker) on one thread per worker, started together; seconds until the last one is done."""
-    start = threading.Barrier(len(workers) + 1)
-    errors: list[BaseException] = []
-
-    def run(w):
-        start.wait()
-        try:
-            work(w)
-        except BaseException as e:  # reported below, after every thread ended
-            errors.append(e)
-
-    threads = [threading.Thread(target=run, args=(w,), daemon=True) for w in workers]
-    for t in threads:
-        t.start()
-    start.wait()
-    t0 = time.perf_counter()
-    for t in threads:
-        t.join(1800)
-    if errors or any(t.is_alive() for t in threads):
-        raise RuntimeError(f"exchange failed: {errors[:1] or 'a thread did not finish'}")
-    return time.perf_counter() - t0
-
-
-def measure_exchange(cfg: RunConfig, islands: int, repeat: int, workdir: Path, link: LinkSpec | None) -> dict:
+def measure_exchange(cfg: RunConfig, islands: int, repeat: int, workdir: Path, link: LinkSpec | None, stagger_s: float = 0.0) -> dict:
     (workdir / "run.toml").write_text(cfg.to_toml())
     proc, port = spawn(["-m", "coordinator", "serve", "--config", str(workdir / "run.toml"), "--host", "127.0.0.1",
                         "--port", "0", "--log-level", "warning", "--linger", "0"], workdir, "coordinator")
@@ -202,17 +132,19 @@ def measure_exchange(cfg: RunConfig, islands: int, repeat: int, workdir: Path, l
         base_rss = peak_rss(proc.pid)
         first = Island(where[0], cfg, None)
         members = [first] + [Island(a, cfg, first.pg) for a in where[1:]]
-        traffic: dict[int, tuple[int, int, float, float]] = {}
-        seconds, push_s, pull_s = [], [], []
+        traffic: dict[int, tuple[int, int, float, float, float, float]] = {}
+        seconds, push_s, pull_s, tail_s = [], [], [], []
+        delay = {id(m): k * stagger_s for k, m in enumerate(members)}  # --stagger: island k pushes k x stagger_s late
         for round_ in range(repeat + 1):
             def work(island: Island, r: int = round_) -> None:
-                traffic[id(island)] = island.exchange(r)
+                traffic[id(island)] = island.exchange(r, delay[id(island)])
 
             s = timed(members, work)
             if round_:  # round 0 warms up: codecs' JIT, connections, first allocations
                 seconds.append(s)
                 push_s.append(max(t[2] for t in traffic.values()))
                 pull_s.append(statistics.median(t[3] for t in traffic.values()))
+                tail_s.append(max(t[5] for t in traffic.values()) - max(t[4] for t in traffic.values()))
         checksums = {m.checksum for m in members}
         assert len(checksums) == 1, "islands ended on different parameters"
         peak = peak_rss(proc.pid)
@@ -222,77 +154,8 @@ def measure_exchange(cfg: RunConfig, islands: int, repeat: int, workdir: Path, l
         close = round_costs(f"127.0.0.1:{port}", repeat)
         return {"seconds": statistics.median(seconds), "all_seconds": seconds, "bytes_up": up, "bytes_down": down,
                 "peak_rss": peak, "rss_after_start": base_rss, "_first": first,
-                "push_s": statistics.median(push_s), "pull_s": statistics.median(pull_s), **close}
+                "push_s": statistics.median(push_s), "pull_s": statistics.median(pull_s), "tail_s": statistics.median(tail_s), **close}
     finally:
-        for lk in links:
-            lk.stop()
-        stop(proc)
-
-
-# --- the bare transfer ------------------------------------------------------------------------------
-
-
-def bare_server(port_file: str) -> None:
-    """Counts what it is sent and streams back what it was asked for, built once: as protocol messages
-    (parsed and serialized by gRPC, as the coordinator's are) and as raw bytes (nothing parsed)."""
-    built: dict[tuple[str, bytes], list] = {}
-
-    def push(requests, context):
-        return sum(1 for _ in requests).to_bytes(8, "little")
-
-    def pull_messages(request, context):
-        if ("m", request) not in built:  # request: (name, offset, numel, payload bytes, xxh3) per chunk, as JSON
-            built["m", request] = [pb.ResultMessage(chunk=pb.TensorChunk(name=n, offset=o, numel=k, payload=bytes(b), xxh3=c))
-                                   for n, o, k, b, c in json.loads(request)]
-        yield from built["m", request]
-
-    def pull_raw(request, context):
-        if ("r", request) not in built:  # request: the message sizes, as JSON
-            built["r", request] = [bytes(n) for n in json.loads(request)]
-        yield from built["r", request]
-
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=32))
-    server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(BARE_SERVICE, {
-        "PushMessages": grpc.stream_unary_rpc_method_handler(push, request_deserializer=pb.PushMessage.FromString),
-        "PullMessages": grpc.unary_stream_rpc_method_handler(pull_messages, response_serializer=pb.ResultMessage.SerializeToString),
-        "PushRaw": grpc.stream_unary_rpc_method_handler(push),
-        "PullRaw": grpc.unary_stream_rpc_method_handler(pull_raw),
-    })])
-    port = server.add_insecure_port("127.0.0.1:0")
-    server.start()
-    Path(port_file).write_text(str(port))
-    server.wait_for_termination()
-
-
-def measure_bare(pushed: list[pb.PushMessage], pulled: list[pb.ResultMessage], islands: int, repeat: int,
-                 workdir: Path, link: LinkSpec | None) -> dict:
-    proc, port = spawn([__file__, "--bare-server"], workdir, "bare")
-    where, links = addresses(port, islands, link)
-    channels = [grpc.insecure_channel(a) for a in where]
-    spec = [pulled[0].ByteSize()] + [m.ByteSize() for m in pulled[1:]]
-    chunk_spec = json.dumps([(m.chunk.name, m.chunk.offset, m.chunk.numel, len(m.chunk.payload), m.chunk.xxh3) for m in pulled[1:]])
-    raw_pushed = [m.SerializeToString() for m in pushed]
-    try:
-        both = threading.Barrier(islands)
-
-        def by_messages(channel) -> None:
-            push_ = channel.stream_unary(f"/{BARE_SERVICE}/PushMessages", request_serializer=pb.PushMessage.SerializeToString)
-            assert int.from_bytes(push_(iter(pushed), timeout=1800), "little") == len(pushed)
-            both.wait()  # a pull waits for the round to close
-            pull_ = channel.unary_stream(f"/{BARE_SERVICE}/PullMessages", response_deserializer=pb.ResultMessage.FromString)
-            assert sum(1 for _ in pull_(chunk_spec.encode(), timeout=1800)) == len(pulled) - 1
-
-        def by_bytes(channel) -> None:
-            assert int.from_bytes(channel.stream_unary(f"/{BARE_SERVICE}/PushRaw")(iter(raw_pushed), timeout=1800), "little") == len(pushed)
-            both.wait()
-            assert sum(map(len, channel.unary_stream(f"/{BARE_SERVICE}/PullRaw")(json.dumps(spec).encode(), timeout=1800))) == sum(spec)
-
-        messages = [timed(channels, by_messages) for _ in range(repeat + 1)][1:]
-        raw = [timed(channels, by_bytes) for _ in range(repeat + 1)][1:]
-        return {"messages_s": statistics.median(messages), "raw_s": statistics.median(raw), "messages_all_s": messages, "raw_all_s": raw}
-    finally:
-        for c in channels:
-            c.close()
         for lk in links:
             lk.stop()
         stop(proc)
@@ -309,12 +172,17 @@ def messages_of(first: Island, cfg: RunConfig) -> tuple[list[pb.PushMessage], li
     return pushed, pulled
 
 
-def one(size: str, codec: str, islands: int, repeat: int, link: LinkSpec | None = None) -> dict:
+def one(size: str, codec: str, islands: int, repeat: int, link: LinkSpec | None = None, stagger_s: float = 0.0) -> dict:
     cfg = run_config(size, codec, islands, repeat + 2)  # the run never finishes under the islands: we stop it
     tmp = Path(tempfile.mkdtemp(prefix="diloco-exchange-"))
     try:
-        ex = measure_exchange(cfg, islands, repeat, tmp, link)
+        ex = measure_exchange(cfg, islands, repeat, tmp, link, stagger_s)
         first = ex.pop("_first")
+        if stagger_s:  # no bare transfer to compare with: what is measured is the close after the last push
+            shutil.rmtree(tmp)
+            return {"size": size, "link": str(link) if link else "loopback", "parameters": first.manifest.total_numel(), "codec": codec,
+                    "islands": islands, "stagger_s": stagger_s,
+                    **{k: ex[k] for k in ("seconds", "tail_s", "fold_s", "folded_ahead", "step_s", "publish_s")}}
         pushed, pulled = messages_of(first, cfg)
         bare = measure_bare(pushed, pulled, islands, repeat, tmp, link)
     except BaseException:
@@ -332,7 +200,7 @@ def one(size: str, codec: str, islands: int, repeat: int, link: LinkSpec | None 
         "model_fp32_bytes": 4 * params,
         # Where one exchange's time goes: the slowest island's push; the coordinator's fold, step and publication;
         # an island's pull (from its push's end: the close is inside it). Medians over the measured exchanges.
-        **{k: ex[k] for k in ("push_s", "fold_s", "step_s", "publish_s", "pull_s")},
+        **{k: ex[k] for k in ("push_s", "fold_s", "step_s", "publish_s", "pull_s", "folded_ahead")},
     }
 
 
@@ -344,12 +212,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeat", type=int, default=3, help="measured exchanges per point, after one warm-up (default 3)")
     parser.add_argument("--wan", metavar="RATE:DELAY", help="each island behind an emulated WAN link of its own, e.g. 1gbit:25ms "
                         "(islands.sim.wan; the bare transfer too); default: plain loopback")
+    parser.add_argument("--stagger", type=float, default=0.0, metavar="SECONDS",
+                        help="island k starts pushing k x SECONDS after the first, as islands that finish their inner steps at "
+                        "different times; measures the close after the last push (what folding ahead takes off it) instead "
+                        "of comparing with the bare transfer")
     parser.add_argument("--json", metavar="PATH", help="also write every figure here")
-    parser.add_argument("--bare-server", metavar="PORT_FILE", nargs="?", const="", help=argparse.SUPPRESS)
-    parser.add_argument("--port-file", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    if args.bare_server is not None:
-        return bare_server(args.port_file)
     sizes = args.sizes.split(",")
     if bad := [s for s in sizes if s not in SIZES]:
         fail(PROG, f"--sizes: unknown size {bad[0]!r}; choose from {', '.join(SIZES)}")
@@ -359,6 +227,8 @@ def main(argv: list[str] | None = None) -> None:
         fail(PROG, f"--islands: expected numbers such as 1,2,4,8, got {args.islands!r}")
     if any(n < 1 for n in counts) or args.repeat < 1:
         fail(PROG, "--islands and --repeat must be at least 1")
+    if not 0 <= args.stagger <= 600:
+        fail(PROG, f"--stagger must be between 0 and 600 seconds, got {args.stagger:g}")
     link = None
     if args.wan:
         try:
@@ -371,18 +241,29 @@ def main(argv: list[str] | None = None) -> None:
             uplink_codec(load_config(None, [f"wire.codec={c}"]).wire)
         except Exception as e:  # ConfigError or ValueError, with the codecs there are
             fail(PROG, f"--codecs: {e}")
-    print(f"{PROG}: one exchange vs a bare gRPC transfer of the same bytes; {os.cpu_count()} cores, "
-          f"{'each island on an emulated link ' + str(link) if link else 'loopback'}, "
-          f"median of {args.repeat} after a warm-up", flush=True)
-    print("| parameters | codec | islands | exchange | gRPC, same messages | ratio | gRPC, raw bytes | per island up / down "
-          "| coordinator peak RSS (model fp32) | push, fold, step, publish, pull |")
-    print("|---|---|---|---|---|---|---|---|---|---|", flush=True)
+    where = f"{'each island on an emulated link ' + str(link) if link else 'loopback'}, median of {args.repeat} after a warm-up"
+    if args.stagger:
+        print(f"{PROG}: islands pushing {args.stagger:g} s apart; {os.cpu_count()} cores, {where}", flush=True)
+        print("| parameters | codec | islands | last push's end to every island holding the result | fold at the close "
+              "| contributions folded ahead | step, publish |")
+        print("|---|---|---|---|---|---|---|", flush=True)
+    else:
+        print(f"{PROG}: one exchange vs a bare gRPC transfer of the same bytes; {os.cpu_count()} cores, {where}", flush=True)
+        print("| parameters | codec | islands | exchange | gRPC, same messages | ratio | gRPC, raw bytes | per island up / down "
+              "| coordinator peak RSS (model fp32) | push, fold, step, publish, pull |")
+        print("|---|---|---|---|---|---|---|---|---|---|", flush=True)
     rows = []
     for size in sizes:
         for codec in codecs:
             for n in counts:
-                r = one(size, codec, n, args.repeat, link)
+                r = one(size, codec, n, args.repeat, link, args.stagger)
                 rows.append(r)
+                if args.stagger:
+                    print(f"| {r['parameters'] / 1e6:.1f}M | {codec} | {n} | {r['tail_s']:.3f} s | {r['fold_s']:.3f} s | "
+                          f"{r['folded_ahead']:g} of {n} | {r['step_s']:.3f}, {r['publish_s']:.3f} s |", flush=True)
+                    if args.json:
+                        Path(args.json).write_text(json.dumps(rows, indent=1))
+                    continue
                 print(f"| {r['parameters'] / 1e6:.1f}M | {codec} | {n} | {r['exchange_s']:.3f} s | {r['bare_s']:.3f} s | "
                       f"{r['ratio']:.2f}x | {r['raw_s']:.3f} s | {r['bytes_up_per_island'] / 1e6:.1f} / {r['bytes_down_per_island'] / 1e6:.1f} MB | "
                       f"{r['coordinator_peak_rss'] / 2**20:.0f} MiB ({r['model_fp32_bytes'] / 2**20:.0f} MiB) | "
