@@ -25,6 +25,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+
 from diloco.refusal import Reason, Refused
 from diloco.wire import payload_digest
 
@@ -138,9 +140,11 @@ class Spool:
                 return False
             self._blocks.append((block, 0))
             used = 0
-        view = memoryview(block)
-        view[used : used + len(head)] = head
-        view[used + len(head) : used + size] = payload
+        # numpy copies without the GIL (a memoryview assignment holds it): many islands' streams spool at once.
+        target = np.frombuffer(block, np.uint8)
+        target[used : used + len(head)] = np.frombuffer(head, np.uint8)
+        if len(payload):
+            np.copyto(target[used + len(head) : used + size], np.frombuffer(payload, np.uint8))
         self._blocks[-1] = (block, used + size)
         return True
 
