@@ -11,8 +11,8 @@ connection, running the islands' own exchange code (`islands.exchange.push`
 and `pull`, with the real codec). They share one pseudo-gradient (memory) but
 each encodes, sends, receives, decodes and verifies its own copy.
 
-The bare transfer: a gRPC server in a process of its own that only counts what
-it is sent and streams back pre-built payloads; the same N client threads push
+The bare transfer (benchmarks/transfer.py): a gRPC server in a process of its
+own that only counts what it is sent and streams back pre-built payloads; the same N client threads push
 exactly the serialized chunk messages the exchange sends, wait for each other
 (as a pull waits for the round to close), and receive messages of the sizes
 the coordinator sends. Nothing is encoded, decoded, stored or summed.
@@ -22,7 +22,14 @@ emulated link of its own; each figure is the median of --repeat exchanges
 after one warm-up. Peak memory is the coordinator's VmHWM. README: "What a
 round costs".
 
+With --stagger S island k starts pushing k x S seconds after the first, as
+islands that finish their inner steps at different times do; what is measured
+then is the close: from the last push's end until every island holds the
+result, and how many contributions the coordinator folded while the round was
+still open (coordinator/fold.py FoldAhead).
+
     python benchmarks/exchange.py --sizes 1m,25m,125m,350m --islands 1,2,4,8 --codecs fp32,int8,e3m0
+    python benchmarks/exchange.py --sizes 125m --islands 4 --codecs fp32,e3m0 --stagger 2
 """
 
 from __future__ import annotations
