@@ -7,11 +7,15 @@ fragment never holds another back. What fragments share reaches them through
 FragmentContext, a narrow seam (the condition variable, the clock, membership);
 a fragment never sees the coordinator's state.
 
-OPEN: pushes are spooled until an island's contribution is whole. close():
+OPEN: pushes are spooled until an island's contribution is whole; between its
+close checks the driver folds the complete ones that come first in canonical
+order (fold_ahead, coordinator/fold.py FoldAhead). close():
 CLOSING once every live island (not on probation) contributed or was dropped, max_islands did,
 or the deadline passed with min_islands. apply(): folds the contributions in
 canonical island order (the aggregate does not depend on arrival order), takes
 the outer step, publishes, opens the next round; FINISHED after the last.
+The close keeps what was folded ahead only when its contributions start with
+exactly those, so the result is the same whenever folding happened.
 
 Late contributions (rounds.late_rounds = k > 0): a push up to k rounds after its
 round closed (or a contribution still incomplete at the close) is kept in
