@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -42,8 +43,9 @@ class SharedStream:
 
 
 class Publication:
-    def __init__(self, outer_params: Mapping[str, torch.Tensor], codec: Codec, chunk_bytes: int):
+    def __init__(self, outer_params: Mapping[str, torch.Tensor], codec: Codec, chunk_bytes: int, workers: int = 0):
         self.outer_params = outer_params
+        self.workers = workers or torch.get_num_threads()  # threads a lossy publication runs on
         self.codec = codec
         self.chunk_bytes = chunk_bytes
         self.lossless = codec.name == "fp32"
@@ -80,16 +82,23 @@ class Publication:
         if self.lossless:
             self.delta_chunks, self.delta_base = [], ""
         else:
-            chunks = []
-            for name, outer in self.outer_params.items():
-                published, outer = self.params[name].view(-1), outer.view(-1)
-                # Chunk by chunk, so each piece is subtracted, encoded, decoded and added while it is in cache.
-                for lo, hi in chunk_spans(outer.numel(), self.codec, self.chunk_bytes):
-                    payload = self.codec.encode(outer[lo:hi] - published[lo:hi])
-                    published[lo:hi].add_(self.codec.decode(payload, hi - lo))
-                    chunks.append(make_chunk(name, lo, hi - lo, payload))
+            spans = [(name, lo, hi) for name, outer in self.outer_params.items()
+                     for lo, hi in chunk_spans(outer.numel(), self.codec, self.chunk_bytes)]
+            # Chunks are independent and the codecs' kernels release the GIL: the islands wait for this, so it takes
+            # every core (each chunk's bytes are the same whichever thread makes it).
+            with ThreadPoolExecutor(self.workers) as pool:
+                chunks = list(pool.map(self._publish_chunk, spans, chunksize=8))
             self.delta_chunks, self.delta_base = chunks, self.checksum
         self.checksum = checksum(self.params)
+
+    @torch.no_grad()
+    def _publish_chunk(self, span: tuple[str, int, int]) -> pb.TensorChunk:
+        """One chunk of a lossy update, subtracted, encoded, decoded and added while it is in cache."""
+        name, lo, hi = span
+        published, outer = self.params[name].view(-1)[lo:hi], self.outer_params[name].view(-1)[lo:hi]
+        payload = self.codec.encode(outer - published)
+        published.add_(self.codec.decode(payload, hi - lo))
+        return make_chunk(name, lo, hi - lo, payload)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         return {} if self.lossless else {n: t.clone() for n, t in self.params.items()}
