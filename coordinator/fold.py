@@ -22,10 +22,11 @@ from __future__ import annotations
 
 import logging
 import math
+from concurrent.futures import Executor, wait
 
 from coordinator.membership import canonical_order
 from coordinator.records import Contribution, fold_key
-from coordinator.spool import SpoolCorrupt
+from coordinator.spool import SpoolCorrupt, SpooledChunk
 from diloco.codec import Codec
 from diloco.outer import PseudoGradientAccumulator
 from diloco.robust import NormGuard, Verdict
@@ -40,9 +41,10 @@ def judge(guard: NormGuard, contributions: list[tuple[str, Contribution]], label
 
 
 def fold(accumulator: PseudoGradientAccumulator, codec: Codec, contributions: list[tuple[str, Contribution]],
-         verdict: Verdict, numel: int, split_late: bool = False) -> int:
+         verdict: Verdict, numel: int, split_late: bool = False, pool: Executor | None = None) -> int:
     """Folds the kept contributions in the given (canonical) order; returns the elements folded. split_late: late
-    contributions go to the accumulator's late part (PseudoGradientAccumulator.parts())."""
+    contributions go to the accumulator's late part (PseudoGradientAccumulator.parts()). pool: threads that decode
+    and add a contribution's chunks at once (each element still gets the contributions in canonical order)."""
     folded = 0
     for island, contribution in contributions:
         late = split_late and contribution.staleness > 0
@@ -51,7 +53,7 @@ def fold(accumulator: PseudoGradientAccumulator, codec: Codec, contributions: li
             for spool in contribution.spools:
                 spool.discard()
             continue
-        _fold_one(accumulator, codec, contribution, factor, numel, late)
+        _fold_one(accumulator, codec, contribution, factor, numel, late, pool)
         for spool in contribution.spools:
             spool.discard()
         folded += numel
@@ -61,16 +63,29 @@ def fold(accumulator: PseudoGradientAccumulator, codec: Codec, contributions: li
 
 
 def _fold_one(accumulator: PseudoGradientAccumulator, codec: Codec, contribution: Contribution, factor: float, numel: int,
-              late: bool) -> None:
+              late: bool, pool: Executor | None = None) -> None:
     # Token-weighted; a late contribution's weight carries its staleness discount (coordinator/records.py).
     scale = accumulator.scale_for(contribution.weight) * factor
-    elements = 0
-    for k, spool in enumerate(contribution.spools):
-        # Each push stream in the codec it came in (compression per link), else the run's.
-        decoder = contribution.codecs[k] if k < len(contribution.codecs) else codec
-        for chunk in spool.read():  # verified on arrival; the spool checks its own digests
-            accumulator.add_chunk(chunk.name, chunk.offset, decoder.decode_view(chunk.payload, chunk.numel), scale, late)
-            elements += chunk.numel
+    accumulator.part(late)  # allocated here, not by one of the threads
+    elements, pending = 0, []
+
+    def add(chunk: SpooledChunk, decoder: Codec) -> None:
+        accumulator.add_chunk(chunk.name, chunk.offset, decoder.decode_view(chunk.payload, chunk.numel), scale, late)
+
+    try:
+        for k, spool in enumerate(contribution.spools):
+            # Each push stream in the codec it came in (compression per link), else the run's.
+            decoder = contribution.codecs[k] if k < len(contribution.codecs) else codec
+            for chunk in spool.read():  # verified on arrival; the spool checks its own digests
+                if pool is not None and chunk.stable:  # the codecs' kernels and torch's add release the GIL
+                    pending.append(pool.submit(add, chunk, decoder))
+                else:  # read from disk into a buffer the next chunk reuses
+                    add(chunk, decoder)
+                elements += chunk.numel
+    finally:
+        wait(pending)  # every chunk of this contribution is in before the next contribution's
+    for done in pending:
+        done.result()
     # Coverage proved exactly-once already; this is the invariant the summary reports.
     assert elements == numel, (elements, numel)
     accumulator.commit(contribution.weight, late)
@@ -102,10 +117,10 @@ class FoldAhead:
         return island, contribution
 
     def fold(self, accumulator: PseudoGradientAccumulator, codec: Codec, island: str, contribution: Contribution,
-             numel: int) -> None:
+             numel: int, pool: Executor | None = None) -> None:
         """Folds one contribution as fold() would (factor 1, on time); its spools stay for a close that starts over."""
         try:
-            _fold_one(accumulator, codec, contribution, 1.0, numel, False)
+            _fold_one(accumulator, codec, contribution, 1.0, numel, False, pool)
         except (OSError, SpoolCorrupt) as e:  # dropped meanwhile (spool gone), or the disk: the close decides
             log.warning("folding %s ahead of the close failed (%s); the close folds the round from the spools", island, e)
             self.broken = True

@@ -34,6 +34,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import Executor
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -74,6 +75,7 @@ class FragmentContext:
     ledger: DataLedger | None = None  # token corpus: who trains on which samples
     codecs: dict[str, Codec] | None = None  # what islands may push with, by name (wire.link_codecs; None: the run's codec)
     links: LinkAdvisor | None = None  # compression per link: throughput measured, codecs advised (coordinator/links.py)
+    fold_pool: Executor | None = None  # threads a fold decodes and adds a contribution's chunks on (None: the driver's)
 
 
 class FragmentRounds(PushIntake):
@@ -230,7 +232,7 @@ class FragmentRounds(PushIntake):
             nxt = self.ahead.next(self.contributions, self.members.waited_for())
         if nxt is None:
             return False
-        self.ahead.fold(self.accumulator, self.codec, *nxt, self.manifest.total_numel())
+        self.ahead.fold(self.accumulator, self.codec, *nxt, self.manifest.total_numel(), self.ctx.fold_pool)
         return True
 
     def apply(self, closing: Closing) -> pb.RoundSummary:
@@ -247,7 +249,8 @@ class FragmentRounds(PushIntake):
         for _, contribution in closing.contributions[:ahead]:
             for spool in contribution.spools:
                 spool.discard()
-        folded = fold(self.accumulator, self.codec, closing.contributions[ahead:], verdict, self.manifest.total_numel(), delayed)
+        folded = fold(self.accumulator, self.codec, closing.contributions[ahead:], verdict, self.manifest.total_numel(), delayed,
+                      self.ctx.fold_pool)
         folded += ahead * self.manifest.total_numel()
         summary.fold_s, summary.folded_ahead = time.perf_counter() - started, ahead
         # Step, publication and round change happen under the write lock, so no

@@ -43,7 +43,8 @@ class SpooledChunk:
     name: str
     offset: int
     numel: int
-    payload: memoryview  # valid until the next chunk is read (Spool.read)
+    payload: memoryview  # valid until the next chunk is read (Spool.read), or, when stable, until discard()
+    stable: bool = False  # in a pool block: another thread may decode it while the next ones are read
 
 
 class BlockPool:
@@ -164,7 +165,7 @@ class Spool:
                 i += _RECORD.size
                 name = bytes(view[i : i + name_len]).decode()
                 i += name_len
-                yield SpooledChunk(name, offset, numel, view[i : i + size])
+                yield SpooledChunk(name, offset, numel, view[i : i + size], stable=True)
                 i += size
         if self.path is None:
             return

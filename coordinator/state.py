@@ -18,6 +18,7 @@ import math
 import threading
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -87,6 +88,8 @@ class CoordinatorState:
         ctx = FragmentContext(
             cfg, self.codec, self.cond, clock, spools, self.members,
             run_finished=lambda: self.finished, fragment_of=self._fragment_of, ledger=ledger, codecs=codecs, links=self.links,
+            # Every fragment's folds share the cores (threads start on first use and idle between rounds).
+            fold_pool=ThreadPoolExecutor(max(1, torch.get_num_threads()), thread_name_prefix="fold"),
         )
         self.fragments = [FragmentRounds(ctx, f.index, self.layout.subset(f.index, params)) for f in self.layout]
         # The published parameters of every fragment, in manifest order (the same tensors).

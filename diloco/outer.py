@@ -78,11 +78,17 @@ class PseudoGradientAccumulator:
         ref = self.reference_tokens or tokens
         return tokens / ref if tokens else 0.0
 
-    def add_chunk(self, name: str, offset: int, values: torch.Tensor, scale: float, late: bool = False) -> None:
-        """Adds values x scale at offset; late: into the late part (rounds.late_mode = "delayed_nesterov")."""
+    def part(self, late: bool = False) -> dict[str, torch.Tensor]:
+        """The sums chunks are added to: the on-time part, or the late one (allocated at its first use). Called before
+        chunks are added from several threads, so the late part is allocated once."""
         if late and self.late_sums is None:
             self.late_sums = {n: torch.zeros(shape, dtype=torch.float32) for n, shape in self.shapes.items()}
-        flat = (self.late_sums if late else self.sums)[name].view(-1)
+        return self.late_sums if late else self.sums
+
+    def add_chunk(self, name: str, offset: int, values: torch.Tensor, scale: float, late: bool = False) -> None:
+        """Adds values x scale at offset; late: into the late part (rounds.late_mode = "delayed_nesterov").
+        Chunks at disjoint offsets may be added from several threads at once (after part(late))."""
+        flat = self.part(late)[name].view(-1)
         flat[offset : offset + values.numel()].add_(values, alpha=scale)
 
     def commit(self, tokens: float, late: bool = False) -> None:

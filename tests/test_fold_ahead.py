@@ -39,7 +39,8 @@ def _run(tmp_path, order, step_between: bool, codec: str = "fp32", scale: dict[s
         assert closed is not None and closed.summary.tokens == sum(TOKENS.values())
         assert closed.summary.elements_folded == closed.summary.elements_expected
         ahead.append(closed.summary.folded_ahead)
-    return {n: t.clone() for n, t in state.params.items()}, state.checksum, ahead
+    blocks = state.fragments[0].ctx.spools.pool.allocated
+    return {n: t.clone() for n, t in state.params.items()}, state.checksum, ahead, blocks
 
 
 def _expected_ahead(order) -> int:
@@ -111,3 +112,16 @@ def test_an_earlier_island_contributing_after_a_later_one_was_folded_ahead_makes
     reference, result = run(False), run(True)
     assert result[2] == [0]
     _assert_same(result, reference, "an earlier island came back")
+
+
+@pytest.mark.parametrize("codec", ["fp32", "e3m0"])
+def test_a_fold_from_the_memory_pool_on_many_threads_is_the_fold_from_disk(tmp_path, codec):
+    """With the pushes in the spool's memory pool, each contribution's chunks are decoded and added on several threads;
+    every arrival order, folded ahead or at the close, gives the bits of folding from disk on the driver's thread."""
+    reference = _run(tmp_path, tuple(TOKENS), False, codec, None, "limits.spool_memory_models=0")
+    assert reference[3] == 0  # on disk
+    for order in itertools.permutations(TOKENS):
+        for step_between in (False, True):
+            result = _run(tmp_path, order, step_between, codec, None, "limits.spool_memory_models=1000")
+            assert result[3] > 1  # in memory, in more than one block
+            _assert_same(result, reference, f"arrival order {order}, folded ahead: {step_between}")
