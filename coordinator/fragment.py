@@ -75,7 +75,7 @@ class FragmentContext:
     ledger: DataLedger | None = None  # token corpus: who trains on which samples
     codecs: dict[str, Codec] | None = None  # what islands may push with, by name (wire.link_codecs; None: the run's codec)
     links: LinkAdvisor | None = None  # compression per link: throughput measured, codecs advised (coordinator/links.py)
-    fold_pool: Executor | None = None  # threads a fold decodes and adds a contribution's chunks on (None: the driver's)
+    pool: Executor | None = None  # threads a close's folds and lossy publications run on (None: the driver's)
 
 
 class FragmentRounds(PushIntake):
@@ -87,7 +87,7 @@ class FragmentRounds(PushIntake):
         self.label = f"fragment {index} " if cfg.streaming.fragments > 1 else ""
         self.manifest = Manifest.of(params)
         self.outer = OuterOptimizer(params, cfg.outer)
-        self.publication = Publication(params, downlink_codec(cfg.wire), cfg.wire.chunk_bytes)
+        self.publication = Publication(params, downlink_codec(cfg.wire), cfg.wire.chunk_bytes, ctx.pool)
         self.accumulator = PseudoGradientAccumulator(self.manifest.shapes)
         self.ahead = FoldAhead()  # what of the open round is folded already (the driver's thread only)
         self.guard = NormGuard(cfg.robust)
@@ -232,7 +232,7 @@ class FragmentRounds(PushIntake):
             nxt = self.ahead.next(self.contributions, self.members.waited_for())
         if nxt is None:
             return False
-        self.ahead.fold(self.accumulator, self.codec, *nxt, self.manifest.total_numel(), self.ctx.fold_pool)
+        self.ahead.fold(self.accumulator, self.codec, *nxt, self.manifest.total_numel(), self.ctx.pool)
         return True
 
     def apply(self, closing: Closing) -> pb.RoundSummary:
@@ -250,7 +250,7 @@ class FragmentRounds(PushIntake):
             for spool in contribution.spools:
                 spool.discard()
         folded = fold(self.accumulator, self.codec, closing.contributions[ahead:], verdict, self.manifest.total_numel(), delayed,
-                      self.ctx.fold_pool)
+                      self.ctx.pool)
         folded += ahead * self.manifest.total_numel()
         summary.fold_s, summary.folded_ahead = time.perf_counter() - started, ahead
         # Step, publication and round change happen under the write lock, so no

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterator, Mapping
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Executor
 
 import torch
 
@@ -43,9 +43,9 @@ class SharedStream:
 
 
 class Publication:
-    def __init__(self, outer_params: Mapping[str, torch.Tensor], codec: Codec, chunk_bytes: int, workers: int = 0):
+    def __init__(self, outer_params: Mapping[str, torch.Tensor], codec: Codec, chunk_bytes: int, pool: Executor | None = None):
         self.outer_params = outer_params
-        self.workers = workers or torch.get_num_threads()  # threads a lossy publication runs on
+        self.pool = pool  # threads a lossy publication makes its chunks on (None: the caller's)
         self.codec = codec
         self.chunk_bytes = chunk_bytes
         self.lossless = codec.name == "fp32"
@@ -86,8 +86,7 @@ class Publication:
                      for lo, hi in chunk_spans(outer.numel(), self.codec, self.chunk_bytes)]
             # Chunks are independent and the codecs' kernels release the GIL: the islands wait for this, so it takes
             # every core (each chunk's bytes are the same whichever thread makes it).
-            with ThreadPoolExecutor(self.workers) as pool:
-                chunks = list(pool.map(self._publish_chunk, spans, chunksize=8))
+            chunks = list((self.pool.map if self.pool is not None else map)(self._publish_chunk, spans))
             self.delta_chunks, self.delta_base = chunks, self.checksum
         self.checksum = checksum(self.params)
 

@@ -66,6 +66,10 @@ class BlockPool:
             self.allocated += 1
         return bytearray(BLOCK_BYTES)
 
+    @property
+    def free_blocks(self) -> int:
+        return len(self._free)
+
     def give_back(self, blocks: list[bytearray]) -> None:
         with self._lock:
             self._free.extend(blocks)

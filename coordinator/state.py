@@ -88,8 +88,8 @@ class CoordinatorState:
         ctx = FragmentContext(
             cfg, self.codec, self.cond, clock, spools, self.members,
             run_finished=lambda: self.finished, fragment_of=self._fragment_of, ledger=ledger, codecs=codecs, links=self.links,
-            # Every fragment's folds share the cores (threads start on first use and idle between rounds).
-            fold_pool=ThreadPoolExecutor(max(1, torch.get_num_threads()), thread_name_prefix="fold"),
+            # Every fragment's folds and publications share the cores (threads start on first use, idle between rounds).
+            pool=ThreadPoolExecutor(max(1, torch.get_num_threads()), thread_name_prefix="close"),
         )
         self.fragments = [FragmentRounds(ctx, f.index, self.layout.subset(f.index, params)) for f in self.layout]
         # The published parameters of every fragment, in manifest order (the same tensors).

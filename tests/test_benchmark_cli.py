@@ -37,6 +37,7 @@ def test_convergence_refuses_a_bad_codec_spec(spec, message):
         (["--islands", "two"], "--islands: expected numbers such as 1,2,4,8"),
         (["--codecs", "int9"], "--codecs: unknown codec 'int9'"),
         (["--wan", "fast"], "--wan: bad link 'fast'"),
+        (["--stagger", "-1"], "--stagger must be between 0 and 600 seconds, got -1"),
     ],
 )
 def test_exchange_benchmark_refuses_bad_input_in_one_line(args, message):

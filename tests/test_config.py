@@ -36,6 +36,7 @@ def test_toml_round_trip_and_digest():
         ("outer.momentum=1.5", "outer.momentum"),
         ("data.source='s3'", "data.source"),
         ("rounds.min_islands=0", "min_islands"),
+        ("limits.spool_memory_models=-1", "limits.spool_memory_models >= 0"),
         ("nosuchsection.x=1", "unknown key"),
         ("inner", "section.key=value"),
     ],

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
 import pytest
 import torch
 
@@ -16,8 +18,8 @@ def test_a_lossy_publication_on_many_threads_is_bit_for_bit_the_one_on_one(codec
     torch.manual_seed(0)
     shapes = {"embed": (300, 64), "blocks.0.w": (64, 64), "norm": (64,)}
     outer = {n: torch.randn(s) for n, s in shapes.items()}
-    one = Publication(outer, get_codec(codec), 1024, workers=1)
-    many = Publication(outer, get_codec(codec), 1024, workers=4)
+    one = Publication(outer, get_codec(codec), 1024)
+    many = Publication(outer, get_codec(codec), 1024, ThreadPoolExecutor(4))
     for round_ in range(3):
         for t in outer.values():
             t.add_(torch.randn_like(t) * 0.01)

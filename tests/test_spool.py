@@ -83,3 +83,36 @@ def test_what_went_to_disk_is_verified_as_it_is_read_back(tmp_path):
     with pytest.raises(SpoolCorrupt, match="blocks.3.w@3000"):
         _read(spool)
     spool.discard()
+
+
+def test_a_push_cut_off_mid_stream_gives_its_memory_back_and_the_island_pushes_whole_again(tmp_path):
+    """The island vanishes half-way through its push: nothing of it is kept (spool bytes 0, every pool block free
+    again), the round does not close on it, and its push sent again whole is folded as if nothing had happened."""
+    from conftest import random_like
+    from test_rounds import make_state, push
+
+    from diloco.v1 import diloco_pb2 as pb
+    from diloco.wire import tensor_chunks, uplink_codec
+
+    state = make_state(tmp_path, "limits.spool_memory_models=1000", "rounds.deadline_s=1000")
+    a, b = state.join("a").island_id, state.join("b").island_id
+    pg = random_like(state.manifest.shapes, 3)
+    codec = uplink_codec(state.cfg.wire)
+    chunks = list(tensor_chunks(pg, codec, state.cfg.wire.chunk_bytes))
+
+    def cut_off():
+        yield from chunks[: len(chunks) // 2]
+        raise ConnectionResetError("the island's connection dropped")
+
+    header = pb.PushHeader(island_id=b, round=0, tokens=1000, train_loss=2.0, codec=codec.name)
+    spools = state.fragments[0].ctx.spools
+    with pytest.raises(ConnectionResetError):
+        state.receive(header, cut_off())
+    assert spools.used == 0 and spools.pool.allocated >= 1 and spools.pool.free_blocks == spools.pool.allocated
+    push(state, a, random_like(state.manifest.shapes, 1))
+    assert state.step_round(poll_s=0) is None, "the round closed on a push that broke off"
+    assert push(state, b, pg).contribution_complete
+    closed = state.step_round(poll_s=0)
+    assert closed is not None and list(closed.summary.islands) == [a, b]
+    assert closed.summary.elements_folded == closed.summary.elements_expected
+    assert spools.used == 0
