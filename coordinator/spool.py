@@ -6,7 +6,7 @@ chunk's address, its XXH3-64 digest and its payload as received (no protobuf
 round trip: the payload is written once and read once).
 
 Records go first into blocks of memory from a pool all spools share
-(limits.spool_memory_gb), then, once the pool is spent, into the spool's file
+(limits.spool_memory_models), then, once the pool is spent, into the spool's file
 on disk. The pool's blocks are kept once allocated and handed from spool to
 spool, so a round's pushes cost one copy into memory that is already mapped,
 and the fold reads them in place; a write to the page cache and a read back
@@ -31,7 +31,8 @@ from diloco.refusal import Reason, Refused
 from diloco.wire import payload_digest
 
 _RECORD = struct.Struct("<QQQHI")  # offset, numel, XXH3-64 of the payload, name bytes, payload bytes
-BLOCK_BYTES = 8 << 20  # a pool block: more than a chunk's largest record (wire.chunk_bytes <= 3 MiB, names < 64 KiB)
+BLOCK_PAYLOAD = 8 << 20  # a pool block holds about this much payload: a whole number of the largest chunks
+RECORD_SLACK = 256  # a record's bytes beyond its payload: its header and a name of up to 226 bytes
 
 
 class SpoolCorrupt(OSError):
@@ -48,40 +49,54 @@ class SpooledChunk:
 
 
 class BlockPool:
-    """Blocks of memory for spools: allocated up to max_bytes on demand, then reused."""
+    """Blocks of memory for spools, reused once allocated: a spool takes a new block while the records in the pool's
+    blocks come to less than max_bytes, so the pool holds max_bytes of records plus what fills the blocks they are in.
 
-    def __init__(self, max_bytes: int):
-        self.max_blocks = max_bytes // BLOCK_BYTES
+    A block holds a whole number of records of the largest chunks (wire.chunk_bytes) with their headers; the
+    bound counts records, not blocks, so a block a short record left part empty costs no room for the rest of
+    a push (8 MiB blocks counted whole held seven 1 MiB records, and an eighth of a model's push went to disk).
+    """
+
+    def __init__(self, max_bytes: int, chunk_bytes: int = 1 << 20):
+        self.max_bytes = max_bytes
+        self.block_bytes = max(1, BLOCK_PAYLOAD // chunk_bytes) * (chunk_bytes + RECORD_SLACK)
         self.allocated = 0
+        self.stored = 0  # bytes of records in the blocks spools hold
         self._free: list[bytearray] = []
         self._lock = threading.Lock()
 
     def take(self) -> bytearray | None:
-        """A free block, or None when the pool is spent."""
+        """A block, or None when the pool is spent."""
         with self._lock:
+            if self.stored >= self.max_bytes:
+                return None
             if self._free:
                 return self._free.pop()
-            if self.allocated >= self.max_blocks:
-                return None
             self.allocated += 1
-        return bytearray(BLOCK_BYTES)
+        return bytearray(self.block_bytes)
+
+    def store(self, n: int) -> None:
+        with self._lock:
+            self.stored += n
 
     @property
     def free_blocks(self) -> int:
         return len(self._free)
 
-    def give_back(self, blocks: list[bytearray]) -> None:
+    def give_back(self, blocks: list[tuple[bytearray, int]]) -> None:
+        """Blocks and the bytes of records each held."""
         with self._lock:
-            self._free.extend(blocks)
+            self._free.extend(block for block, _ in blocks)
+            self.stored -= sum(used for _, used in blocks)
 
 
 class Spools:
-    """Where pushes spool, and the bytes they may take there, all islands together: memory (limits.spool_memory_gb)
-    first, then disk, at most limits.spool_gb in all."""
+    """Where pushes spool, and the bytes they may take there, all islands together: memory (memory_bytes of payload,
+    limits.spool_memory_models) first, then disk, at most limits.spool_gb in all."""
 
-    def __init__(self, directory: Path, max_bytes: int, memory_bytes: int = 0):
+    def __init__(self, directory: Path, max_bytes: int, memory_bytes: int = 0, chunk_bytes: int = 1 << 20):
         self.directory, self.max_bytes = directory, max_bytes
-        self.pool = BlockPool(memory_bytes)
+        self.pool = BlockPool(memory_bytes, chunk_bytes)
         self.used = 0
         self._lock = threading.Lock()
 
@@ -137,9 +152,10 @@ class Spool:
         """Appends the record to this spool's last block, or to a new one from the pool; False once on disk."""
         if self._file is not None or self.spools is None:
             return False
-        block, used = self._blocks[-1] if self._blocks else (None, BLOCK_BYTES)
-        if used + size > BLOCK_BYTES:
-            block = self.spools.pool.take() if size <= BLOCK_BYTES else None
+        pool = self.spools.pool
+        block, used = self._blocks[-1] if self._blocks else (None, pool.block_bytes)
+        if used + size > pool.block_bytes:
+            block = pool.take() if size <= pool.block_bytes else None
             if block is None:  # the pool is spent: this record and the rest of the stream go to disk, in order
                 self._open_file()
                 return False
@@ -151,6 +167,7 @@ class Spool:
         if len(payload):
             np.copyto(target[used + len(head) : used + size], np.frombuffer(payload, np.uint8))
         self._blocks[-1] = (block, used + size)
+        pool.store(size)
         return True
 
     def close(self) -> None:
@@ -190,6 +207,6 @@ class Spool:
         if self.path is not None:
             self.path.unlink(missing_ok=True)
         if self.spools is not None:
-            self.spools.pool.give_back([block for block, _ in self._blocks])
+            self.spools.pool.give_back(self._blocks)
             self.spools.release(self.bytes)
         self._blocks, self.bytes = [], 0

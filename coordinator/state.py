@@ -84,7 +84,8 @@ class CoordinatorState:
         advised = list(codecs.values())[:len(cfg.wire.link_codecs)]
         self.links = LinkAdvisor(advised, cfg.wire.link_fraction) if advised else None
         # Pushes wait in memory up to limits.spool_memory_models fp32 models, then on disk (coordinator/spool.py).
-        spools = Spools(spool_dir, int(cfg.limits.spool_gb * 1e9), int(4 * self.manifest.total_numel() * cfg.limits.spool_memory_models))
+        spools = Spools(spool_dir, int(cfg.limits.spool_gb * 1e9), int(4 * self.manifest.total_numel() * cfg.limits.spool_memory_models),
+                        cfg.wire.chunk_bytes)
         ctx = FragmentContext(
             cfg, self.codec, self.cond, clock, spools, self.members,
             run_finished=lambda: self.finished, fragment_of=self._fragment_of, ledger=ledger, codecs=codecs, links=self.links,

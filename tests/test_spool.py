@@ -7,7 +7,7 @@ import random
 import pytest
 
 from coordinator.records import Refused
-from coordinator.spool import BLOCK_BYTES, SpoolCorrupt, Spools
+from coordinator.spool import BLOCK_PAYLOAD, SpoolCorrupt, Spools
 from diloco.refusal import Reason
 from diloco.wire import payload_digest
 
@@ -27,27 +27,52 @@ def _read(spool) -> list[tuple[str, int, int, bytes]]:
 
 
 def test_pushes_fill_the_memory_pool_then_go_to_disk_and_read_back_in_order(tmp_path):
-    spools = Spools(tmp_path, max_bytes=1 << 30, memory_bytes=2 * BLOCK_BYTES)
-    records = _records(0, 12, 3 << 20)  # two records a block: 4 in memory, 8 on disk
+    spools = Spools(tmp_path, max_bytes=1 << 30, memory_bytes=2 * BLOCK_PAYLOAD)
+    records = _records(0, 12, 3 << 20)  # two records a block; the pool holds 16 MiB of records: 6 in memory, 6 on disk
     first, second = spools.open(1 << 40), spools.open(1 << 40)
-    _write(first, records[:5])
-    assert first.path is not None and spools.pool.allocated == 2  # the fifth record did not fit: the file began
-    _write(first, records[5:8])
+    _write(first, records[:7])
+    assert first.path is not None and spools.pool.allocated == 3  # the seventh found the pool spent: the file began
+    _write(first, records[7:8])
     _write(second, records[8:])  # the pool is spent: all on disk
     assert _read(first) == records[:8] and _read(second) == records[8:]
     assert spools.used == sum(s.bytes for s in (first, second)) > 12 * (3 << 20)
     first.discard(), second.discard()
-    assert spools.used == 0 and not first.path.exists() and not second.path.exists()
+    assert spools.used == 0 and spools.pool.stored == 0 and not first.path.exists() and not second.path.exists()
     # The blocks are reused, not allocated again: the next spool is in memory alone.
     third = spools.open(1 << 40)
-    _write(third, records[:4])
-    assert third.path is None and spools.pool.allocated == 2
-    assert _read(third) == records[:4]
+    _write(third, records[:6])
+    assert third.path is None and spools.pool.allocated == 3
+    assert _read(third) == records[:6]
     third.discard()
+    assert spools.pool.stored == 0 and spools.pool.free_blocks == 3
+
+
+def test_a_pool_of_one_models_bytes_holds_a_whole_push_of_that_model_in_full_size_chunks(tmp_path):
+    """Blocks fit a whole number of the largest records with their headers: before, 8 MiB blocks held seven 1 MiB
+    records and an eighth of every model-sized push went to disk."""
+    from diloco.codec import get_codec
+    from diloco.wire import chunk_spans
+
+    chunk_bytes, fp32 = 1 << 20, get_codec("fp32")
+    shapes = {f"blocks.{k}.mlp.w_down.weight": 3 * (1 << 18) + 7 * k for k in range(11)} | {"norm.weight": 768}
+    spools = Spools(tmp_path, max_bytes=1 << 30, memory_bytes=4 * sum(shapes.values()), chunk_bytes=chunk_bytes)
+    spool = spools.open(sum(shapes.values()))
+    records = [(name, lo, hi - lo, bytes(4 * (hi - lo))) for name, numel in shapes.items()
+               for lo, hi in chunk_spans(numel, fp32, chunk_bytes)]
+    _write(spool, records)
+    assert spool.path is None, "part of the push went to disk"
+    assert _read(spool) == records and spools.pool.stored == spool.bytes
+    blocks = -(-spool.bytes // spools.pool.block_bytes)
+    spool.discard()
+    assert spools.pool.stored == 0 and spools.pool.allocated in (blocks, blocks + 1)
+    for chunk_bytes in (1 << 10, 1 << 20, 3 << 20):  # every size the config takes: a block holds a whole number of records
+        pool = Spools(tmp_path, 1 << 30, 64 << 20, chunk_bytes).pool
+        assert pool.block_bytes // (chunk_bytes + 64) * chunk_bytes >= min(BLOCK_PAYLOAD, chunk_bytes)
+        assert chunk_bytes != 1 << 20 or pool.block_bytes <= 1.001 * BLOCK_PAYLOAD  # the default: 8 records, 2 KiB over
 
 
 def test_a_spool_in_memory_holds_records_of_every_size_and_refuses_what_its_fragment_cannot_hold(tmp_path):
-    spools = Spools(tmp_path, max_bytes=1 << 30, memory_bytes=4 * BLOCK_BYTES)
+    spools = Spools(tmp_path, max_bytes=1 << 30, memory_bytes=4 * BLOCK_PAYLOAD)
     rng = random.Random(1)
     records = [(rng.choice(["a", "é" * 40, "embed.weight"]), rng.randrange(1 << 40), rng.randrange(1, 1 << 20), rng.randbytes(size))
                for size in (0, 1, 4, 4097, 1 << 20, (3 << 20) + 5, 17, 0)]
@@ -61,7 +86,7 @@ def test_a_spool_in_memory_holds_records_of_every_size_and_refuses_what_its_frag
 
 
 def test_the_spool_bound_counts_memory_and_disk_together(tmp_path):
-    spools = Spools(tmp_path, max_bytes=3 * (1 << 20), memory_bytes=BLOCK_BYTES)
+    spools = Spools(tmp_path, max_bytes=3 * (1 << 20), memory_bytes=BLOCK_PAYLOAD)
     spool = spools.open(1 << 40)
     _write(spool, _records(2, 2, 1 << 20))  # in memory
     with pytest.raises(Refused) as err:
@@ -72,15 +97,15 @@ def test_the_spool_bound_counts_memory_and_disk_together(tmp_path):
 
 
 def test_what_went_to_disk_is_verified_as_it_is_read_back(tmp_path):
-    spools = Spools(tmp_path, max_bytes=1 << 30, memory_bytes=BLOCK_BYTES)
-    records = _records(4, 4, 3 << 20)  # two in memory, two on disk
+    spools = Spools(tmp_path, max_bytes=1 << 30, memory_bytes=BLOCK_PAYLOAD)
+    records = _records(4, 5, 3 << 20)  # four in memory (two blocks: the first held less than 8 MiB), one on disk
     spool = spools.open(1 << 40)
     _write(spool, records)
     spool.close()
     data = bytearray(spool.path.read_bytes())
     data[-1] ^= 0xFF
     spool.path.write_bytes(bytes(data))
-    with pytest.raises(SpoolCorrupt, match="blocks.3.w@3000"):
+    with pytest.raises(SpoolCorrupt, match="blocks.4.w@4000"):
         _read(spool)
     spool.discard()
 
