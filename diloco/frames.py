@@ -97,6 +97,14 @@ def serialized(message: object) -> bytes:
     return message if isinstance(message, bytes) else message.SerializeToString()
 
 
+def fp32_payload(piece: torch.Tensor) -> bytes | memoryview:
+    """A flat fp32 CPU tensor's payload in the fp32 codec: on a little-endian host, a view of its own memory (framing
+    copies it once; Fp32Codec.encode would copy it once more)."""
+    if _LITTLE_ENDIAN and piece.dtype == torch.float32 and piece.device.type == "cpu" and piece.is_contiguous():
+        return memoryview(piece.detach().numpy()).cast("B")
+    return get_codec("fp32").encode(piece)
+
+
 def serialized_values(tensors: Mapping[str, torch.Tensor], chunk_bytes: int) -> Iterator[bytes]:
     """The bytes of ResultMessage(chunk=...) for the fp32 values of tensors, chunked as tensor_chunks(fp32) chunks
     them, with one copy of the values."""
@@ -106,8 +114,7 @@ def serialized_values(tensors: Mapping[str, torch.Tensor], chunk_bytes: int) -> 
         encoded = name.encode()
         for start, end in chunk_spans(flat.numel(), fp32, chunk_bytes):
             piece = flat[start:end]
-            payload = memoryview(piece.numpy()).cast("B") if _LITTLE_ENDIAN else fp32.encode(piece)
-            yield frame_chunk(2, chunk_of(name, start, piece.numel(), payload), encoded)  # ResultMessage field 2: chunk
+            yield frame_chunk(2, chunk_of(name, start, piece.numel(), fp32_payload(piece)), encoded)  # ResultMessage field 2: chunk
 
 
 @dataclass(frozen=True, slots=True)

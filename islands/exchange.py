@@ -30,7 +30,7 @@ import torch
 
 from diloco.codec import Codec
 from diloco.feedback import ErrorFeedback
-from diloco.frames import Chunk, chunk_of
+from diloco.frames import Chunk, chunk_of, fp32_payload
 from diloco.v1 import diloco_pb2 as pb
 from diloco.wire import FlatRange, Manifest, chunk_spans
 from islands.client import CoordinatorClient, MeanBuffer, RegeneratingChunks
@@ -150,6 +150,8 @@ def pg_chunks(shard: FragmentShard, ex: Exchange, wire: Wire, start: int = 0) ->
                         piece = shard.flat_global(r.name)[lo:hi] - shard.local[r.name][lo:hi].to("cpu", torch.float32)
                     if wire.feedback is not None:
                         payload = wire.feedback.encode(r.name, lo, piece, codec)
+                    elif codec.name == "fp32":  # the piece's own bytes: the framing copies them once
+                        payload = fp32_payload(piece)
                     else:
                         payload = codec.encode(piece)
                 yield chunk_of(r.name, r.offset + lo, hi - lo, payload)
