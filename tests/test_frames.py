@@ -10,7 +10,7 @@ import torch
 from google.protobuf.message import DecodeError
 
 from diloco.codec import get_codec
-from diloco.frames import ChunkView, chunk_of, frame_chunk, parse_chunk_message, push_frames, serialized_values
+from diloco.frames import ChunkView, chunk_of, fp32_payload, frame_chunk, parse_chunk_message, push_frames, serialized_values
 from diloco.v1 import diloco_pb2 as pb
 from diloco.wire import make_chunk, push_messages, tensor_chunks
 
@@ -133,3 +133,16 @@ def test_only_the_chunk_fields_asked_for_are_views():
     assert parse_chunk_message(end, (2,)) is None
     mean = pb.ResultMessage(mean_chunk=chunk).SerializeToString()
     assert parse_chunk_message(mean, (2, 3)).field == 3 and parse_chunk_message(mean, (2,)) is None
+
+
+def test_an_fp32_payload_framed_from_the_tensors_memory_is_the_fp32_codecs_bytes():
+    """islands/exchange.py pg_chunks frames an fp32 push from the pseudo-gradient's own memory: the same bytes as the
+    codec's encoding, for views, strided pieces, other dtypes and empty pieces alike."""
+    fp32, base = get_codec("fp32"), torch.randn(64, 33)
+    pieces = [base.view(-1)[5:900], base[:, 3], base.to(torch.bfloat16).view(-1)[:100], base.view(-1)[:0], -base.view(-1)]
+    for piece in pieces:
+        ours, codec = fp32_payload(piece), fp32.encode(piece)
+        assert bytes(ours) == codec
+        assert frame_chunk(2, chunk_of("w", 7, piece.numel(), ours)) == frame_chunk(2, chunk_of("w", 7, piece.numel(), codec))
+    view = fp32_payload(base.view(-1)[10:20])
+    assert isinstance(view, memoryview) and view.nbytes == 40  # no copy where none is needed
