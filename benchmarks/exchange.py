@@ -58,7 +58,7 @@ from diloco.wire import FlatRange, Manifest, downlink_codec, tensor_chunks, upli
 from islands.client import CoordinatorClient  # noqa: E402
 from islands.exchange import Exchange, FragmentShard, Wire, pg_chunks, pull, push  # noqa: E402
 from islands.sim.wan import LinkSpec, WanSpecError, parse_link  # noqa: E402
-from benchmarks.transfer import addresses, measure_bare, peak_rss, spawn, stop, timed  # noqa: E402
+from benchmarks.transfer import addresses, measure_bare, peak_rss, release_memory, spawn, stop, timed  # noqa: E402
 
 PROG = "exchange"
 # name -> (vocab_size, d_model, n_layers, d_ff); parameters counted from the model the coordinator builds
@@ -264,6 +264,7 @@ def main(argv: list[str] | None = None) -> None:
         for codec in codecs:
             for n in counts:
                 r = one(size, codec, n, args.repeat, link, args.stagger)
+                release_memory()  # the next point's islands start from what this one freed
                 rows.append(r)
                 if args.stagger:
                     print(f"| {r['parameters'] / 1e6:.1f}M | {codec} | {n} | {r['tail_s']:.3f} s | {r['fold_s']:.3f} s | "

@@ -49,17 +49,17 @@ class SpooledChunk:
 
 
 class BlockPool:
-    """Blocks of memory for spools, reused once allocated: a spool takes a new block while the records in the pool's
-    blocks come to less than max_bytes, so the pool holds max_bytes of records plus what fills the blocks they are in.
+    """Blocks of memory for spools, reused once allocated: as many as max_bytes of payload in full-size chunks needs
+    (at least one when max_bytes > 0), so the pool's memory is bounded whatever the number of islands.
 
-    A block holds a whole number of records of the largest chunks (wire.chunk_bytes) with their headers; the
-    bound counts records, not blocks, so a block a short record left part empty costs no room for the rest of
-    a push (8 MiB blocks counted whole held seven 1 MiB records, and an eighth of a model's push went to disk).
+    A block holds a whole number of records of the largest chunks (wire.chunk_bytes) with their headers: 8 MiB
+    blocks held only seven 1 MiB records, and an eighth of a model's push went to disk.
     """
 
     def __init__(self, max_bytes: int, chunk_bytes: int = 1 << 20):
-        self.max_bytes = max_bytes
-        self.block_bytes = max(1, BLOCK_PAYLOAD // chunk_bytes) * (chunk_bytes + RECORD_SLACK)
+        per_block = max(1, BLOCK_PAYLOAD // chunk_bytes)
+        self.block_bytes = per_block * (chunk_bytes + RECORD_SLACK)
+        self.max_blocks = -(-max_bytes // (per_block * chunk_bytes))
         self.allocated = 0
         self.stored = 0  # bytes of records in the blocks spools hold
         self._free: list[bytearray] = []
@@ -68,10 +68,10 @@ class BlockPool:
     def take(self) -> bytearray | None:
         """A block, or None when the pool is spent."""
         with self._lock:
-            if self.stored >= self.max_bytes:
-                return None
             if self._free:
                 return self._free.pop()
+            if self.allocated >= self.max_blocks:
+                return None
             self.allocated += 1
         return bytearray(self.block_bytes)
 
