@@ -70,7 +70,7 @@ def _fold_one(accumulator: PseudoGradientAccumulator, codec: Codec, contribution
     elements, pending = 0, []
 
     def add(chunk: SpooledChunk, decoder: Codec) -> None:
-        accumulator.add_chunk(chunk.name, chunk.offset, decoder.decode_view(chunk.payload, chunk.numel), scale, late)
+        accumulator.add_encoded(chunk.name, chunk.offset, chunk.numel, chunk.payload, decoder, scale, late)
 
     try:
         for k, spool in enumerate(contribution.spools):

@@ -96,7 +96,7 @@ class Publication:
         name, lo, hi = span
         published, outer = self.params[name].view(-1)[lo:hi], self.outer_params[name].view(-1)[lo:hi]
         payload = self.codec.encode(outer - published)
-        published.add_(self.codec.decode(payload, hi - lo))
+        self.codec.decode_add(payload, published)  # what every island adds, bit for bit, with no decoded copy
         return make_chunk(name, lo, hi - lo, payload)
 
     def state_dict(self) -> dict[str, torch.Tensor]:

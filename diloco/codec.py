@@ -34,9 +34,11 @@ from diloco.config import ConfigError
 from diloco.kernels import (
     _all_finite,
     _e3m0_decode,
+    _e3m0_decode_add,
     _e3m0_encode,
     _e3m0_sumsq,
     _int8_decode,
+    _int8_decode_add,
     _int8_encode,
     _int8_sumsq,
     _sumsq,
@@ -75,6 +77,11 @@ class Codec(Protocol):
         before the payload changes."""
         ...
 
+    def decode_add(self, payload: bytes | memoryview, out: torch.Tensor) -> None:
+        """out += decode(payload) (out flat, contiguous fp32 CPU), the same bits as out.add_(decode(...)), without
+        the decoded tensor: the publication, an island applying an update and a fold of unit weight add this way."""
+        ...
+
     def sumsq(self, payload: bytes, numel: int) -> float:
         """The decoded values' sum of squares in fp64 (the norm guard's measure), not finite when a value is
         not: finite() and the norm in one pass. Raises ValueError on a malformed payload."""
@@ -97,6 +104,9 @@ class _Decoder:
 
     def decode_view(self, payload: bytes | memoryview, numel: int) -> torch.Tensor:
         return self.decode(payload, numel)
+
+    def decode_add(self, payload: bytes | memoryview, out: torch.Tensor) -> None:
+        out.add_(self.decode_view(payload, out.numel()))
 
 
 def _as_f32_numpy(flat: torch.Tensor) -> np.ndarray:
@@ -225,6 +235,10 @@ class Int8Codec(_BlockScaledCodec):
         scales, codes = self._split(payload, out.numel())
         _int8_decode(codes.view(np.int8), scales, self.block, out.numpy())
 
+    def decode_add(self, payload: bytes | memoryview, out: torch.Tensor) -> None:
+        scales, codes = self._split(payload, out.numel())
+        _int8_decode_add(codes.view(np.int8), scales, self.block, out.numpy())
+
     def sumsq(self, payload: bytes, numel: int) -> float:
         scales, codes = self._split(payload, numel)
         return float(_int8_sumsq(codes.view(np.int8), scales, self.block))
@@ -245,6 +259,10 @@ class E3M0Codec(_BlockScaledCodec):
     def decode_into(self, payload: bytes, out: torch.Tensor) -> None:
         scales, codes = self._split(payload, out.numel())
         _e3m0_decode(codes, scales, self.block, out.numpy())
+
+    def decode_add(self, payload: bytes | memoryview, out: torch.Tensor) -> None:
+        scales, codes = self._split(payload, out.numel())
+        _e3m0_decode_add(codes, scales, self.block, out.numpy())
 
     def sumsq(self, payload: bytes, numel: int) -> float:
         scales, codes = self._split(payload, numel)
@@ -284,8 +302,7 @@ class ZstdCodec(_Decoder):
     def encode(self, flat: torch.Tensor) -> bytes:
         return self._contexts()[0].compress(self.inner.encode(flat))
 
-    def decode_into(self, payload: bytes, out: torch.Tensor) -> None:
-        numel = out.numel()
+    def _decompress(self, payload: bytes | memoryview, numel: int) -> bytes:
         limit = self.inner.encoded_size(numel)
         try:
             # The frame header's size decides the allocation: refuse a lie before decompressing.
@@ -294,7 +311,13 @@ class ZstdCodec(_Decoder):
             raw = self._contexts()[1].decompress(payload, max_output_size=limit, allow_extra_data=False)
         except zstandard.ZstdError as e:
             raise ValueError(f"zstd: {e}") from e
-        self.inner.decode_into(raw, out)
+        return raw
+
+    def decode_into(self, payload: bytes, out: torch.Tensor) -> None:
+        self.inner.decode_into(self._decompress(payload, out.numel()), out)
+
+    def decode_add(self, payload: bytes | memoryview, out: torch.Tensor) -> None:
+        self.inner.decode_add(self._decompress(payload, out.numel()), out)
 
 
 CODECS = ("fp32", "bf16", "int8", "e3m0", "topk")

@@ -149,6 +149,45 @@ def _e3m0_decode(packed, scales, block, out):  # pragma: no cover - compiled
 
 
 @numba.njit(cache=True, nogil=True)
+def _int8_decode_add(q, scales, block, out):  # pragma: no cover - compiled
+    """out += what _int8_decode would write: each value rounded to fp32 first, then added (stored between the
+    two, so no fused multiply-add rounds once where decode-then-add rounds twice)."""
+    values = np.empty(block, dtype=np.float32)
+    for b in range(scales.shape[0]):
+        s = scales[b]
+        qb, ob = q[b * block : (b + 1) * block], out[b * block : (b + 1) * block]
+        n = qb.shape[0]
+        for i in range(n):
+            values[i] = np.float32(qb[i]) * s
+        for i in range(n):
+            ob[i] += values[i]
+
+
+@numba.njit(cache=True, nogil=True)
+def _e3m0_decode_add(packed, scales, block, out):  # pragma: no cover - compiled
+    """out += what _e3m0_decode would write (as _int8_decode_add: each value rounded, stored, then added)."""
+    bits = np.empty(block, dtype=np.int32)
+    values = bits.view(np.float32)
+    for b in range(scales.shape[0]):
+        s = scales[b]
+        ob = out[b * block : (b + 1) * block]
+        n = ob.shape[0]
+        pb = packed[b * (block // 2) : b * (block // 2) + (n + 1) // 2]
+        for j in range(pb.shape[0]):
+            lo = np.int32(pb[j] & 15)
+            hi = np.int32(pb[j] >> 4)
+            e = lo & 7
+            bits[2 * j] = (((e + 120) << 23) | ((lo & 8) << 28)) if e else 0
+            e = hi & 7
+            if 2 * j + 1 < block:
+                bits[2 * j + 1] = (((e + 120) << 23) | ((hi & 8) << 28)) if e else 0
+        for i in range(n):
+            values[i] = values[i] * s
+        for i in range(n):
+            ob[i] += values[i]
+
+
+@numba.njit(cache=True, nogil=True)
 def _e3m0_sumsq(packed, scales, block, numel):  # pragma: no cover - compiled
     """_sumsq of what _e3m0_decode would write, without writing it."""
     table = np.empty(16, dtype=np.float64)

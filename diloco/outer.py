@@ -91,6 +91,16 @@ class PseudoGradientAccumulator:
         flat = self.part(late)[name].view(-1)
         flat[offset : offset + values.numel()].add_(values, alpha=scale)
 
+    def add_encoded(self, name: str, offset: int, numel: int, payload: bytes | memoryview, codec, scale: float,
+                    late: bool = False) -> None:
+        """add_chunk of codec's decoding of payload (a diloco.codec.Codec); at unit scale decoded and added in one pass
+        (codec.decode_add: the same bits as adding the decoded values, without them)."""
+        flat = self.part(late)[name].view(-1)[offset : offset + numel]
+        if scale == 1.0:
+            codec.decode_add(payload, flat)
+        else:
+            flat.add_(codec.decode_view(payload, numel), alpha=scale)
+
     def commit(self, tokens: float, late: bool = False) -> None:
         """Counts a contribution whose chunks have all been added with scale_for(tokens). tokens is its weight: a
         token count, or a late contribution's discounted one (a float); late: it went to the late part."""

@@ -207,13 +207,18 @@ def verify_chunk(chunk: pb.TensorChunk, manifest: Manifest, codec: Codec, payloa
         raise ChunkError(f"{chunk.name}@{chunk.offset}: {e}") from e
 
 
-def decode_chunk(chunk: pb.TensorChunk, manifest: Manifest, codec: Codec, out: torch.Tensor | None = None) -> torch.Tensor:
-    """Checks address and checksum, then decodes to a flat fp32 tensor (into out, when given)."""
+def decode_chunk(chunk: pb.TensorChunk, manifest: Manifest, codec: Codec, out: torch.Tensor | None = None,
+                 add: bool = False) -> torch.Tensor:
+    """Checks address and checksum, then decodes to a flat fp32 tensor (into out, when given; added to it, with add:
+    the same bits as out.add_(decoded))."""
     payload = _checked_payload(chunk, manifest)
     try:
         if out is None:
             return codec.decode(payload, chunk.numel)
-        codec.decode_into(payload, out)
+        if add:
+            codec.decode_add(payload, out)
+        else:
+            codec.decode_into(payload, out)
         return out
     except ValueError as e:
         raise ChunkError(f"{chunk.name}@{chunk.offset}: {e}") from e
@@ -236,8 +241,8 @@ def apply_chunks(
     written = 0
     for chunk in chunks:
         flat = targets[chunk.name].view(-1)
-        if bases is None and not add:  # whole chunk overwrites its range: decode straight into it
-            decode_chunk(chunk, manifest, codec, out=flat[chunk.offset : chunk.offset + chunk.numel])
+        if bases is None:  # a whole chunk: decoded straight into its range, or added there with no decoded copy
+            decode_chunk(chunk, manifest, codec, out=flat[chunk.offset : chunk.offset + chunk.numel], add=add)
             written += chunk.numel
             continue
         values = decode_chunk(chunk, manifest, codec)

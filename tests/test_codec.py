@@ -120,6 +120,25 @@ def test_decode_view_of_a_spooled_payload_is_decode(name):
         codec.decode_view(view[:-3], 300)
 
 
+@pytest.mark.parametrize("name", ALL)
+@pytest.mark.parametrize("n", [1, 63, 64, 300, 4097])
+def test_decode_add_is_adding_the_decoded_values_bit_for_bit(name, n):
+    """The publication, an island applying an update and a fold of unit weight add with decode_add: it must give
+    exactly the bits of out.add_(decode(payload)), sums that round, blocks of NaN, inf and zero included."""
+    codec = get_codec(name, block_size=64, topk_block=128)
+    x = _x(n, 1) * torch.logspace(-30, 30, n)  # values that round when added, and overflow to inf
+    if n > 64:
+        x[10], x[70:128] = math.nan, 0.0  # a non-finite block (NaN scale) and an all-zero one
+    out = _x(n, 2) * torch.logspace(25, -25, n)
+    for payload in (codec.encode(x), memoryview(bytearray(codec.encode(x)))):
+        expected, ours = out.clone(), out.clone()
+        expected.add_(codec.decode(bytes(payload), n))
+        codec.decode_add(payload, ours)
+        assert torch.equal(ours.view(torch.int32), expected.view(torch.int32))
+    with pytest.raises(ValueError):
+        codec.decode_add(codec.encode(x)[:-3], out.clone())
+
+
 def test_int8_finite_sees_a_scale_whose_largest_code_overflows():
     import numpy as np
 
