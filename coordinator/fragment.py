@@ -33,7 +33,7 @@ import copy
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Executor
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -46,7 +46,7 @@ from coordinator.ledger import DataLedger
 from coordinator.links import LinkAdvisor
 from coordinator.locks import ReadWriteLock
 from coordinator.membership import Membership, canonical_order
-from coordinator.publish import Publication
+from coordinator.publish import DeltaStream, Publication
 from coordinator.records import (Closing, Contribution, Phase, Reason, Refused, close_reason, fold_key, round_summary,
                                  traffic_into)
 from coordinator.spool import Spools
@@ -107,6 +107,7 @@ class FragmentRounds(PushIntake):
         self.last_islands = self.last_tokens = 0
         self.last_round_s = 0.0  # open to close (compression per link sizes pushes to it)
         self.mean_chunks: list[pb.TensorChunk] = []
+        self.streaming: DeltaStream | None = None  # the next round's lossy update while it is made (apply)
         # Set by a restore: where the fragment restarted, and the latest round islands had reached.
         self.restored_round: int | None = None
         self.restored_at = self._last_wait_log = 0.0
@@ -140,19 +141,36 @@ class FragmentRounds(PushIntake):
                     current_round=self.round,
                 )
             started = self.clock()
-            if not self.cond.wait_for(lambda: self.round > round_ or self.phase is Phase.FINISHED, timeout_s):
+            if not self.cond.wait_for(lambda: self.round > round_ or self.phase is Phase.FINISHED or (
+                    self.streaming is not None and self.streaming.round > round_), timeout_s):
                 raise Refused(Reason.STILL_OPEN, f"{self.label}round {round_} still open after {timeout_s:.0f}s", current_round=self.round)
             return self.clock() - started
 
     @contextmanager
     def reading(
-        self, delta_from_round: int | None = None, want_mean: bool = False
-    ) -> Iterator[tuple[pb.ResultHeader, list[pb.TensorChunk] | None, list[pb.TensorChunk]]]:
+        self, delta_from_round: int | None = None, want_mean: bool = False, streamable: bool = False,
+    ) -> Iterator[tuple[pb.ResultHeader, Iterable[pb.TensorChunk] | None, list[pb.TensorChunk], DeltaStream | None]]:
         """The fragment's result header; the delta chunks when the caller can take a delta (else
-        None: send values); the last round's mean pseudo-gradient chunks when asked (eager updates).
+        None: send values); the last round's mean pseudo-gradient chunks when asked (eager updates);
+        and, when the header's checksum is empty, the DeltaStream whose trailer completes it.
 
-        Consistent while the context is held: the outer step waits for readers.
+        Consistent while the context is held: the outer step waits for readers. streamable: a whole
+        fragment's delta may be streamed while the next round's update is made (apply); the header then
+        has no checksum and the caller sends the stream's trailer after the chunks.
         """
+        with self.cond:
+            stream = self.streaming
+            if not (streamable and stream is not None and delta_from_round == stream.round - 1):
+                stream = None
+            else:
+                header = pb.ResultHeader(
+                    round=stream.round, islands=stream.islands, tokens=stream.tokens, mode=pb.ResultHeader.DELTA,
+                    codec=self.publication.codec.name, base_checksum=stream.base_checksum, fragment=self.index,
+                )
+                mean = self.mean_chunks if want_mean else []
+        if stream is not None:
+            yield header, stream, mean, stream
+            return
         self.param_lock.acquire_read()
         try:
             with self.cond:
@@ -167,7 +185,7 @@ class FragmentRounds(PushIntake):
                     header.mode, header.codec, header.base_checksum = pb.ResultHeader.DELTA, pub.codec.name, pub.delta_base
                     delta = pub.delta_chunks
                 mean = self.mean_chunks if want_mean and delta_from_round == self.round - 1 else []
-            yield header, delta, mean
+            yield header, delta, mean, None
         finally:
             self.param_lock.release_read()
 
@@ -266,13 +284,37 @@ class FragmentRounds(PushIntake):
                 eager_s = time.perf_counter()
                 self.mean_chunks = list(tensor_chunks(mean, self.publication.codec, self.cfg.wire.chunk_bytes))
                 eager_s = time.perf_counter() - eager_s
-            if delayed:
-                self.outer.step_delayed(mean, late)
+            stream = None
+            if not delayed and not self.publication.lossless and self.outer.steps_by_parameter:
+                # Step and publish parameter by parameter; pulls stream the chunks as they are made.
+                stream = DeltaStream(self.round + 1, self.checksum, len({i for i, _ in closing.contributions}), summary.tokens)
+                with self.cond:
+                    self.streaming = stream
+                    self.cond.notify_all()
+                stepped, begun = [0.0], time.perf_counter()
+
+                def step(name: str) -> None:
+                    t = time.perf_counter()
+                    self.outer.step_parameter(name, mean[name])
+                    stepped[0] += time.perf_counter() - t
+
+                try:
+                    self.publication.publish(step, stream)
+                except BaseException:
+                    stream.fail()
+                    with self.cond:
+                        self.streaming = None
+                    raise
+                summary.step_s, summary.publish_s = stepped[0], time.perf_counter() - begun - stepped[0] + eager_s
             else:
-                self.outer.step(mean, consume=True)
-            summary.step_s, started = time.perf_counter() - started - eager_s, time.perf_counter() - eager_s
-            self.publication.publish()
-            summary.publish_s, summary.closed_at = time.perf_counter() - started, time.time()
+                if delayed:
+                    self.outer.step_delayed(mean, late)
+                else:
+                    self.outer.step(mean, consume=True)
+                summary.step_s, started = time.perf_counter() - started - eager_s, time.perf_counter() - eager_s
+                self.publication.publish()
+                summary.publish_s = time.perf_counter() - started
+            summary.closed_at = time.time()
             with self.cond:
                 self.traffic = traffic_into(summary, self.traffic, self.round)
                 summary.checksum = self.checksum
@@ -296,6 +338,9 @@ class FragmentRounds(PushIntake):
                 self.phase = Phase.FINISHED if self.round >= self.cfg.rounds.rounds else Phase.OPEN
                 # Decided with the phase change, so exactly one fragment's summary finishes the run.
                 summary.run_finished = self.ctx.run_finished()
+                if stream is not None:
+                    self.streaming = None
+                    stream.finish(self.checksum, summary.run_finished)
                 self.cond.notify_all()
         finally:
             self.param_lock.release_write()

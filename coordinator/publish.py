@@ -11,12 +11,13 @@ feedback, carried into the next round's update.
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Executor
 
 import torch
 
 from diloco.codec import Codec
+from diloco.refusal import Reason, Refused
 from diloco.params import checksum
 from diloco.v1 import diloco_pb2 as pb
 from diloco.frames import serialized_values
@@ -40,6 +41,52 @@ class SharedStream:
                     return
             yield self._items[i]
             i += 1
+
+
+class DeltaStream:
+    """A round's lossy update while it is made, parameter by parameter: a pull sends the chunks made so far and waits
+    for the rest, then the trailer (the checksum and run_finished its header could not carry yet)."""
+
+    WAIT_S = 600.0  # a publication that makes no chunk for this long has failed
+
+    def __init__(self, round_: int, base_checksum: str, islands: int, tokens: int):
+        self.round, self.base_checksum, self.islands, self.tokens = round_, base_checksum, islands, tokens
+        self.chunks: list[pb.TensorChunk] = []
+        self.checksum, self.run_finished = "", False
+        self.done = self.failed = False
+        self._cond = threading.Condition()
+
+    def extend(self, chunks: list[pb.TensorChunk]) -> None:
+        with self._cond:
+            self.chunks.extend(chunks)
+            self._cond.notify_all()
+
+    def finish(self, checksum_: str, run_finished: bool) -> None:
+        with self._cond:
+            self.checksum, self.run_finished, self.done = checksum_, run_finished, True
+            self._cond.notify_all()
+
+    def fail(self) -> None:
+        with self._cond:
+            self.failed = self.done = True
+            self._cond.notify_all()
+
+    def __iter__(self) -> Iterator[pb.TensorChunk]:
+        i = 0
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: i < len(self.chunks) or self.done, self.WAIT_S)
+                batch = self.chunks[i:]
+                if self.failed or not (batch or self.done):  # the island never applies a delta cut short
+                    raise Refused(Reason.STILL_OPEN, f"round {self.round}'s update was not published; pull again")
+            if not batch:
+                return
+            yield from batch
+            i += len(batch)
+
+    def trailer(self) -> pb.ResultTrailer:
+        """Once every chunk was sent (the iteration ended)."""
+        return pb.ResultTrailer(checksum=self.checksum, run_finished=self.run_finished)
 
 
 class Publication:
@@ -76,17 +123,25 @@ class Publication:
             self._values = None
 
     @torch.no_grad()
-    def publish(self) -> None:
-        """Called after each outer step, under the parameters' write lock."""
+    def publish(self, step: Callable[[str], None] | None = None, into: DeltaStream | None = None) -> None:
+        """Called after each outer step, under the parameters' write lock. With step (a lossy downlink): steps each
+        parameter just before its chunks are made, and hands them to `into` as they are, so pulls stream the
+        update while the rest of it is made."""
         self._values = None  # a fetch during the fold may have serialized the values from before the step
         if self.lossless:
             self.delta_chunks, self.delta_base = [], ""
         else:
-            spans = [(name, lo, hi) for name, outer in self.outer_params.items()
-                     for lo, hi in chunk_spans(outer.numel(), self.codec, self.chunk_bytes)]
-            # Chunks are independent and the codecs' kernels release the GIL: the islands wait for this, so it takes
-            # every core (each chunk's bytes are the same whichever thread makes it).
-            chunks = list((self.pool.map if self.pool is not None else map)(self._publish_chunk, spans))
+            chunks: list[pb.TensorChunk] = []
+            for name, outer in self.outer_params.items():
+                if step is not None:
+                    step(name)
+                spans = [(name, lo, hi) for lo, hi in chunk_spans(outer.numel(), self.codec, self.chunk_bytes)]
+                # Chunks are independent and the codecs' kernels release the GIL: the islands wait for this, so it
+                # takes every core (each chunk's bytes are the same whichever thread makes it).
+                made = list((self.pool.map if self.pool is not None else map)(self._publish_chunk, spans))
+                chunks.extend(made)
+                if into is not None:
+                    into.extend(made)
             self.delta_chunks, self.delta_base = chunks, self.checksum
         self.checksum = checksum(self.params)
 

@@ -165,16 +165,16 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             raise Refused(Reason.BAD_REQUEST, str(e)) from e
 
     @contextmanager
-    def _reading(self, fragment: int | None, delta_from_round: int | None, want_mean: bool):
-        """(header, params, their value messages or None, delta chunks or None, mean chunks) of the whole
-        model or of one fragment."""
+    def _reading(self, fragment: int | None, delta_from_round: int | None, want_mean: bool, streamable: bool = False):
+        """(header, params, their value messages or None, delta chunks or None, mean chunks, the DeltaStream whose
+        trailer completes the header or None) of the whole model or of one fragment (FragmentRounds.reading)."""
         if fragment is None:
             with self.state.reading() as header:
-                yield header, self.state.params, None, None, []
+                yield header, self.state.params, None, None, [], None
         else:
             f = self.state.fragment(fragment)
-            with f.reading(delta_from_round, want_mean) as (header, delta, mean):
-                yield header, f.publication.params, f.publication.value_messages, delta, mean
+            with f.reading(delta_from_round, want_mean, streamable) as (header, delta, mean, stream):
+                yield header, f.publication.params, f.publication.value_messages, delta, mean, stream
 
     def _result(
         self, island_id: str, delta_from_round: int | None, ranges: list[FlatRange] | None = None,
@@ -189,7 +189,8 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         """
         fp32 = get_codec("fp32")
         chunk_bytes = self.state.cfg.wire.chunk_bytes
-        with self._reading(fragment, delta_from_round, want_mean) as (header, params, values, delta, mean):
+        # A whole fragment's delta may stream while the update is made: a range's checksum needs the parameters.
+        with self._reading(fragment, delta_from_round, want_mean, ranges is None) as (header, params, values, delta, mean, stream):
             header.held_s = held_s
             if fragment is not None and island_id != "observer":  # compression per link: its next push's codec
                 header.push_codec = self.state.advise_codec(island_id, fragment, header.round)
@@ -217,6 +218,10 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             for chunk in mean if ranges is None else overlapping_chunks(mean, ranges):
                 message = frame_chunk(3, chunk)  # ResultMessage field 3: mean_chunk
                 sent += len(message)
+                yield message
+            if stream is not None:  # the header went out before the update was whole: what it could not say
+                message = pb.ResultMessage(trailer=stream.trailer())
+                sent += message.ByteSize()
                 yield message
         self.state.count_down(header.round, island_id, sent, fragment or 0)
 

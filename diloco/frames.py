@@ -197,6 +197,44 @@ def result_chunk(message) -> tuple[object, int, bool]:
     return chunk, framed_size(chunk), mean
 
 
+class ResultStreamError(ValueError):
+    """A result stream out of order: chunks after its trailer, or no checksum anywhere."""
+
+
+class ResultRest:
+    """A result stream after its header: iterating gives the parameter chunks; the mean chunks (eager updates) and the
+    trailer (a result streamed while the update was made) are kept aside as they pass. counted: each message's
+    bytes."""
+
+    def __init__(self, messages: Iterable, counted: Callable[[int], None]):
+        self.messages, self.counted = messages, counted
+        self.mean: list = []
+        self.trailer: pb.ResultTrailer | None = None
+
+    def __iter__(self) -> Iterator:
+        for message in self.messages:
+            if self.trailer is not None:
+                raise ResultStreamError("result stream goes on after its trailer")
+            if not isinstance(message, ChunkView) and message.HasField("trailer"):
+                self.counted(message.ByteSize())
+                self.trailer = message.trailer
+                continue
+            chunk, size, is_mean = result_chunk(message)  # a ChunkView, unless protobuf parsed it
+            self.counted(size)
+            if is_mean:
+                self.mean.append(chunk)
+            else:
+                yield chunk
+
+    def complete(self, header: pb.ResultHeader) -> None:
+        """Once iterated: a header without a checksum takes its checksum and run_finished from the trailer
+        (ResultStreamError when there is none)."""
+        if not header.checksum:
+            if self.trailer is None or not self.trailer.checksum:
+                raise ResultStreamError("result stream without a checksum (in its header or a trailer)")
+            header.checksum, header.run_finished = self.trailer.checksum, self.trailer.run_finished
+
+
 def chunk_deserializer(message_type, chunk_fields: tuple[int, ...]) -> Callable[[bytes], object]:
     """A gRPC deserializer: chunk messages as ChunkViews, every other message as message_type."""
 

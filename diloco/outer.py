@@ -174,23 +174,36 @@ class OuterOptimizer:
         """
         if self.carry:
             raise RuntimeError("this outer optimizer steps with delayed Nesterov (rounds.late_mode); use step_delayed")
-        group = self.optimizer.param_groups[0]
-        if consume and group["nesterov"] and not (group["weight_decay"] or group["dampening"] or group["maximize"]):
-            lr, mu = group["lr"], group["momentum"]
-            for name, p in self.params.items():
-                grad, state = pseudo_gradient[name].view(p.shape), self.optimizer.state[p]
-                buf = state.get("momentum_buffer")
-                if buf is None:
-                    state["momentum_buffer"] = buf = grad.detach().clone()
-                else:
-                    buf.mul_(mu).add_(grad)
-                p.add_(grad.add_(buf, alpha=mu), alpha=-lr)
+        if consume and self.steps_by_parameter:
+            for name in self.params:
+                self.step_parameter(name, pseudo_gradient[name])
             return
         for name, p in self.params.items():
             p.grad = pseudo_gradient[name].reshape(p.shape)
         self.optimizer.step()
         for p in self.params.values():
             p.grad = None
+
+    @property
+    def steps_by_parameter(self) -> bool:
+        """Whether step_parameter applies (Nesterov without weight decay, dampening or maximize, no delayed Nesterov):
+        then a step is the same, bit for bit, taken a parameter at a time (the coordinator publishes each as it goes)."""
+        group = self.optimizer.param_groups[0]
+        return not self.carry and group["nesterov"] and not (group["weight_decay"] or group["dampening"] or group["maximize"])
+
+    @torch.no_grad()
+    def step_parameter(self, name: str, pseudo_gradient: torch.Tensor) -> None:
+        """step(consume=True)'s update of one parameter (steps_by_parameter must hold): torch's single-tensor SGD
+        operations, with Nesterov's look-ahead formed in the pseudo-gradient, which it overwrites."""
+        group, p = self.optimizer.param_groups[0], self.params[name]
+        lr, mu = group["lr"], group["momentum"]
+        grad, state = pseudo_gradient.view(p.shape), self.optimizer.state[p]
+        buf = state.get("momentum_buffer")
+        if buf is None:
+            state["momentum_buffer"] = buf = grad.detach().clone()
+        else:
+            buf.mul_(mu).add_(grad)
+        p.add_(grad.add_(buf, alpha=mu), alpha=-lr)
 
     @torch.no_grad()
     def step_delayed(self, on_time: Mapping[str, torch.Tensor], late: Mapping[str, torch.Tensor] | None = None) -> None:

@@ -13,7 +13,7 @@ import torch
 
 from diloco.codec import Codec, get_codec
 from diloco.credentials import TlsFiles
-from diloco.frames import ChunkView, push_frames, result_chunk, stub_for
+from diloco.frames import ChunkView, ResultRest, ResultStreamError, push_frames, stub_for
 from diloco.params import checksum, ranges_checksum
 from diloco.progress import WORTH_SHOWING, Progress
 from diloco.refusal import Reason, is_transport_failure, refusal_of, status_of
@@ -241,17 +241,7 @@ class CoordinatorClient:
         if delta and header.base_checksum != held:
             raise LocalRefusal(Reason.CHECKSUM_MISMATCH, "delta is for other parameters than ours; fetch values")
 
-        mean_chunks: list[pb.TensorChunk] = []
-
-        def chunks():
-            for message in stream:
-                chunk, size, is_mean = result_chunk(message)  # a ChunkView, unless protobuf parsed it
-                got(size)
-                if is_mean:
-                    mean_chunks.append(chunk)
-                else:
-                    yield chunk
-
+        rest = ResultRest(stream, got)  # the chunks; the mean chunks and a trailer kept aside as they pass
         codec = self.codecs.get(header.codec)
         if codec is None:
             raise LocalRefusal(Reason.CODEC_MISMATCH, f"result codec {header.codec!r} is not this run's")
@@ -260,8 +250,14 @@ class CoordinatorClient:
         # Values overwrite, so a broken stream can simply be fetched again. A delta
         # adds, so it is received whole (it is compressed: small) before it touches
         # the parameters; a retry then never adds part of it twice.
-        incoming = list(chunks()) if delta else chunks()
-        written = apply_chunks(incoming, targets, manifest, codec, add=delta, bases=bases)
+        try:
+            incoming = list(rest) if delta else iter(rest)
+            if delta:
+                rest.complete(header)  # before anything is added: a delta that cannot be verified is never applied
+            written = apply_chunks(incoming, targets, manifest, codec, add=delta, bases=bases)
+            rest.complete(header)  # a streamed result's checksum and run_finished come in its trailer
+        except ResultStreamError as e:
+            raise LocalRefusal(Reason.BAD_CHUNK, str(e)) from e
         if written != expected:
             raise LocalRefusal(Reason.BAD_CHUNK, f"parameter stream ended early ({written} of {expected} elements)")
         if ranges is not None:
@@ -277,7 +273,7 @@ class CoordinatorClient:
             what = "shard does not match the coordinator's ranges checksum" if ranges is not None else "parameters do not match the coordinator's checksum"
             raise LocalRefusal(Reason.CHECKSUM_MISMATCH, f"received {what}; fetch values")
         if mean is not None:
-            mean.take(mean_chunks)
+            mean.take(rest.mean)
         return header
 
     def fetch(

@@ -281,3 +281,73 @@ def test_island_keeps_the_topk_residual_in_its_parameters_and_ends_on_the_global
     assert len(seen) == 3 and result.rounds == 3 and result.checksum_matches
     assert checksum(island.global_params) == coordinator.state.checksum
     assert checksum(dict(island.model.named_parameters())) == coordinator.state.checksum
+
+
+def test_a_pull_waiting_at_the_close_streams_the_update_while_it_is_made_and_ends_bit_identical(make_coordinator, monkeypatch):
+    """The coordinator steps and publishes a lossy update parameter by parameter, and a waiting pull streams each
+    parameter's chunks as they are made (the header without a checksum, a trailer after the chunks). The last
+    parameter's chunks are held back until the island has received one chunk: were the pull not streamed, it would
+    wait for the whole update and the publication would wait for it, and this test would fail. Every round the
+    island ends holding exactly the coordinator's parameters."""
+    import threading
+
+    import islands.client as client_module
+    from diloco.frames import ResultRest
+
+    cfg = tiny_config("wire.codec='int8'", "wire.downlink_codec='e3m0'", "outer.lr=0.7", "rounds.rounds=3")
+    coordinator = make_coordinator(cfg)
+    client, joined = _client(coordinator, cfg)
+    manifest = Manifest.from_proto(joined.parameters)
+    state, publication = coordinator.state, coordinator.state.fragments[0].publication
+    last = list(manifest.shapes)[-1]
+    received, trailers = threading.Event(), []
+    made = publication._publish_chunk
+
+    def held_back(span):
+        if span[0] == last and span[1] == 0:
+            assert received.wait(30), "the pull received no chunk while the update was being made"
+        return made(span)
+
+    class Watched(ResultRest):
+        def __iter__(self):
+            for chunk in super().__iter__():
+                received.set()
+                yield chunk
+            trailers.append(self.trailer)
+
+    monkeypatch.setattr(publication, "_publish_chunk", held_back)
+    monkeypatch.setattr(client_module, "ResultRest", Watched)
+    try:
+        theta = {n: torch.zeros(s) for n, s in manifest.shapes.items()}
+        held = client.fetch(joined.island_id, theta, manifest).checksum
+        for round_ in range(3):
+            received.clear()
+            _push(client, joined.island_id, round_, random_like(manifest.shapes, seed=round_), uplink_codec(cfg.wire),
+                  cfg.wire.chunk_bytes)
+            header = client.pull(joined.island_id, round_, theta, manifest, held, timeout_s=20)
+            assert header.mode == pb.ResultHeader.DELTA and trailers[-1] is not None and trailers[-1].checksum == header.checksum
+            held = header.checksum
+            assert checksum(theta) == state.checksum == held
+            assert all(torch.equal(theta[n], state.params[n]) for n in theta)
+        assert header.run_finished  # the last round's trailer says so
+    finally:
+        client.close()
+
+
+def test_a_result_without_its_checksum_or_with_chunks_after_its_trailer_is_refused_before_anything_is_applied():
+    from islands.client import CoordinatorClient, LocalRefusal
+
+    codec = get_codec("int8")
+    manifest = Manifest({"w": (64,)})
+    chunks = list(tensor_chunks({"w": torch.ones(64)}, codec, 4096))
+    header = pb.ResultMessage(header=pb.ResultHeader(round=1, mode=pb.ResultHeader.DELTA, codec="int8", base_checksum="held"))
+    trailer = pb.ResultMessage(trailer=pb.ResultTrailer(checksum="c" * 32))
+    client = CoordinatorClient.__new__(CoordinatorClient)
+    client.codecs, client.bytes_received = {"int8": codec}, 0
+    for messages in ([header] + [pb.ResultMessage(chunk=c) for c in chunks],  # no trailer
+                     [header, trailer] + [pb.ResultMessage(chunk=c) for c in chunks]):  # chunks after it
+        target = {"w": torch.zeros(64)}
+        with pytest.raises(LocalRefusal) as err:
+            client._receive(iter(messages), target, manifest, "held")
+        assert err.value.refusal.reason == pb.Refusal.BAD_CHUNK
+        assert torch.equal(target["w"], torch.zeros(64))  # nothing of the delta was added

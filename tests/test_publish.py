@@ -9,6 +9,7 @@ import torch
 
 from coordinator.publish import Publication
 from diloco.codec import get_codec
+from diloco.v1 import diloco_pb2 as pb
 
 
 @pytest.mark.parametrize("codec", ["int8", "e3m0", "int8+zstd", "bf16"])
@@ -31,3 +32,63 @@ def test_a_lossy_publication_on_many_threads_is_bit_for_bit_the_one_on_one(codec
         for n in shapes:
             assert torch.equal(many.params[n], one.params[n])
             assert not torch.equal(many.params[n], outer[n])  # lossy: the gap is the downlink's error feedback
+
+
+@pytest.mark.parametrize("codec", ["int8", "e3m0"])
+def test_stepping_and_publishing_parameter_by_parameter_is_the_whole_step_then_the_publication(codec):
+    """The coordinator streams a lossy update while it is made (FragmentRounds.apply): each parameter stepped just
+    before its chunks. Over three rounds this is bit for bit the whole outer step then the publication: chunks and
+    their order, published and outer parameters, momentum and checksum; the stream hands out the same chunks, then
+    its trailer."""
+    from coordinator.publish import DeltaStream
+    from diloco.config import OuterConfig
+    from diloco.outer import OuterOptimizer
+
+    torch.manual_seed(1)
+    shapes = {"embed": (300, 64), "blocks.0.w": (64, 64), "norm": (64,)}
+    start = {n: torch.randn(s) for n, s in shapes.items()}
+    runs = []
+    for by_parameter in (False, True):
+        outer_params = {n: t.clone() for n, t in start.items()}
+        outer = OuterOptimizer(outer_params, OuterConfig(lr=0.7, momentum=0.9, nesterov=True))
+        publication = Publication(outer_params, get_codec(codec), 1024, ThreadPoolExecutor(2))
+        assert outer.steps_by_parameter
+        rounds = []
+        for round_ in range(3):
+            mean = {n: torch.randn(s, generator=torch.Generator().manual_seed(10 * round_ + k)) * 0.01
+                    for k, (n, s) in enumerate(shapes.items())}
+            if by_parameter:
+                stream = DeltaStream(round_ + 1, publication.checksum, 1, 1000)
+                publication.publish(lambda name: outer.step_parameter(name, mean[name]), stream)
+                stream.finish(publication.checksum, False)
+                assert [c.SerializeToString() for c in stream] == [c.SerializeToString() for c in publication.delta_chunks]
+                assert stream.trailer() == pb.ResultTrailer(checksum=publication.checksum)
+            else:
+                outer.step(mean, consume=True)
+                publication.publish()
+            rounds.append(([c.SerializeToString() for c in publication.delta_chunks], publication.checksum,
+                           {n: t.clone() for n, t in publication.params.items()}, {n: t.clone() for n, t in outer_params.items()},
+                           [outer.optimizer.state[p]["momentum_buffer"].clone() for p in outer_params.values()]))
+        runs.append(rounds)
+    for whole, streamed in zip(*runs):
+        assert whole[:2] == streamed[:2]
+        for a, b in zip(whole[2:], streamed[2:]):
+            for x, y in zip(a.values() if isinstance(a, dict) else a, b.values() if isinstance(b, dict) else b):
+                assert torch.equal(x, y)
+
+
+def test_a_pull_of_an_update_that_failed_half_way_is_refused_and_waits_for_none_of_it():
+    """A publication that raised part-way fails its stream: a pull that took chunks of it is refused (STILL_OPEN:
+    it pulls again), so an island never applies part of an update."""
+    from coordinator.publish import DeltaStream
+    from coordinator.records import Refused
+    from diloco.refusal import Reason
+
+    stream = DeltaStream(3, "base", 1, 10)
+    stream.extend([pb.TensorChunk(name="w", offset=0, numel=1, payload=b"x")])
+    taken = iter(stream)
+    assert next(taken).name == "w"
+    stream.fail()
+    with pytest.raises(Refused) as err:
+        next(taken)
+    assert err.value.refusal.reason == Reason.STILL_OPEN

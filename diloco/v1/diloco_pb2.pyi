@@ -340,14 +340,24 @@ class ResultHeader(_message.Message):
     def __init__(self, round: _Optional[int] = ..., codec: _Optional[str] = ..., checksum: _Optional[str] = ..., run_finished: _Optional[bool] = ..., islands: _Optional[int] = ..., mode: _Optional[_Union[ResultHeader.Mode, str]] = ..., base_checksum: _Optional[str] = ..., ranges_checksum: _Optional[str] = ..., fragment: _Optional[int] = ..., fragments: _Optional[_Iterable[_Union[FragmentState, _Mapping]]] = ..., tokens: _Optional[int] = ..., held_s: _Optional[float] = ..., push_codec: _Optional[str] = ...) -> None: ...
 
 class ResultMessage(_message.Message):
-    __slots__ = ("header", "chunk", "mean_chunk")
+    __slots__ = ("header", "chunk", "mean_chunk", "trailer")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     CHUNK_FIELD_NUMBER: _ClassVar[int]
     MEAN_CHUNK_FIELD_NUMBER: _ClassVar[int]
+    TRAILER_FIELD_NUMBER: _ClassVar[int]
     header: ResultHeader
     chunk: TensorChunk
     mean_chunk: TensorChunk
-    def __init__(self, header: _Optional[_Union[ResultHeader, _Mapping]] = ..., chunk: _Optional[_Union[TensorChunk, _Mapping]] = ..., mean_chunk: _Optional[_Union[TensorChunk, _Mapping]] = ...) -> None: ...
+    trailer: ResultTrailer
+    def __init__(self, header: _Optional[_Union[ResultHeader, _Mapping]] = ..., chunk: _Optional[_Union[TensorChunk, _Mapping]] = ..., mean_chunk: _Optional[_Union[TensorChunk, _Mapping]] = ..., trailer: _Optional[_Union[ResultTrailer, _Mapping]] = ...) -> None: ...
+
+class ResultTrailer(_message.Message):
+    __slots__ = ("checksum", "run_finished")
+    CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    RUN_FINISHED_FIELD_NUMBER: _ClassVar[int]
+    checksum: str
+    run_finished: bool
+    def __init__(self, checksum: _Optional[str] = ..., run_finished: _Optional[bool] = ...) -> None: ...
 
 class LeaveRequest(_message.Message):
     __slots__ = ("island_id", "checksum", "round", "compute_s", "wait_s", "wall_s", "inner_steps", "straggler_s", "steady_compute_s", "steady_wall_s", "fragment_checksums", "untrained")
