@@ -55,6 +55,7 @@ from diloco.config import RunConfig
 from diloco.outer import OuterOptimizer, PseudoGradientAccumulator
 from diloco.robust import NormGuard
 from diloco.v1 import diloco_pb2 as pb
+from diloco.params import ranges_checksum
 from diloco.wire import FlatRange, Manifest, downlink_codec, tensor_chunks
 
 log = logging.getLogger(__name__)
@@ -156,7 +157,8 @@ class FragmentRounds(PushIntake):
 
         Consistent while the context is held: the outer step waits for readers. streamable: a whole
         fragment's delta may be streamed while the next round's update is made (apply); the header then
-        has no checksum and the caller sends the stream's trailer after the chunks.
+        has no checksum and the caller sends the stream's trailer after the chunks (with ranges, their checksum:
+        ranges_checksum_after).
         """
         with self.cond:
             stream = self.streaming
@@ -186,6 +188,17 @@ class FragmentRounds(PushIntake):
                     delta = pub.delta_chunks
                 mean = self.mean_chunks if want_mean and delta_from_round == self.round - 1 else []
             yield header, delta, mean, None
+        finally:
+            self.param_lock.release_read()
+
+    def ranges_checksum_after(self, stream: DeltaStream, ranges: list[FlatRange]) -> str:
+        """The ranges' checksum of the parameters a streamed update led to, once it was made (under the read lock)."""
+        self.param_lock.acquire_read()
+        try:
+            if self.round != stream.round:  # the run went on meanwhile (this island was dropped from a round)
+                raise Refused(Reason.STILL_OPEN, f"{self.label}round {stream.round} is over; pull again", current_round=self.round)
+            params = self.publication.params
+            return ranges_checksum((r.name, r.offset, params[r.name].view(-1)[r.offset : r.end]) for r in ranges)
         finally:
             self.param_lock.release_read()
 

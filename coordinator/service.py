@@ -189,12 +189,11 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         """
         fp32 = get_codec("fp32")
         chunk_bytes = self.state.cfg.wire.chunk_bytes
-        # A whole fragment's delta may stream while the update is made: a range's checksum needs the parameters.
-        with self._reading(fragment, delta_from_round, want_mean, ranges is None) as (header, params, values, delta, mean, stream):
+        with self._reading(fragment, delta_from_round, want_mean, True) as (header, params, values, delta, mean, stream):
             header.held_s = held_s
             if fragment is not None and island_id != "observer":  # compression per link: its next push's codec
                 header.push_codec = self.state.advise_codec(island_id, fragment, header.round)
-            if ranges is not None:
+            if ranges is not None and stream is None:  # streamed: in the trailer, once the update is made
                 header.ranges_checksum = ranges_checksum(
                     (r.name, r.offset, params[r.name].view(-1)[r.offset : r.end]) for r in ranges
                 )
@@ -220,7 +219,10 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                 sent += len(message)
                 yield message
             if stream is not None:  # the header went out before the update was whole: what it could not say
-                message = pb.ResultMessage(trailer=stream.trailer())
+                trailer = stream.trailer()
+                if ranges is not None:
+                    trailer.ranges_checksum = self.state.fragment(fragment).ranges_checksum_after(stream, ranges)
+                message = pb.ResultMessage(trailer=trailer)
                 sent += message.ByteSize()
                 yield message
         self.state.count_down(header.round, island_id, sent, fragment or 0)

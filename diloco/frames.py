@@ -227,12 +227,13 @@ class ResultRest:
                 yield chunk
 
     def complete(self, header: pb.ResultHeader) -> None:
-        """Once iterated: a header without a checksum takes its checksum and run_finished from the trailer
-        (ResultStreamError when there is none)."""
+        """Once iterated: a header without a checksum takes its checksum, run_finished and ranges_checksum from the
+        trailer (ResultStreamError when there is none)."""
         if not header.checksum:
             if self.trailer is None or not self.trailer.checksum:
                 raise ResultStreamError("result stream without a checksum (in its header or a trailer)")
             header.checksum, header.run_finished = self.trailer.checksum, self.trailer.run_finished
+            header.ranges_checksum = self.trailer.ranges_checksum
 
 
 def chunk_deserializer(message_type, chunk_fields: tuple[int, ...]) -> Callable[[bytes], object]:

@@ -283,12 +283,16 @@ def test_island_keeps_the_topk_residual_in_its_parameters_and_ends_on_the_global
     assert checksum(dict(island.model.named_parameters())) == coordinator.state.checksum
 
 
-def test_a_pull_waiting_at_the_close_streams_the_update_while_it_is_made_and_ends_bit_identical(make_coordinator, monkeypatch):
+@pytest.mark.parametrize("sharded", [False, True], ids=["whole", "ranges"])
+def test_a_pull_waiting_at_the_close_streams_the_update_while_it_is_made_and_ends_bit_identical(make_coordinator, monkeypatch, sharded):
     """The coordinator steps and publishes a lossy update parameter by parameter, and a waiting pull streams each
-    parameter's chunks as they are made (the header without a checksum, a trailer after the chunks). The last
-    parameter's chunks are held back until the island has received one chunk: were the pull not streamed, it would
-    wait for the whole update and the publication would wait for it, and this test would fail. Every round the
-    island ends holding exactly the coordinator's parameters."""
+    parameter's chunks as they are made (the header without a checksum, a trailer after the chunks; with ranges, a
+    sharded rank's pull, their checksum in the trailer too). The last parameter's chunks are held back until the
+    island has received one chunk: were the pull not streamed, it would wait for the whole update and the
+    publication would wait for it, and this test would fail. Every round the island ends holding exactly the
+    coordinator's parameters."""
+    from diloco.params import ranges_checksum
+    from diloco.wire import FlatRange
     import threading
 
     import islands.client as client_module
@@ -317,18 +321,27 @@ def test_a_pull_waiting_at_the_close_streams_the_update_while_it_is_made_and_end
 
     monkeypatch.setattr(publication, "_publish_chunk", held_back)
     monkeypatch.setattr(client_module, "ResultRest", Watched)
+    # A rank holding the first 3/5 of every parameter (uneven: its ranges end inside chunks).
+    ranges = [FlatRange(n, 0, manifest.numel(n) * 3 // 5 or 1) for n in manifest.shapes] if sharded else None
     try:
         theta = {n: torch.zeros(s) for n, s in manifest.shapes.items()}
         held = client.fetch(joined.island_id, theta, manifest).checksum
+        if sharded:
+            theta = {r.name: theta[r.name].view(-1)[: r.numel].clone() for r in ranges}
         for round_ in range(3):
             received.clear()
             _push(client, joined.island_id, round_, random_like(manifest.shapes, seed=round_), uplink_codec(cfg.wire),
                   cfg.wire.chunk_bytes)
-            header = client.pull(joined.island_id, round_, theta, manifest, held, timeout_s=20)
+            header = client.pull(joined.island_id, round_, theta, manifest, held, timeout_s=20, ranges=ranges)
             assert header.mode == pb.ResultHeader.DELTA and trailers[-1] is not None and trailers[-1].checksum == header.checksum
             held = header.checksum
-            assert checksum(theta) == state.checksum == held
-            assert all(torch.equal(theta[n], state.params[n]) for n in theta)
+            assert state.checksum == held
+            if sharded:
+                assert header.ranges_checksum == trailers[-1].ranges_checksum == ranges_checksum(
+                    (r.name, r.offset, state.params[r.name].view(-1)[: r.numel]) for r in ranges)
+                assert all(torch.equal(theta[r.name], state.params[r.name].view(-1)[: r.numel]) for r in ranges)
+            else:
+                assert checksum(theta) == held and all(torch.equal(theta[n], state.params[n]) for n in theta)
         assert header.run_finished  # the last round's trailer says so
     finally:
         client.close()

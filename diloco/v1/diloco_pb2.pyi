@@ -352,12 +352,14 @@ class ResultMessage(_message.Message):
     def __init__(self, header: _Optional[_Union[ResultHeader, _Mapping]] = ..., chunk: _Optional[_Union[TensorChunk, _Mapping]] = ..., mean_chunk: _Optional[_Union[TensorChunk, _Mapping]] = ..., trailer: _Optional[_Union[ResultTrailer, _Mapping]] = ...) -> None: ...
 
 class ResultTrailer(_message.Message):
-    __slots__ = ("checksum", "run_finished")
+    __slots__ = ("checksum", "run_finished", "ranges_checksum")
     CHECKSUM_FIELD_NUMBER: _ClassVar[int]
     RUN_FINISHED_FIELD_NUMBER: _ClassVar[int]
+    RANGES_CHECKSUM_FIELD_NUMBER: _ClassVar[int]
     checksum: str
     run_finished: bool
-    def __init__(self, checksum: _Optional[str] = ..., run_finished: _Optional[bool] = ...) -> None: ...
+    ranges_checksum: str
+    def __init__(self, checksum: _Optional[str] = ..., run_finished: _Optional[bool] = ..., ranges_checksum: _Optional[str] = ...) -> None: ...
 
 class LeaveRequest(_message.Message):
     __slots__ = ("island_id", "checksum", "round", "compute_s", "wait_s", "wall_s", "inner_steps", "straggler_s", "steady_compute_s", "steady_wall_s", "fragment_checksums", "untrained")
