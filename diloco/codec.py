@@ -34,11 +34,9 @@ from diloco.config import ConfigError
 from diloco.kernels import (
     _all_finite,
     _e3m0_decode,
-    _e3m0_decode_add,
     _e3m0_encode,
     _e3m0_sumsq,
     _int8_decode,
-    _int8_decode_add,
     _int8_encode,
     _int8_sumsq,
     _sumsq,
@@ -233,11 +231,11 @@ class Int8Codec(_BlockScaledCodec):
 
     def decode_into(self, payload: bytes, out: torch.Tensor) -> None:
         scales, codes = self._split(payload, out.numel())
-        _int8_decode(codes.view(np.int8), scales, self.block, out.numpy())
+        _int8_decode(codes.view(np.int8), scales, self.block, out.numpy(), False)
 
     def decode_add(self, payload: bytes | memoryview, out: torch.Tensor) -> None:
         scales, codes = self._split(payload, out.numel())
-        _int8_decode_add(codes.view(np.int8), scales, self.block, out.numpy())
+        _int8_decode(codes.view(np.int8), scales, self.block, out.numpy(), True)
 
     def sumsq(self, payload: bytes, numel: int) -> float:
         scales, codes = self._split(payload, numel)
@@ -258,11 +256,11 @@ class E3M0Codec(_BlockScaledCodec):
 
     def decode_into(self, payload: bytes, out: torch.Tensor) -> None:
         scales, codes = self._split(payload, out.numel())
-        _e3m0_decode(codes, scales, self.block, out.numpy())
+        _e3m0_decode(codes, scales, self.block, out.numpy(), False)
 
     def decode_add(self, payload: bytes | memoryview, out: torch.Tensor) -> None:
         scales, codes = self._split(payload, out.numel())
-        _e3m0_decode_add(codes, scales, self.block, out.numpy())
+        _e3m0_decode(codes, scales, self.block, out.numpy(), True)
 
     def sumsq(self, payload: bytes, numel: int) -> float:
         scales, codes = self._split(payload, numel)

@@ -74,12 +74,22 @@ def _int8_encode(x, block, scales, q):  # pragma: no cover - compiled
 
 
 @numba.njit(cache=True, nogil=True)
-def _int8_decode(q, scales, block, out):  # pragma: no cover - compiled
+def _int8_decode(q, scales, block, out, add):  # pragma: no cover - compiled
+    """out = the values, or with add out += them: each value rounded to fp32 and stored first, then added, so no
+    fused multiply-add rounds once where decoding and then adding rounds twice (the same bits as out.add_(decoded))."""
+    values = np.empty(block, dtype=np.float32)
     for b in range(scales.shape[0]):
         s = scales[b]
         qb, ob = q[b * block : (b + 1) * block], out[b * block : (b + 1) * block]
-        for i in range(qb.shape[0]):
-            ob[i] = np.float32(qb[i]) * s
+        n = qb.shape[0]
+        if add:
+            for i in range(n):
+                values[i] = np.float32(qb[i]) * s
+            for i in range(n):
+                ob[i] += values[i]
+        else:
+            for i in range(n):
+                ob[i] = np.float32(qb[i]) * s
 
 
 @numba.njit(cache=True, nogil=True)
@@ -127,64 +137,36 @@ _E3M0_VALUES = _e3m0_values()
 
 
 @numba.njit(cache=True, nogil=True)
-def _e3m0_decode(packed, scales, block, out):  # pragma: no cover - compiled
+def _e3m0_unpack(pb, bits, block):  # pragma: no cover - compiled
+    """A block's codes as the float bits of 2**(c - 7) (exponent c + 120, sign from bit 3; c = 0 is zero)."""
+    for j in range(pb.shape[0]):
+        lo = np.int32(pb[j] & 15)
+        hi = np.int32(pb[j] >> 4)
+        e = lo & 7
+        bits[2 * j] = (((e + 120) << 23) | ((lo & 8) << 28)) if e else 0
+        e = hi & 7
+        if 2 * j + 1 < block:
+            bits[2 * j + 1] = (((e + 120) << 23) | ((hi & 8) << 28)) if e else 0
+
+
+@numba.njit(cache=True, nogil=True)
+def _e3m0_decode(packed, scales, block, out, add):  # pragma: no cover - compiled
+    """out = the values, or with add out += them (as _int8_decode: each value rounded and stored, then added)."""
     bits = np.empty(block, dtype=np.int32)
     values = bits.view(np.float32)
     for b in range(scales.shape[0]):
         s = scales[b]
         ob = out[b * block : (b + 1) * block]
         n = ob.shape[0]
-        pb = packed[b * (block // 2) : b * (block // 2) + (n + 1) // 2]
-        for j in range(pb.shape[0]):
-            lo = np.int32(pb[j] & 15)
-            hi = np.int32(pb[j] >> 4)
-            # 2**(c - 7) as float bits: exponent c + 120, sign from bit 3; c = 0 is zero.
-            e = lo & 7
-            bits[2 * j] = (((e + 120) << 23) | ((lo & 8) << 28)) if e else 0
-            e = hi & 7
-            if 2 * j + 1 < block:
-                bits[2 * j + 1] = (((e + 120) << 23) | ((hi & 8) << 28)) if e else 0
-        for i in range(n):
-            ob[i] = values[i] * s
-
-
-@numba.njit(cache=True, nogil=True)
-def _int8_decode_add(q, scales, block, out):  # pragma: no cover - compiled
-    """out += what _int8_decode would write: each value rounded to fp32 first, then added (stored between the
-    two, so no fused multiply-add rounds once where decode-then-add rounds twice)."""
-    values = np.empty(block, dtype=np.float32)
-    for b in range(scales.shape[0]):
-        s = scales[b]
-        qb, ob = q[b * block : (b + 1) * block], out[b * block : (b + 1) * block]
-        n = qb.shape[0]
-        for i in range(n):
-            values[i] = np.float32(qb[i]) * s
-        for i in range(n):
-            ob[i] += values[i]
-
-
-@numba.njit(cache=True, nogil=True)
-def _e3m0_decode_add(packed, scales, block, out):  # pragma: no cover - compiled
-    """out += what _e3m0_decode would write (as _int8_decode_add: each value rounded, stored, then added)."""
-    bits = np.empty(block, dtype=np.int32)
-    values = bits.view(np.float32)
-    for b in range(scales.shape[0]):
-        s = scales[b]
-        ob = out[b * block : (b + 1) * block]
-        n = ob.shape[0]
-        pb = packed[b * (block // 2) : b * (block // 2) + (n + 1) // 2]
-        for j in range(pb.shape[0]):
-            lo = np.int32(pb[j] & 15)
-            hi = np.int32(pb[j] >> 4)
-            e = lo & 7
-            bits[2 * j] = (((e + 120) << 23) | ((lo & 8) << 28)) if e else 0
-            e = hi & 7
-            if 2 * j + 1 < block:
-                bits[2 * j + 1] = (((e + 120) << 23) | ((hi & 8) << 28)) if e else 0
-        for i in range(n):
-            values[i] = values[i] * s
-        for i in range(n):
-            ob[i] += values[i]
+        _e3m0_unpack(packed[b * (block // 2) : b * (block // 2) + (n + 1) // 2], bits, block)
+        if add:
+            for i in range(n):
+                values[i] = values[i] * s
+            for i in range(n):
+                ob[i] += values[i]
+        else:
+            for i in range(n):
+                ob[i] = values[i] * s
 
 
 @numba.njit(cache=True, nogil=True)
