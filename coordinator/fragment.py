@@ -149,20 +149,19 @@ class FragmentRounds(PushIntake):
 
     @contextmanager
     def reading(
-        self, delta_from_round: int | None = None, want_mean: bool = False, streamable: bool = False,
+        self, delta_from_round: int | None = None, want_mean: bool = False,
     ) -> Iterator[tuple[pb.ResultHeader, Iterable[pb.TensorChunk] | None, list[pb.TensorChunk], DeltaStream | None]]:
         """The fragment's result header; the delta chunks when the caller can take a delta (else
         None: send values); the last round's mean pseudo-gradient chunks when asked (eager updates);
         and, when the header's checksum is empty, the DeltaStream whose trailer completes it.
 
-        Consistent while the context is held: the outer step waits for readers. streamable: a whole
-        fragment's delta may be streamed while the next round's update is made (apply); the header then
-        has no checksum and the caller sends the stream's trailer after the chunks (with ranges, their checksum:
-        ranges_checksum_after).
+        Consistent while the context is held: the outer step waits for readers. A delta asked for while the
+        next round's update is being made (apply) streams as it is made: the header then has no checksum and the
+        caller sends the stream's trailer after the chunks (with ranges, their checksum: ranges_checksum_after).
         """
         with self.cond:
             stream = self.streaming
-            if not (streamable and stream is not None and delta_from_round == stream.round - 1):
+            if stream is None or delta_from_round != stream.round - 1:
                 stream = None
             else:
                 header = pb.ResultHeader(

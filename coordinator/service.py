@@ -165,7 +165,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             raise Refused(Reason.BAD_REQUEST, str(e)) from e
 
     @contextmanager
-    def _reading(self, fragment: int | None, delta_from_round: int | None, want_mean: bool, streamable: bool = False):
+    def _reading(self, fragment: int | None, delta_from_round: int | None, want_mean: bool):
         """(header, params, their value messages or None, delta chunks or None, mean chunks, the DeltaStream whose
         trailer completes the header or None) of the whole model or of one fragment (FragmentRounds.reading)."""
         if fragment is None:
@@ -173,7 +173,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                 yield header, self.state.params, None, None, [], None
         else:
             f = self.state.fragment(fragment)
-            with f.reading(delta_from_round, want_mean, streamable) as (header, delta, mean, stream):
+            with f.reading(delta_from_round, want_mean) as (header, delta, mean, stream):
                 yield header, f.publication.params, f.publication.value_messages, delta, mean, stream
 
     def _result(
@@ -189,7 +189,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         """
         fp32 = get_codec("fp32")
         chunk_bytes = self.state.cfg.wire.chunk_bytes
-        with self._reading(fragment, delta_from_round, want_mean, True) as (header, params, values, delta, mean, stream):
+        with self._reading(fragment, delta_from_round, want_mean) as (header, params, values, delta, mean, stream):
             header.held_s = held_s
             if fragment is not None and island_id != "observer":  # compression per link: its next push's codec
                 header.push_codec = self.state.advise_codec(island_id, fragment, header.round)

@@ -61,7 +61,6 @@ class BlockPool:
         self.block_bytes = per_block * (chunk_bytes + RECORD_SLACK)
         self.max_blocks = -(-max_bytes // (per_block * chunk_bytes))
         self.allocated = 0
-        self.stored = 0  # bytes of records in the blocks spools hold
         self._free: list[bytearray] = []
         self._lock = threading.Lock()
 
@@ -75,19 +74,13 @@ class BlockPool:
             self.allocated += 1
         return bytearray(self.block_bytes)
 
-    def store(self, n: int) -> None:
-        with self._lock:
-            self.stored += n
-
     @property
     def free_blocks(self) -> int:
         return len(self._free)
 
-    def give_back(self, blocks: list[tuple[bytearray, int]]) -> None:
-        """Blocks and the bytes of records each held."""
+    def give_back(self, blocks: list[bytearray]) -> None:
         with self._lock:
-            self._free.extend(block for block, _ in blocks)
-            self.stored -= sum(used for _, used in blocks)
+            self._free.extend(blocks)
 
 
 class Spools:
@@ -167,7 +160,6 @@ class Spool:
         if len(payload):
             np.copyto(target[used + len(head) : used + size], np.frombuffer(payload, np.uint8))
         self._blocks[-1] = (block, used + size)
-        pool.store(size)
         return True
 
     def close(self) -> None:
@@ -207,6 +199,6 @@ class Spool:
         if self.path is not None:
             self.path.unlink(missing_ok=True)
         if self.spools is not None:
-            self.spools.pool.give_back(self._blocks)
+            self.spools.pool.give_back([block for block, _ in self._blocks])
             self.spools.release(self.bytes)
         self._blocks, self.bytes = [], 0

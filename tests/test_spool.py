@@ -38,14 +38,14 @@ def test_pushes_fill_the_memory_pool_then_go_to_disk_and_read_back_in_order(tmp_
     assert _read(first) == records[:8] and _read(second) == records[8:]
     assert spools.used == sum(s.bytes for s in (first, second)) > 12 * (3 << 20)
     first.discard(), second.discard()
-    assert spools.used == 0 and spools.pool.stored == 0 and not first.path.exists() and not second.path.exists()
+    assert spools.used == 0 and spools.pool.free_blocks == 2 and not first.path.exists() and not second.path.exists()
     # The blocks are reused, not allocated again: the next spool is in memory alone.
     third = spools.open(1 << 40)
     _write(third, records[:4])
     assert third.path is None and spools.pool.allocated == 2
     assert _read(third) == records[:4]
     third.discard()
-    assert spools.pool.stored == 0 and spools.pool.free_blocks == 2
+    assert spools.used == 0 and spools.pool.free_blocks == 2
 
 
 def test_a_pool_of_one_models_bytes_holds_a_whole_push_of_that_model_in_full_size_chunks(tmp_path):
@@ -62,10 +62,10 @@ def test_a_pool_of_one_models_bytes_holds_a_whole_push_of_that_model_in_full_siz
                for lo, hi in chunk_spans(numel, fp32, chunk_bytes)]
     _write(spool, records)
     assert spool.path is None, "part of the push went to disk"
-    assert _read(spool) == records and spools.pool.stored == spool.bytes
+    assert _read(spool) == records and spools.used == spool.bytes
     blocks = -(-spool.bytes // spools.pool.block_bytes)
     spool.discard()
-    assert spools.pool.stored == 0 and spools.pool.allocated == blocks
+    assert spools.used == 0 and spools.pool.free_blocks == spools.pool.allocated == blocks
     for chunk_bytes in (1 << 10, 1 << 20, 3 << 20):  # every size the config takes: a block holds a whole number of records
         pool = Spools(tmp_path, 1 << 30, 64 << 20, chunk_bytes).pool
         assert pool.block_bytes // (chunk_bytes + 64) * chunk_bytes >= min(BLOCK_PAYLOAD, chunk_bytes)
