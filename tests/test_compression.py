@@ -364,3 +364,49 @@ def test_a_result_without_its_checksum_or_with_chunks_after_its_trailer_is_refus
             client._receive(iter(messages), target, manifest, "held")
         assert err.value.refusal.reason == pb.Refusal.BAD_CHUNK
         assert torch.equal(target["w"], torch.zeros(64))  # nothing of the delta was added
+
+
+def test_an_island_that_vanishes_mid_stream_leaves_the_update_whole_and_pulls_it_again(make_coordinator, monkeypatch):
+    """A pull streaming an update while it is made is cut off after its first chunk (the island's connection drops).
+    The publication goes on to the end; the island's next pull gets the whole update and ends on the coordinator's
+    parameters, and the following round closes as usual."""
+    import threading
+
+    from diloco.v1 import diloco_pb2_grpc as pb_grpc
+
+    cfg = tiny_config("wire.codec='int8'", "wire.downlink_codec='e3m0'", "outer.lr=0.7", "rounds.rounds=2")
+    coordinator = make_coordinator(cfg)
+    client, joined = _client(coordinator, cfg)
+    manifest = Manifest.from_proto(joined.parameters)
+    state, publication = coordinator.state, coordinator.state.fragments[0].publication
+    last, release = list(manifest.shapes)[-1], threading.Event()
+    made = publication._publish_chunk
+
+    def held_back(span):
+        if span[0] == last and span[1] == 0:
+            assert release.wait(30), "the test did not let the publication go on"
+        return made(span)
+
+    monkeypatch.setattr(publication, "_publish_chunk", held_back)
+    try:
+        theta = {n: torch.zeros(s) for n, s in manifest.shapes.items()}
+        held = client.fetch(joined.island_id, theta, manifest).checksum
+        up = uplink_codec(cfg.wire)
+        _push(client, joined.island_id, 0, random_like(manifest.shapes, seed=0), up, cfg.wire.chunk_bytes)
+        call = pb_grpc.CoordinatorStub(client.channel).PullRoundResult(
+            pb.PullRequest(island_id=joined.island_id, round=0, timeout_s=20, accept_delta=True), timeout=30)
+        first, second = next(call), next(call)
+        assert first.header.mode == pb.ResultHeader.DELTA and not first.header.checksum  # streamed: no checksum yet
+        assert second.HasField("chunk")
+        call.cancel()  # the island is gone half-way through
+        release.set()
+        wait_for_round(coordinator, 0)
+        header = client.pull(joined.island_id, 0, theta, manifest, held, timeout_s=20)
+        assert header.checksum == state.checksum and checksum(theta) == header.checksum
+        assert all(torch.equal(theta[n], state.params[n]) for n in theta)
+        _push(client, joined.island_id, 1, random_like(manifest.shapes, seed=1), up, cfg.wire.chunk_bytes)
+        header = client.pull(joined.island_id, 1, theta, manifest, header.checksum, timeout_s=20)
+        assert header.run_finished and checksum(theta) == state.checksum
+    finally:
+        release.set()
+        client.close()
