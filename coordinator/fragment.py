@@ -46,7 +46,7 @@ from coordinator.ledger import DataLedger
 from coordinator.links import LinkAdvisor
 from coordinator.locks import ReadWriteLock
 from coordinator.membership import Membership, canonical_order
-from coordinator.publish import DeltaStream, Publication
+from coordinator.publish import DeltaStream, Publication, step_and_publish
 from coordinator.records import (Closing, Contribution, Phase, Reason, Refused, close_reason, fold_key, round_summary,
                                  traffic_into)
 from coordinator.spool import Spools
@@ -288,37 +288,32 @@ class FragmentRounds(PushIntake):
         self.param_lock.acquire_write()
         try:
             started = time.perf_counter()
-            mean, late = self.accumulator.parts()
+            # Streamed (a lossy downlink, Nesterov): each chunk's span is divided into the mean, stepped and published
+            # in one go, on every core, while pulls send the chunks made so far. Else the whole step, then publication.
+            streamed = not delayed and not self.publication.lossless and self.outer.steps_by_parameter
             eager_s = 0.0  # counted with the publication, as it is sent with it
             if self.cfg.streaming.eager:
                 # Eager updates: islands build their provisional update from this (downlink codec, no feedback).
                 # Encoded before the step, which may overwrite the mean (the accumulator is reset after it).
                 eager_s = time.perf_counter()
-                self.mean_chunks = list(tensor_chunks(mean, self.publication.codec, self.cfg.wire.chunk_bytes))
+                self.mean_chunks = list(tensor_chunks(self.accumulator.mean(), self.publication.codec, self.cfg.wire.chunk_bytes))
                 eager_s = time.perf_counter() - eager_s
             stream = None
-            if not delayed and not self.publication.lossless and self.outer.steps_by_parameter:
-                # Step and publish parameter by parameter; pulls stream the chunks as they are made.
+            if streamed:
                 stream = DeltaStream(self.round + 1, self.checksum, len({i for i, _ in closing.contributions}), summary.tokens)
                 with self.cond:
                     self.streaming = stream
                     self.cond.notify_all()
-                stepped, begun = [0.0], time.perf_counter()
-
-                def step(name: str) -> None:
-                    t = time.perf_counter()
-                    self.outer.step_parameter(name, mean[name])
-                    stepped[0] += time.perf_counter() - t
-
                 try:
-                    self.publication.publish(step, stream)
+                    summary.step_s, summary.publish_s = step_and_publish(self.publication, self.accumulator, self.outer, stream)
                 except BaseException:
                     stream.fail()
                     with self.cond:
                         self.streaming = None
                     raise
-                summary.step_s, summary.publish_s = stepped[0], time.perf_counter() - begun - stepped[0] + eager_s
+                summary.publish_s += eager_s
             else:
+                mean, late = self.accumulator.parts()
                 if delayed:
                     self.outer.step_delayed(mean, late)
                 else:

@@ -11,12 +11,14 @@ feedback, carried into the next round's update.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Executor
 
 import torch
 
 from diloco.codec import Codec
+from diloco.outer import OuterOptimizer, PseudoGradientAccumulator
 from diloco.refusal import Reason, Refused
 from diloco.params import checksum
 from diloco.v1 import diloco_pb2 as pb
@@ -103,6 +105,7 @@ class Publication:
         self.delta_base = ""
         self._values: SharedStream | None = None
         self._values_lock = threading.Lock()
+        self.thread_s = 0.0  # the last publication's chunk-making seconds, summed over threads
 
     def value_messages(self) -> SharedStream:
         """The published parameters as serialized fp32 value messages (ResultMessage), with their sizes.
@@ -123,36 +126,43 @@ class Publication:
             self._values = None
 
     @torch.no_grad()
-    def publish(self, step: Callable[[str], None] | None = None, into: DeltaStream | None = None) -> None:
-        """Called after each outer step, under the parameters' write lock. With step (a lossy downlink): steps each
-        parameter just before its chunks are made, and hands them to `into` as they are, so pulls stream the
-        update while the rest of it is made."""
+    def publish(self, step: Callable[[str, int, int], None] | None = None, into: DeltaStream | None = None) -> None:
+        """Called after each outer step, under the parameters' write lock. With step (a lossy downlink): step(name,
+        lo, hi) takes the outer step of each chunk's span just before the chunk is made, on the same thread, while
+        the span is in cache; the chunks go to `into` in order as they are made, so pulls stream the update while
+        the rest of it is made. thread_s: the seconds the threads spent making chunks (steps included)."""
         self._values = None  # a fetch during the fold may have serialized the values from before the step
+        self.thread_s = 0.0
         if self.lossless:
             self.delta_chunks, self.delta_base = [], ""
         else:
+            spans = [(name, lo, hi) for name, outer in self.outer_params.items()
+                     for lo, hi in chunk_spans(outer.numel(), self.codec, self.chunk_bytes)]
+            # Chunks are independent and the codecs' kernels and torch's elementwise ops release the GIL: the islands
+            # wait for this, so it takes every core (each chunk's bytes are the same whichever thread makes it).
+            # map hands the chunks back in order as they are made.
+            made = (self.pool.map if self.pool is not None else map)(lambda span: self._publish_chunk(span, step), spans)
             chunks: list[pb.TensorChunk] = []
-            for name, outer in self.outer_params.items():
-                if step is not None:
-                    step(name)
-                spans = [(name, lo, hi) for lo, hi in chunk_spans(outer.numel(), self.codec, self.chunk_bytes)]
-                # Chunks are independent and the codecs' kernels release the GIL: the islands wait for this, so it
-                # takes every core (each chunk's bytes are the same whichever thread makes it).
-                made = list((self.pool.map if self.pool is not None else map)(self._publish_chunk, spans))
-                chunks.extend(made)
+            for chunk, seconds in made:
+                chunks.append(chunk)
+                self.thread_s += seconds
                 if into is not None:
-                    into.extend(made)
+                    into.extend([chunk])
             self.delta_chunks, self.delta_base = chunks, self.checksum
         self.checksum = checksum(self.params)
 
     @torch.no_grad()
-    def _publish_chunk(self, span: tuple[str, int, int]) -> pb.TensorChunk:
-        """One chunk of a lossy update, subtracted, encoded, decoded and added while it is in cache."""
+    def _publish_chunk(self, span: tuple[str, int, int], step: Callable[[str, int, int], None] | None) -> tuple[pb.TensorChunk, float]:
+        """One chunk of a lossy update, stepped (with step), subtracted, encoded, decoded and added while it is in cache;
+        and the seconds it took."""
+        started = time.perf_counter()
         name, lo, hi = span
+        if step is not None:
+            step(name, lo, hi)
         published, outer = self.params[name].view(-1)[lo:hi], self.outer_params[name].view(-1)[lo:hi]
         payload = self.codec.encode(outer - published)
         self.codec.decode_add(payload, published)  # what every island adds, bit for bit, with no decoded copy
-        return make_chunk(name, lo, hi - lo, payload)
+        return make_chunk(name, lo, hi - lo, payload), time.perf_counter() - started
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         return {} if self.lossless else {n: t.clone() for n, t in self.params.items()}
@@ -163,3 +173,24 @@ class Publication:
                 self.params[name].copy_(t)
         self.delta_chunks, self.delta_base, self._values = [], "", None
         self.checksum = checksum(self.params)
+
+
+def step_and_publish(publication: Publication, accumulator: PseudoGradientAccumulator, outer: OuterOptimizer,
+                     into: DeltaStream) -> tuple[float, float]:
+    """A closed round's mean divided, stepped and published one chunk's span at a time, on the publication's threads,
+    into the stream pulls send from (outer.steps_by_parameter must hold, the downlink be lossy): each span is read
+    once while in cache, not in three model-wide passes. The same bits as mean(), step(), publish(). Returns the
+    step's and the publication's seconds: the wall time split in proportion to their thread-seconds."""
+    mean_span, step_span = accumulator.mean_spans(), outer.span_step()
+    stepped, lock, begun = [0.0], threading.Lock(), time.perf_counter()
+
+    def step(name: str, lo: int, hi: int) -> None:
+        t = time.perf_counter()
+        step_span(name, lo, hi, mean_span(name, lo, hi))
+        with lock:
+            stepped[0] += time.perf_counter() - t
+
+    publication.publish(step, into)
+    wall = time.perf_counter() - begun
+    step_s = wall * stepped[0] / max(publication.thread_s, 1e-9)
+    return step_s, wall - step_s

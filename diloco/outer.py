@@ -36,7 +36,7 @@ Late contributions (rounds.late_rounds > 0) are folded one of two ways (rounds.l
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import torch
 
@@ -125,19 +125,40 @@ class PseudoGradientAccumulator:
         In place, so a round costs no second model-sized buffer whatever the number
         of islands (the same division, so the same bits, as t / divisor).
         """
-        if not self.contributions:
-            raise RuntimeError("no contribution to average")
-        if not self.total_tokens:  # every contribution trained on nothing: each was added with scale 0
-            self._divided = True
-            return self.sums
-        divisor = self.total_tokens / self.reference_tokens
-        if divisor != 1.0 and not self._divided:
+        divisor = self._divide()
+        if divisor is not None:
             for t in self.sums.values():
                 t.div_(divisor)
             for t in (self.late_sums.values() if self.late_contributions else ()):
                 t.div_(divisor)
-        self._divided = True
         return self.sums
+
+    def mean_spans(self) -> Callable[[str, int, int], torch.Tensor]:
+        """mean() a span at a time: span(name, lo, hi) is elements [lo, hi) of that parameter's flat mean, divided in
+        place by whoever asks (each span once, from any thread), so the division runs where the outer step reads the
+        span, while it is in cache, instead of in a model-wide pass of its own. The same bits as mean() (elementwise).
+        The late part is not divided: use parts() when contributions went apart (delayed Nesterov)."""
+        if self.late_contributions:
+            raise RuntimeError("late contributions went apart (delayed Nesterov): divide with parts()")
+        divisor = self._divide()
+
+        def span(name: str, lo: int, hi: int) -> torch.Tensor:
+            t = self.sums[name].view(-1)[lo:hi]
+            return t.div_(divisor) if divisor is not None else t
+
+        return span
+
+    def _divide(self) -> float | None:
+        """Marks the sums as the mean; returns what to divide them by, or None when they are the mean already (one
+        island, equal scale, nobody trained, or divided before)."""
+        if not self.contributions:
+            raise RuntimeError("no contribution to average")
+        if self._divided or not self.total_tokens:  # nobody trained: each contribution was added with scale 0
+            self._divided = True
+            return None
+        self._divided = True
+        divisor = self.total_tokens / self.reference_tokens
+        return None if divisor == 1.0 else divisor
 
     def parts(self) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor] | None]:
         """(A, B): the on-time and the late contributions each over the round's whole weight, so A + B is
@@ -175,8 +196,9 @@ class OuterOptimizer:
         if self.carry:
             raise RuntimeError("this outer optimizer steps with delayed Nesterov (rounds.late_mode); use step_delayed")
         if consume and self.steps_by_parameter:
-            for name in self.params:
-                self.step_parameter(name, pseudo_gradient[name])
+            step = self.span_step()
+            for name, p in self.params.items():
+                step(name, 0, p.numel(), pseudo_gradient[name].reshape(-1))
             return
         for name, p in self.params.items():
             p.grad = pseudo_gradient[name].reshape(p.shape)
@@ -186,24 +208,39 @@ class OuterOptimizer:
 
     @property
     def steps_by_parameter(self) -> bool:
-        """Whether step_parameter applies (Nesterov without weight decay, dampening or maximize, no delayed Nesterov):
-        then a step is the same, bit for bit, taken a parameter at a time (the coordinator publishes each as it goes)."""
+        """Whether span_step applies (Nesterov without weight decay, dampening or maximize, no delayed Nesterov): then
+        a step is the same, bit for bit, taken a span of a parameter at a time (the coordinator publishes each span
+        as it goes)."""
         group = self.optimizer.param_groups[0]
         return not self.carry and group["nesterov"] and not (group["weight_decay"] or group["dampening"] or group["maximize"])
 
     @torch.no_grad()
-    def step_parameter(self, name: str, pseudo_gradient: torch.Tensor) -> None:
-        """step(consume=True)'s update of one parameter (steps_by_parameter must hold): torch's single-tensor SGD
-        operations, with Nesterov's look-ahead formed in the pseudo-gradient, which it overwrites."""
-        group, p = self.optimizer.param_groups[0], self.params[name]
+    def span_step(self) -> Callable[[str, int, int, torch.Tensor], None]:
+        """step(consume=True) one span at a time (steps_by_parameter must hold): the returned step(name, lo, hi, grad)
+        updates elements [lo, hi) of that parameter's flat view with grad, that span of the pseudo-gradient, in
+        which it forms Nesterov's look-ahead (overwriting it). Spans of one step may run on several threads at once,
+        each exactly once. torch's single-tensor SGD operations, all elementwise, so the same bits as its step."""
+        if not self.steps_by_parameter:
+            raise RuntimeError("span_step needs Nesterov SGD without weight decay, dampening or delayed Nesterov")
+        group = self.optimizer.param_groups[0]
         lr, mu = group["lr"], group["momentum"]
-        grad, state = pseudo_gradient.view(p.shape), self.optimizer.state[p]
-        buf = state.get("momentum_buffer")
-        if buf is None:
-            state["momentum_buffer"] = buf = grad.detach().clone()
-        else:
-            buf.mul_(mu).add_(grad)
-        p.add_(grad.add_(buf, alpha=mu), alpha=-lr)
+        fresh, buffers = set(), {}
+        for name, p in self.params.items():
+            state = self.optimizer.state[p]
+            if state.get("momentum_buffer") is None:  # torch's first step clones the gradient into the buffer
+                state["momentum_buffer"] = torch.empty_like(p, memory_format=torch.contiguous_format)
+                fresh.add(name)
+            buffers[name] = state["momentum_buffer"].view(-1)
+
+        def step(name: str, lo: int, hi: int, grad: torch.Tensor) -> None:
+            buf, p = buffers[name][lo:hi], self.params[name].view(-1)[lo:hi]
+            if name in fresh:
+                buf.copy_(grad)
+            else:
+                buf.mul_(mu).add_(grad)
+            p.add_(grad.add_(buf, alpha=mu), alpha=-lr)
+
+        return step
 
     @torch.no_grad()
     def step_delayed(self, on_time: Mapping[str, torch.Tensor], late: Mapping[str, torch.Tensor] | None = None) -> None:

@@ -285,8 +285,8 @@ def test_island_keeps_the_topk_residual_in_its_parameters_and_ends_on_the_global
 
 @pytest.mark.parametrize("sharded", [False, True], ids=["whole", "ranges"])
 def test_a_pull_waiting_at_the_close_streams_the_update_while_it_is_made_and_ends_bit_identical(make_coordinator, monkeypatch, sharded):
-    """The coordinator steps and publishes a lossy update parameter by parameter, and a waiting pull streams each
-    parameter's chunks as they are made (the header without a checksum, a trailer after the chunks; with ranges, a
+    """The coordinator steps and publishes a lossy update chunk by chunk, and a waiting pull streams the chunks as
+    they are made (the header without a checksum, a trailer after the chunks; with ranges, a
     sharded rank's pull, their checksum in the trailer too). The last parameter's chunks are held back until the
     island has received one chunk: were the pull not streamed, it would wait for the whole update and the
     publication would wait for it, and this test would fail. Every round the island ends holding exactly the
@@ -307,10 +307,10 @@ def test_a_pull_waiting_at_the_close_streams_the_update_while_it_is_made_and_end
     received, trailers = threading.Event(), []
     made = publication._publish_chunk
 
-    def held_back(span):
+    def held_back(span, step):
         if span[0] == last and span[1] == 0:
             assert received.wait(30), "the pull received no chunk while the update was being made"
-        return made(span)
+        return made(span, step)
 
     class Watched(ResultRest):
         def __iter__(self):
@@ -382,10 +382,10 @@ def test_an_island_that_vanishes_mid_stream_leaves_the_update_whole_and_pulls_it
     last, release = list(manifest.shapes)[-1], threading.Event()
     made = publication._publish_chunk
 
-    def held_back(span):
+    def held_back(span, step):
         if span[0] == last and span[1] == 0:
             assert release.wait(30), "the test did not let the publication go on"
-        return made(span)
+        return made(span, step)
 
     monkeypatch.setattr(publication, "_publish_chunk", held_back)
     try:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import random
+from concurrent.futures import ThreadPoolExecutor
+
 import pytest
 import torch
 
@@ -118,6 +121,33 @@ def test_accumulator_mean_is_divided_in_place_to_the_same_bits():
     assert torch.equal(acc.mean()["w"], pgs[0]["w"])
 
 
+def test_the_mean_divided_a_span_at_a_time_from_threads_is_the_mean():
+    """mean_spans (the coordinator divides each span where the outer step reads it): spans of odd sizes, in shuffled
+    order, from four threads, give mean()'s bits; one island, or a mean divided already, is not divided again."""
+    shapes = {"w": (64, 33), "b": (7,)}
+    pgs = [random_like(shapes, seed=s) for s in (1, 2, 3)]
+    whole, spans = PseudoGradientAccumulator(shapes), PseudoGradientAccumulator(shapes)
+    for acc in (whole, spans):
+        for t, pg in zip((1000, 1700, 900), pgs):
+            acc.add(t, pg)
+    expected = whole.mean()
+    span = spans.mean_spans()
+    cuts = [(n, lo, min(lo + 13, t.numel())) for n, t in spans.sums.items() for lo in range(0, t.numel(), 13)]
+    random.Random(0).shuffle(cuts)
+    with ThreadPoolExecutor(4) as pool:
+        views = list(pool.map(lambda c: span(*c), cuts))
+    for (name, lo, hi), view in zip(cuts, views):
+        assert view.data_ptr() == spans.sums[name].view(-1)[lo:].data_ptr()  # in place
+    for n in shapes:
+        assert torch.equal(spans.sums[n], expected[n]), n
+    assert torch.equal(spans.mean_spans()("w", 0, 5), expected["w"].view(-1)[:5])  # divided once only
+    one = PseudoGradientAccumulator(shapes)
+    one.add(1000, pgs[0])
+    assert torch.equal(one.mean_spans()("w", 0, 64 * 33), pgs[0]["w"].view(-1))
+    with pytest.raises(RuntimeError, match="no contribution"):
+        PseudoGradientAccumulator(shapes).mean_spans()
+
+
 def test_a_contribution_trained_on_no_tokens_does_not_dilute_the_others():
     shapes = {"w": (3, 4)}
     a, b = random_like(shapes, seed=1), random_like(shapes, seed=2)
@@ -157,3 +187,33 @@ def test_an_outer_step_that_consumes_its_pseudo_gradient_is_torch_sgd_bit_for_bi
         buf = state.get("momentum_buffer")
         assert (buf is None) == (ours_state[k].get("momentum_buffer") is None)
         assert buf is None or torch.equal(ours_state[k]["momentum_buffer"], buf)
+
+
+@pytest.mark.parametrize("width", [37, 4099])
+def test_an_outer_step_taken_a_span_at_a_time_on_threads_is_torch_sgd_bit_for_bit(width):
+    """span_step (the coordinator steps each published chunk's span while it is in cache): spans of odd sizes that
+    split vector widths, in shuffled order, from four threads, over five rounds (the first allocates the momentum):
+    the parameters and momentum are torch.optim.SGD's, bit for bit."""
+    torch.manual_seed(3)
+    shapes = {"a": (300, 70), "b": (5001,), "c": (1,)}
+    ours = {n: torch.randn(s) for n, s in shapes.items()}
+    reference = {n: t.clone() for n, t in ours.items()}
+    outer = OuterOptimizer(ours, OuterConfig(lr=0.7, momentum=0.9, nesterov=True))
+    sgd = torch.optim.SGD(list(reference.values()), lr=0.7, momentum=0.9, nesterov=True)
+    rng = random.Random(1)
+    for round_ in range(5):
+        mean = {n: torch.randn(s) * 1e-2 for n, s in shapes.items()}
+        for n, p in reference.items():
+            p.grad = mean[n].clone()
+        sgd.step()
+        step = outer.span_step()
+        cuts = [(n, lo, min(lo + width, t.numel())) for n, t in mean.items() for lo in range(0, t.numel(), width)]
+        rng.shuffle(cuts)
+        with ThreadPoolExecutor(4) as pool:
+            list(pool.map(lambda c: step(*c, mean[c[0]].view(-1)[c[1]:c[2]]), cuts))
+        for n, p in reference.items():
+            assert torch.equal(ours[n], p), (round_, n)
+            assert torch.equal(outer.optimizer.state[ours[n]]["momentum_buffer"], sgd.state[p]["momentum_buffer"]), (round_, n)
+    delayed = OuterOptimizer({"w": torch.zeros(3)}, OuterConfig(lr=0.7, momentum=0.9, nesterov=False))
+    with pytest.raises(RuntimeError, match="Nesterov"):
+        delayed.span_step()

@@ -35,40 +35,46 @@ def test_a_lossy_publication_on_many_threads_is_bit_for_bit_the_one_on_one(codec
 
 
 @pytest.mark.parametrize("codec", ["int8", "e3m0"])
-def test_stepping_and_publishing_parameter_by_parameter_is_the_whole_step_then_the_publication(codec):
-    """The coordinator streams a lossy update while it is made (FragmentRounds.apply): each parameter stepped just
-    before its chunks. Over three rounds this is bit for bit the whole outer step then the publication: chunks and
-    their order, published and outer parameters, momentum and checksum; the stream hands out the same chunks, then
-    its trailer."""
-    from coordinator.publish import DeltaStream
+@pytest.mark.parametrize("islands", [1, 3])
+def test_dividing_stepping_and_publishing_span_by_span_is_the_mean_the_whole_step_then_the_publication(codec, islands):
+    """The coordinator streams a lossy update while it is made (FragmentRounds.apply, step_and_publish): each chunk's
+    span divided into the mean, stepped and published on the publication's threads. Over three rounds (the first
+    allocates the momentum) this is bit for bit mean(), the whole outer step, then the publication: chunks and their
+    order, published and outer parameters, momentum and checksum; the stream hands out the same chunks, then its
+    trailer. Three islands with unequal tokens make the division real."""
+    from coordinator.publish import DeltaStream, step_and_publish
     from diloco.config import OuterConfig
-    from diloco.outer import OuterOptimizer
+    from diloco.outer import OuterOptimizer, PseudoGradientAccumulator
 
     torch.manual_seed(1)
     shapes = {"embed": (300, 64), "blocks.0.w": (64, 64), "norm": (64,)}
     start = {n: torch.randn(s) for n, s in shapes.items()}
     runs = []
-    for by_parameter in (False, True):
+    for by_span in (False, True):
         outer_params = {n: t.clone() for n, t in start.items()}
         outer = OuterOptimizer(outer_params, OuterConfig(lr=0.7, momentum=0.9, nesterov=True))
-        publication = Publication(outer_params, get_codec(codec), 1024, ThreadPoolExecutor(2))
-        assert outer.steps_by_parameter
+        publication = Publication(outer_params, get_codec(codec), 1024, ThreadPoolExecutor(3))
+        accumulator = PseudoGradientAccumulator(shapes)
         rounds = []
         for round_ in range(3):
-            mean = {n: torch.randn(s, generator=torch.Generator().manual_seed(10 * round_ + k)) * 0.01
-                    for k, (n, s) in enumerate(shapes.items())}
-            if by_parameter:
+            accumulator.reset()
+            for k in range(islands):
+                g = torch.Generator().manual_seed(100 * round_ + k)
+                accumulator.add(1000 + 300 * k, {n: torch.randn(s, generator=g) * 0.01 for n, s in shapes.items()})
+            if by_span:
                 stream = DeltaStream(round_ + 1, publication.checksum, 1, 1000)
-                publication.publish(lambda name: outer.step_parameter(name, mean[name]), stream)
+                step_s, publish_s = step_and_publish(publication, accumulator, outer, stream)
+                assert step_s >= 0 and publish_s >= 0
                 stream.finish(publication.checksum, False)
                 assert [c.SerializeToString() for c in stream] == [c.SerializeToString() for c in publication.delta_chunks]
                 assert stream.trailer() == pb.ResultTrailer(checksum=publication.checksum)
             else:
-                outer.step(mean, consume=True)
+                outer.step(accumulator.mean(), consume=False)  # torch's own step
                 publication.publish()
             rounds.append(([c.SerializeToString() for c in publication.delta_chunks], publication.checksum,
                            {n: t.clone() for n, t in publication.params.items()}, {n: t.clone() for n, t in outer_params.items()},
                            [outer.optimizer.state[p]["momentum_buffer"].clone() for p in outer_params.values()]))
+        assert len(publication.delta_chunks) > 8  # many spans, so the threads interleave
         runs.append(rounds)
     for whole, streamed in zip(*runs):
         assert whole[:2] == streamed[:2]
