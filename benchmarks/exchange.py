@@ -58,7 +58,7 @@ from diloco.wire import FlatRange, Manifest, downlink_codec, tensor_chunks, upli
 from islands.client import CoordinatorClient  # noqa: E402
 from islands.exchange import Exchange, FragmentShard, Wire, pg_chunks, pull, push  # noqa: E402
 from islands.sim.wan import LinkSpec, WanSpecError, parse_link  # noqa: E402
-from benchmarks.transfer import addresses, measure_bare, peak_rss, release_memory, spawn, stop, timed  # noqa: E402
+from benchmarks.transfer import addresses, measure_bare, peak_rss, release_memory, spawn, stop, timed_cpu  # noqa: E402
 
 PROG = "exchange"
 # name -> (vocab_size, d_model, n_layers, d_ff); parameters counted from the model the coordinator builds
@@ -140,15 +140,16 @@ def measure_exchange(cfg: RunConfig, islands: int, repeat: int, workdir: Path, l
         first = Island(where[0], cfg, None)
         members = [first] + [Island(a, cfg, first.pg) for a in where[1:]]
         traffic: dict[int, tuple[int, int, float, float, float, float]] = {}
-        seconds, push_s, pull_s, tail_s = [], [], [], []
+        seconds, cpu_s, push_s, pull_s, tail_s = [], [], [], [], []
         delay = {id(m): k * stagger_s for k, m in enumerate(members)}  # --stagger: island k pushes k x stagger_s late
         for round_ in range(repeat + 1):
             def work(island: Island, r: int = round_) -> None:
                 traffic[id(island)] = island.exchange(r, delay[id(island)])
 
-            s = timed(members, work)
+            s, cpu = timed_cpu(members, work, proc.pid)
             if round_:  # round 0 warms up: codecs' JIT, connections, first allocations
                 seconds.append(s)
+                cpu_s.append(cpu)
                 push_s.append(max(t[2] for t in traffic.values()))
                 pull_s.append(statistics.median(t[3] for t in traffic.values()))
                 tail_s.append(max(t[5] for t in traffic.values()) - max(t[4] for t in traffic.values()))
@@ -159,7 +160,7 @@ def measure_exchange(cfg: RunConfig, islands: int, repeat: int, workdir: Path, l
             m.client.close()
         up, down = traffic[id(first)][:2]
         close = round_costs(f"127.0.0.1:{port}", repeat)
-        return {"seconds": statistics.median(seconds), "all_seconds": seconds, "bytes_up": up, "bytes_down": down,
+        return {"seconds": statistics.median(seconds), "all_seconds": seconds, "cpu_s": statistics.median(cpu_s), "bytes_up": up, "bytes_down": down,
                 "peak_rss": peak, "rss_after_start": base_rss, "_first": first,
                 "push_s": statistics.median(push_s), "pull_s": statistics.median(pull_s), "tail_s": statistics.median(tail_s), **close}
     finally:
@@ -201,6 +202,10 @@ def one(size: str, codec: str, islands: int, repeat: int, link: LinkSpec | None 
         "size": size, "link": str(link) if link else "loopback", "parameters": params, "codec": codec, "islands": islands, "exchange_s": ex["seconds"],
         "exchange_all_s": ex["all_seconds"], "bare_s": bare["messages_s"], "bare_all_s": bare["messages_all_s"],
         "raw_s": bare["raw_s"], "raw_all_s": bare["raw_all_s"], "ratio": ex["seconds"] / bare["messages_s"],
+        # CPU seconds of the islands' and the server's processes: on one machine of C cores an exchange takes at least
+        # its CPU / C, so (CPU / C) / bare time is the least ratio any overlap of its parts could reach here.
+        "exchange_cpu_s": ex["cpu_s"], "bare_cpu_s": bare["messages_cpu_s"], "cores": os.cpu_count(),
+        "cpu_floor_ratio": ex["cpu_s"] / os.cpu_count() / bare["messages_s"],
         "bytes_up_per_island": ex["bytes_up"], "bytes_down_per_island": ex["bytes_down"],
         "bare_bytes_up_per_island": sum(m.ByteSize() for m in pushed), "bare_bytes_down_per_island": sum(m.ByteSize() for m in pulled),
         "coordinator_peak_rss": ex["peak_rss"], "coordinator_rss_after_start": ex["rss_after_start"],
@@ -257,8 +262,9 @@ def main(argv: list[str] | None = None) -> None:
     else:
         print(f"{PROG}: one exchange vs a bare gRPC transfer of the same bytes; {os.cpu_count()} cores, {where}", flush=True)
         print("| parameters | codec | islands | exchange | gRPC, same messages | ratio | gRPC, raw bytes | per island up / down "
-              "| coordinator peak RSS (model fp32) | push, fold, step, publish, pull |")
-        print("|---|---|---|---|---|---|---|---|---|---|", flush=True)
+              "| coordinator peak RSS (model fp32) | push, fold, step, publish, pull | CPU s, exchange / bare | least ratio "
+              "on these cores |")
+        print("|---|---|---|---|---|---|---|---|---|---|---|---|", flush=True)
     rows = []
     for size in sizes:
         for codec in codecs:
@@ -275,7 +281,8 @@ def main(argv: list[str] | None = None) -> None:
                 print(f"| {r['parameters'] / 1e6:.1f}M | {codec} | {n} | {r['exchange_s']:.3f} s | {r['bare_s']:.3f} s | "
                       f"{r['ratio']:.2f}x | {r['raw_s']:.3f} s | {r['bytes_up_per_island'] / 1e6:.1f} / {r['bytes_down_per_island'] / 1e6:.1f} MB | "
                       f"{r['coordinator_peak_rss'] / 2**20:.0f} MiB ({r['model_fp32_bytes'] / 2**20:.0f} MiB) | "
-                      f"{', '.join(f'{r[k]:.3f}' for k in ('push_s', 'fold_s', 'step_s', 'publish_s', 'pull_s'))} s |", flush=True)
+                      f"{', '.join(f'{r[k]:.3f}' for k in ('push_s', 'fold_s', 'step_s', 'publish_s', 'pull_s'))} s | "
+                      f"{r['exchange_cpu_s']:.2f} / {r['bare_cpu_s']:.2f} | {r['cpu_floor_ratio']:.2f}x |", flush=True)
                 if args.json:
                     Path(args.json).write_text(json.dumps(rows, indent=1))
 

@@ -39,6 +39,22 @@ def peak_rss(pid: int) -> int:
     raise RuntimeError(f"no VmHWM for pid {pid}")
 
 
+def cpu_seconds(pid: int | None = None) -> float:
+    """User + system CPU seconds of a process, every thread of it: this one when pid is None."""
+    if pid is None:
+        return time.process_time()
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()  # after the command's name
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
+
+
+def timed_cpu(workers: list, work, pid: int) -> tuple[float, float]:
+    """timed(), and the CPU seconds this process and process pid (the server) spent meanwhile: on one machine an
+    exchange can take no less than that over the number of cores, however well its parts overlap."""
+    before = cpu_seconds() + cpu_seconds(pid)
+    seconds = timed(workers, work)
+    return seconds, cpu_seconds() + cpu_seconds(pid) - before
+
+
 def release_memory() -> None:
     """Hands what this process freed back to the system. The islands' threads free a model's worth of 1 MiB buffers
     a point in glibc's per-thread arenas, which keep them: a grid of 125M points in one process grew past 21 GB and
@@ -166,9 +182,10 @@ def measure_bare(pushed: list[pb.PushMessage], pulled: list[pb.ResultMessage], i
             both.wait()
             assert sum(map(len, channel.unary_stream(f"/{BARE_SERVICE}/PullRaw")(json.dumps(spec).encode(), timeout=1800))) == sum(spec)
 
-        messages = [timed(channels, by_messages) for _ in range(repeat + 1)][1:]
+        messages, cpu = zip(*[timed_cpu(channels, by_messages, proc.pid) for _ in range(repeat + 1)][1:])
         raw = [timed(channels, by_bytes) for _ in range(repeat + 1)][1:]
-        return {"messages_s": statistics.median(messages), "raw_s": statistics.median(raw), "messages_all_s": messages, "raw_all_s": raw}
+        return {"messages_s": statistics.median(messages), "raw_s": statistics.median(raw), "messages_all_s": list(messages),
+                "raw_all_s": raw, "messages_cpu_s": statistics.median(cpu)}
     finally:
         for c in channels:
             c.close()
