@@ -46,8 +46,8 @@ class SharedStream:
 
 
 class DeltaStream:
-    """A round's lossy update while it is made, parameter by parameter: a pull sends the chunks made so far and waits
-    for the rest, then the trailer (the checksum and run_finished its header could not carry yet)."""
+    """A round's lossy update while it is made, chunk by chunk: a pull sends the chunks made so far and waits for the
+    rest, then the trailer (the checksum and run_finished its header could not carry yet)."""
 
     WAIT_S = 600.0  # a publication that makes no chunk for this long has failed
 
