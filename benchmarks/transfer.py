@@ -47,12 +47,14 @@ def cpu_seconds(pid: int | None = None) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
 
 
-def timed_cpu(workers: list, work, pid: int) -> tuple[float, float]:
-    """timed(), and the CPU seconds this process and process pid (the server) spent meanwhile: on one machine an
-    exchange can take no less than that over the number of cores, however well its parts overlap."""
-    before = cpu_seconds() + cpu_seconds(pid)
+def timed_cpu(workers: list, work, pid: int) -> tuple[float, float, float]:
+    """timed(), the CPU seconds this process (the islands) and process pid (the server) spent meanwhile, and the
+    server's part of them: on one machine an exchange can take no less than their sum over the number of cores,
+    however well its parts overlap."""
+    mine, server = cpu_seconds(), cpu_seconds(pid)
     seconds = timed(workers, work)
-    return seconds, cpu_seconds() + cpu_seconds(pid) - before
+    server = cpu_seconds(pid) - server
+    return seconds, cpu_seconds() - mine + server, server
 
 
 def release_memory() -> None:
@@ -182,7 +184,7 @@ def measure_bare(pushed: list[pb.PushMessage], pulled: list[pb.ResultMessage], i
             both.wait()
             assert sum(map(len, channel.unary_stream(f"/{BARE_SERVICE}/PullRaw")(json.dumps(spec).encode(), timeout=1800))) == sum(spec)
 
-        messages, cpu = zip(*[timed_cpu(channels, by_messages, proc.pid) for _ in range(repeat + 1)][1:])
+        messages, cpu, _ = zip(*[timed_cpu(channels, by_messages, proc.pid) for _ in range(repeat + 1)][1:])
         raw = [timed(channels, by_bytes) for _ in range(repeat + 1)][1:]
         return {"messages_s": statistics.median(messages), "raw_s": statistics.median(raw), "messages_all_s": list(messages),
                 "raw_all_s": raw, "messages_cpu_s": statistics.median(cpu)}
