@@ -71,14 +71,14 @@ SIZES = {
 }
 
 
-def run_config(size: str, codec: str, islands: int, rounds: int) -> RunConfig:
+def run_config(size: str, codec: str, islands: int, rounds: int, overrides: tuple[str, ...] = ()) -> RunConfig:
     vocab, d_model, n_layers, d_ff = SIZES[size]
-    return load_config(None, [
+    return load_config(None, [*overrides,
         f"model.vocab_size={vocab}", f"model.d_model={d_model}", f"model.n_layers={n_layers}", f"model.d_ff={d_ff}",
         f"model.n_heads={d_model // 64 if d_model >= 256 else 4}", f"wire.codec={codec}", f"rounds.rounds={rounds}",
         f"rounds.min_islands={islands}", f"rounds.max_islands={islands}", f"data.shards={islands}",
         "rounds.lease_s=3600", "rounds.heartbeat_s=600", "rounds.deadline_s=3600", "eval.batches=0",
-    ])
+    ])  # the benchmark's own settings after the caller's overrides: what it measures stays what it says
 
 
 class Island:
@@ -182,8 +182,9 @@ def messages_of(first: Island, cfg: RunConfig) -> tuple[list[pb.PushMessage], li
     return pushed, pulled
 
 
-def one(size: str, codec: str, islands: int, repeat: int, link: LinkSpec | None = None, stagger_s: float = 0.0) -> dict:
-    cfg = run_config(size, codec, islands, repeat + 2)  # the run never finishes under the islands: we stop it
+def one(size: str, codec: str, islands: int, repeat: int, link: LinkSpec | None = None, stagger_s: float = 0.0,
+        overrides: tuple[str, ...] = ()) -> dict:
+    cfg = run_config(size, codec, islands, repeat + 2, overrides)  # the run never finishes under the islands: we stop it
     tmp = Path(tempfile.mkdtemp(prefix="diloco-exchange-"))
     try:
         ex = measure_exchange(cfg, islands, repeat, tmp, link, stagger_s)
@@ -201,7 +202,8 @@ def one(size: str, codec: str, islands: int, repeat: int, link: LinkSpec | None 
     shutil.rmtree(tmp)
     params = first.manifest.total_numel()
     return {
-        "size": size, "link": str(link) if link else "loopback", "parameters": params, "codec": codec, "islands": islands, "exchange_s": ex["seconds"],
+        "size": size, "link": str(link) if link else "loopback", "parameters": params, "codec": codec, "islands": islands,
+        "settings": list(overrides), "exchange_s": ex["seconds"],
         "exchange_all_s": ex["all_seconds"], "bare_s": bare["messages_s"], "bare_all_s": bare["messages_all_s"],
         "raw_s": bare["raw_s"], "raw_all_s": bare["raw_all_s"], "ratio": ex["seconds"] / bare["messages_s"],
         # CPU seconds of the islands' and the server's processes: on one machine of C cores an exchange takes at least
@@ -231,8 +233,15 @@ def main(argv: list[str] | None = None) -> None:
                         help="island k starts pushing k x SECONDS after the first, as islands that finish their inner steps at "
                         "different times; measures the close after the last push (what folding ahead takes off it) instead "
                         "of comparing with the bare transfer")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                        help="a coordinator setting, e.g. limits.spool_memory_models=0 (spools on disk only); repeatable. "
+                        "The model, codec, islands and rounds are the benchmark's")
     parser.add_argument("--json", metavar="PATH", help="also write every figure here")
     args = parser.parse_args(argv)
+    try:
+        load_config(None, args.overrides)
+    except Exception as e:  # ConfigError or ValueError: a key or value the config does not take
+        fail(PROG, f"--set: {e}")
     sizes = args.sizes.split(",")
     if bad := [s for s in sizes if s not in SIZES]:
         fail(PROG, f"--sizes: unknown size {bad[0]!r}; choose from {', '.join(SIZES)}")
@@ -272,7 +281,7 @@ def main(argv: list[str] | None = None) -> None:
     for size in sizes:
         for codec in codecs:
             for n in counts:
-                r = one(size, codec, n, args.repeat, link, args.stagger)
+                r = one(size, codec, n, args.repeat, link, args.stagger, tuple(args.overrides))
                 release_memory()  # the next point's islands start from what this one freed
                 rows.append(r)
                 if args.stagger:

@@ -38,6 +38,7 @@ def test_convergence_refuses_a_bad_codec_spec(spec, message):
         (["--codecs", "int9"], "--codecs: unknown codec 'int9'"),
         (["--wan", "fast"], "--wan: bad link 'fast'"),
         (["--stagger", "-1"], "--stagger must be between 0 and 600 seconds, got -1"),
+        (["--set", "limits.spool_memory=0"], "--set: unknown key(s) ['spool_memory'] in [limits]"),
     ],
 )
 def test_exchange_benchmark_refuses_bad_input_in_one_line(args, message):
@@ -53,7 +54,7 @@ def test_exchange_benchmark_moves_the_same_bytes_as_its_bare_transfer(tmp_path):
     transfer it is compared with moves the bytes the exchange moved (up to the push header)."""
     out = tmp_path / "exchange.json"
     run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "exchange.py"), "--sizes", "1m", "--islands", "2",
-                          "--codecs", "int8", "--repeat", "1", "--json", str(out)],
+                          "--codecs", "int8", "--repeat", "1", "--set", "limits.spool_memory_models=0", "--json", str(out)],
                          capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert run.returncode == 0, run.stderr[-2000:]
     (row,) = json.loads(out.read_text())
@@ -64,6 +65,10 @@ def test_exchange_benchmark_moves_the_same_bytes_as_its_bare_transfer(tmp_path):
     assert row["exchange_s"] > 0 and row["bare_s"] > 0 and row["coordinator_peak_rss"] > 0
     # Where the time went: the islands' push and pull, the coordinator's own fold, step and publication timings.
     assert all(0 < row[k] < 600 for k in ("push_s", "fold_s", "step_s", "publish_s", "pull_s")), row
+    # The CPU the exchange and the bare transfer took, the coordinator's part, and the least ratio they allow.
+    assert 0 < row["coordinator_cpu_s"] <= row["exchange_cpu_s"] and row["bare_cpu_s"] > 0, row
+    assert row["cpu_floor_ratio"] == pytest.approx(row["exchange_cpu_s"] / row["cores"] / row["bare_s"]), row
+    assert row["settings"] == ["limits.spool_memory_models=0"], row
     assert "| 1.0M | int8 | 2 |" in run.stdout
 
 
