@@ -29,3 +29,21 @@ def test_three_island_sim_ends_with_identical_parameters_and_lower_eval_loss(tmp
     assert len(lines) == 3 + 4  # where to look, header + one line per round
     logged = [json.loads(line) for part in sorted((tmp_path / "logs").glob("rounds-*.jsonl")) for line in part.read_text().splitlines()]
     assert [r["round"] for r in logged if r["event"] == "round"] == [0, 1, 2, 3]  # the coordinator's JSON lines
+
+
+def test_island_metrics_ports_lie_below_the_ephemeral_range_and_apart():
+    """The simulation picks each island's metrics port below the range the kernel hands to outgoing connections
+    (one of those took an island's port between its choice and the island's bind, and the run waited for that island
+    for ever), with room for an FSDP island's port + g, and apart from the ports chosen before."""
+    import socket
+
+    from islands.sim.simulation import ephemeral_ports, free_port
+
+    low, chosen = ephemeral_ports().start, []
+    for _ in range(20):
+        port = free_port(chosen)
+        assert 1024 <= port and port + 15 < low, (port, low)
+        assert all(abs(port - other) >= 16 for other in chosen), (port, chosen)
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", port))  # free when handed out
+        chosen.append(port)

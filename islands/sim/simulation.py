@@ -12,12 +12,13 @@ import json
 import logging
 import math
 import os
+import random
 import signal
 import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -50,11 +51,38 @@ def _fmt_bytes(n: float) -> str:
     return str(n)
 
 
-def free_port() -> int:
-    """A port free on 127.0.0.1 now (the island binds it a moment later; nothing else here takes ports)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def ephemeral_ports() -> range:
+    """The ports the kernel hands out for outgoing connections and binds to port 0 (Linux's default elsewhere)."""
+    try:
+        low, high = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    except (OSError, ValueError):
+        low, high = 32768, 60999
+    return range(low, high + 1)
+
+
+def free_port(avoid: Collection[int] = (), span: int = 16) -> int:
+    """A port free on 127.0.0.1 now, below the ephemeral range, with the span - 1 ports above it (an FSDP island's
+    replica group g serves its metrics on port + g) clear of the ports in avoid (chosen already, not bound yet).
+    Below that range: the island binds it a moment later, and a port from the range could meanwhile become the local
+    end of any connection (a gRPC channel took one island's metrics port in a test run, and the island exited)."""
+    low = ephemeral_ports().start
+    first = max(1024, low - 12000)
+    if first >= low - span:  # no room below the range: the kernel's choice
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return s.getsockname()[1]
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randrange(first, low - span)
+        if any(abs(port - other) < span for other in avoid):
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port below the ephemeral range ({low}) on 127.0.0.1")
 
 
 def _wait_for_port(port_file: Path, proc: subprocess.Popen, timeout_s: float) -> int:
@@ -146,7 +174,7 @@ class Simulation:
         if self.tls_dir is not None:
             args += ["--tls", str(self.tls_dir), "--tls-name", f"site-{i}"]
         if i not in self.metrics_ports:  # chosen once: a restarted island serves where it did
-            self.metrics_ports[i] = free_port()
+            self.metrics_ports[i] = free_port(self.metrics_ports.values())
         args += ["--log-url", str(self.workdir / "logs"), "--metrics-port", str(self.metrics_ports[i])]
         if resume:
             args.append("--resume")
