@@ -105,7 +105,6 @@ class Publication:
         self.delta_base = ""
         self._values: SharedStream | None = None
         self._values_lock = threading.Lock()
-        self.thread_s = 0.0  # the last publication's chunk-making seconds, summed over threads
 
     def value_messages(self) -> SharedStream:
         """The published parameters as serialized fp32 value messages (ResultMessage), with their sizes.
@@ -126,13 +125,13 @@ class Publication:
             self._values = None
 
     @torch.no_grad()
-    def publish(self, step: Callable[[str, int, int], None] | None = None, into: DeltaStream | None = None) -> None:
+    def publish(self, step: Callable[[str, int, int], None] | None = None, into: DeltaStream | None = None) -> float:
         """Called after each outer step, under the parameters' write lock. With step (a lossy downlink): step(name,
         lo, hi) takes the outer step of each chunk's span just before the chunk is made, on the same thread, while
         the span is in cache; the chunks go to `into` in order as they are made, so pulls stream the update while
-        the rest of it is made. thread_s: the seconds the threads spent making chunks (steps included)."""
+        the rest of it is made. Returns the seconds the threads spent making chunks (steps included), summed."""
         self._values = None  # a fetch during the fold may have serialized the values from before the step
-        self.thread_s = 0.0
+        thread_s = 0.0
         if self.lossless:
             self.delta_chunks, self.delta_base = [], ""
         else:
@@ -145,11 +144,12 @@ class Publication:
             chunks: list[pb.TensorChunk] = []
             for chunk, seconds in made:
                 chunks.append(chunk)
-                self.thread_s += seconds
+                thread_s += seconds
                 if into is not None:
                     into.extend([chunk])
             self.delta_chunks, self.delta_base = chunks, self.checksum
         self.checksum = checksum(self.params)
+        return thread_s
 
     @torch.no_grad()
     def _publish_chunk(self, span: tuple[str, int, int], step: Callable[[str, int, int], None] | None) -> tuple[pb.TensorChunk, float]:
@@ -190,7 +190,7 @@ def step_and_publish(publication: Publication, accumulator: PseudoGradientAccumu
         with lock:
             stepped[0] += time.perf_counter() - t
 
-    publication.publish(step, into)
+    thread_s = publication.publish(step, into)
     wall = time.perf_counter() - begun
-    step_s = wall * stepped[0] / max(publication.thread_s, 1e-9)
+    step_s = wall * stepped[0] / max(thread_s, 1e-9)
     return step_s, wall - step_s
