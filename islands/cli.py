@@ -17,7 +17,7 @@ from diloco.credentials import TlsFiles, island_files
 from diloco.jsonlog import LogError, check_tensorboard
 from diloco.net import is_loopback
 from islands.client import CoordinatorUnreachable
-from islands.launch import LaunchError, LaunchOptions, is_launched_rank, launch, replica_spec, run_island
+from islands.launch import LaunchError, LaunchOptions, claim_island, is_launched_rank, launch, replica_spec, run_island
 from islands.telemetry import TelemetryOptions
 from islands.world import IslandWorld
 
@@ -128,6 +128,7 @@ def main(argv: list[str] | None = None) -> None:
             fail(parser.prog, str(e))
     try:
         launched = is_launched_rank()
+        claim_island(launched, args.checkpoint)  # a rank dies with its torchrun; one copy of an island per --checkpoint
     except LaunchError as e:
         fail(parser.prog, str(e))
     sharded = (

@@ -13,16 +13,27 @@ rank is started with
 and with torchrun's RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT.
 Started that way by anything else (your own torchrun, one srun step per
 replica group under SLURM), the same command runs as that rank.
+
+The launcher is the island: on Linux its torchruns, and their ranks, die with it
+however it dies (SIGKILL included; see `die_with_parent`), and while it runs it
+holds the lock of its --checkpoint (`IslandLock`), so that a second copy started
+beside it (a `--resume` of the same island) is refused instead of training as
+that island twice. A one-rank island holds the same lock.
 """
 
 from __future__ import annotations
 
+import ctypes
+import errno
+import fcntl
+import hashlib
 import logging
 import os
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import uuid
 from dataclasses import dataclass
 
@@ -42,6 +53,8 @@ from islands.world import IslandWorld
 log = logging.getLogger(__name__)
 
 GROUP_ENV, GROUPS_ENV, KEY_ENV = "DILOCO_REPLICA_GROUP", "DILOCO_REPLICA_GROUPS", "DILOCO_ISLAND_KEY"
+LAUNCHER_ENV = "DILOCO_LAUNCHER_PID"  # set by the launcher for its torchruns' ranks
+LOCK_NAME = "island.lock"
 
 
 class LaunchError(ValueError):
@@ -71,6 +84,146 @@ def adopt_slurm_env(env: dict[str, str] = os.environ) -> bool:
 
 def is_launched_rank(env: dict[str, str] = os.environ) -> bool:
     return adopt_slurm_env(env)
+
+
+# --- an island's processes die with its launcher ------------------------------------------------
+#
+# Why a parent-death signal in every process rather than torchrun in a process group that a supervisor
+# kills: torchrun starts each rank in a session of its own (start_new_session in torch's
+# SubprocessHandler), so killing torchrun's group would miss the ranks, and a supervisor is one more
+# process that can itself be SIGKILLed or OOM-killed. PR_SET_PDEATHSIG is kept by the kernel and fires
+# on any death of the parent, SIGKILL included: the launcher's death kills its torchruns, a torchrun's
+# death kills its ranks. Both torchrun and torch's agent start their children from the main thread,
+# whose exit is what the signal follows (it follows the thread that forked, not the process).
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _set_parent_death_signal(sig: int = signal.SIGKILL) -> bool:
+    """Asks the kernel to send sig to this process when its parent dies (Linux only); False if unavailable."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        return ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+def _parent_of(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):
+        return -1
+
+
+def _child_dies_with(parent: int):
+    """A preexec_fn: the child (torchrun) gets SIGKILL when the launcher dies; if it died already, now."""
+    prctl = ctypes.CDLL(None, use_errno=True).prctl if sys.platform.startswith("linux") else None
+
+    def preexec() -> None:
+        if prctl is not None:
+            prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+        if os.getppid() != parent:  # the launcher died before the signal was set: nobody would send it
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    return preexec
+
+
+def die_with_parent(env: dict[str, str] = os.environ) -> None:
+    """In a rank started by torchrun: SIGKILL when torchrun dies (SIGKILL of torchrun, or of our launcher).
+
+    The signal is set here, seconds after the fork (torch's imports): if torchrun died meanwhile this rank
+    was already handed to another parent and would never get it. Under our launcher the rank checks that
+    its parent's parent is still the launcher (torchrun alive and not orphaned) and else exits at once. Under
+    a torchrun of your own there is no such pid to check; an orphan there cannot reach torchrun's store and
+    fails in its rendezvous. Under srun (no torchrun) nothing is set: slurmstepd owns the ranks.
+    """
+    if "TORCHELASTIC_RUN_ID" not in env or not _set_parent_death_signal():
+        return
+    launcher = env.get(LAUNCHER_ENV, "")
+    parent = os.getppid()
+    if launcher.isdigit() and _parent_of(parent) != int(launcher):
+        sys.stderr.write(f"diloco-island: rank {env.get('RANK', '?')}: its torchrun or launcher is gone; exiting\n")
+        sys.stderr.flush()
+        os._exit(1)
+
+
+# --- one copy of an island -----------------------------------------------------------------------
+
+
+class IslandLock:
+    """An exclusive flock held while this island runs; the kernel drops it when the holder dies.
+
+    Keyed by --checkpoint, the island's identity on disk: two copies writing one checkpoint, or a
+    --resume beside the copy it resumes, would train as one island twice. A local checkpoint folder
+    holds the lock file itself (island.lock; on NFS Linux maps flock to an NFS lock, so it holds across
+    machines there). A remote URL (s3://...) cannot hold a lock: the lock is then a local file named by
+    the URL's hash under the user's runtime folder, which refuses a second copy on this machine only;
+    one started on another machine is not seen.
+    """
+
+    def __init__(self, path: str, fd: int):
+        self.path, self.fd = path, fd
+
+    @staticmethod
+    def path_for(checkpoint: str) -> str:
+        from fsspec.core import split_protocol
+
+        url = checkpoint.rstrip("/")
+        protocol, root = split_protocol(url)
+        if protocol in (None, "file", "local"):
+            os.makedirs(root, exist_ok=True)
+            return os.path.abspath(os.path.join(root, LOCK_NAME))
+        runtime = os.environ.get("XDG_RUNTIME_DIR") or os.path.join(tempfile.gettempdir(), f"diloco-{os.getuid()}")
+        folder = os.path.join(runtime, "diloco-islands")
+        os.makedirs(folder, mode=0o700, exist_ok=True)
+        return os.path.join(folder, hashlib.sha256(url.encode()).hexdigest()[:24] + ".lock")
+
+    @classmethod
+    def acquire(cls, checkpoint: str) -> "IslandLock":
+        """Takes the lock, or raises LaunchError naming the copy that holds it."""
+        try:
+            path = cls.path_for(checkpoint)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        except (OSError, ValueError) as e:
+            raise LaunchError(f"--checkpoint {checkpoint}: cannot create this island's lock file: {e}") from e
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            holder = os.pread(fd, 64, 0).decode(errors="replace").strip()
+            os.close(fd)
+            if e.errno not in (errno.EAGAIN, errno.EACCES):
+                raise LaunchError(f"--checkpoint {checkpoint}: cannot lock {path}: {e}") from e
+            who = f"pid {holder}" if holder else "pid unknown"
+            raise LaunchError(
+                f"another copy of this island is running ({who}, holding {path}); it would train as the same island "
+                f"twice: stop that copy first (its ranks exit with it), or give this one its own --checkpoint"
+            ) from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        return cls(path, fd)
+
+    def release(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)  # closing the only descriptor drops the flock
+            self.fd = -1
+
+
+_held: dict[str, IslandLock] = {}  # held for the process's life; main() called again in one process keeps its lock
+
+
+def claim_island(launched: bool, checkpoint: str) -> IslandLock | None:
+    """At the start of `diloco-island join`: a rank started by torchrun dies with it; a launcher or a one-rank
+    island takes the lock of its --checkpoint (none without one). Raises LaunchError if another copy holds it."""
+    if launched:
+        die_with_parent()
+        return None
+    if not checkpoint:
+        return None
+    if checkpoint not in _held:
+        _held[checkpoint] = IslandLock.acquire(checkpoint)
+    return _held[checkpoint]
 
 
 @dataclass
@@ -124,6 +277,7 @@ def launch(worker_argv: list[str], opts: LaunchOptions) -> int:
         raise LaunchError("--nproc-per-node and --replica-groups must be at least 1")
     host = opts.ft_host or os.environ.get(FT_HOST_ENV) or socket.gethostname()
     placement = gpu_placement(opts, dict(os.environ), torch.cuda.device_count())
+    preexec = _child_dies_with(os.getpid())
     key = opts.island_key or os.environ.get(KEY_ENV) or f"{socket.gethostname()}-{uuid.uuid4().hex[:8]}"
     lighthouse, server = opts.lighthouse or os.environ.get(LIGHTHOUSE_ENV, ""), None
     os.environ.setdefault("RUST_LOG", "warn")  # torchft's lighthouse and managers log every quorum at info
@@ -143,12 +297,13 @@ def launch(worker_argv: list[str], opts: LaunchOptions) -> int:
     old = {s: signal.signal(s, stop) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
         for g in range(opts.replica_groups):
-            env = dict(os.environ, **{GROUP_ENV: str(g), GROUPS_ENV: str(opts.replica_groups), KEY_ENV: key, FT_HOST_ENV: host})
+            env = dict(os.environ, **{GROUP_ENV: str(g), GROUPS_ENV: str(opts.replica_groups), KEY_ENV: key, FT_HOST_ENV: host,
+                                      LAUNCHER_ENV: str(os.getpid())})
             if lighthouse:
                 env[LIGHTHOUSE_ENV] = lighthouse
             if placement is not None:
                 env["CUDA_VISIBLE_DEVICES"] = placement[g]
-            procs.append(subprocess.Popen(worker_command(worker_argv, opts), env=env, start_new_session=True))
+            procs.append(subprocess.Popen(worker_command(worker_argv, opts), env=env, start_new_session=True, preexec_fn=preexec))
         log.info("island %s: %d replica group(s) x %d rank(s) started (lighthouse %s)", key, opts.replica_groups, opts.nproc_per_node, lighthouse or "-")
         codes = [p.wait() for p in procs]
     finally:
