@@ -265,7 +265,103 @@ def time_boxed(workdir: Path) -> None:
         run.close()
 
 
-SCENARIOS = {"two_islands": two_islands, "faults": faults, "torchrun": torchrun, "cuda": cuda, "time_boxed": time_boxed}
+def _proc_state(pid: int) -> str:
+    """The process's state letter from /proc (Z: dead, not yet reaped), or "" once it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return ""
+
+
+def _exit_of(pid: int) -> str:
+    """How a dead process ended, read from its zombie (orphans come to this process, PID 1 of the namespace,
+    which reaps them here), or "" if it was reaped by someone else."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            code = int(f.read().rsplit(")", 1)[1].split()[49])  # exit_code (proc(5) field 52)
+    except (OSError, IndexError, ValueError):
+        code = None
+    try:
+        os.waitpid(pid, os.WNOHANG)
+    except ChildProcessError:
+        pass
+    if code is None:
+        return ""
+    return f"signal {code & 0x7f}" if code & 0x7f else f"exit {code >> 8}"
+
+
+def launcher_killed(workdir: Path) -> None:
+    """A 1 x 2 island started by `islands join --nproc-per-node 2 --checkpoint DIR`, held at its round-0 push
+    (so its ranks stay up, idle). Once both ranks are up: a second copy with the same --checkpoint (a
+    --resume) is started and must exit by itself, refused; then the launcher is SIGKILLed and every pid of
+    the island (torchrun, both ranks) is watched until it is gone or dead. This process is PID 1 of the
+    scenario's PID namespace, so the orphans come to it: it reaps them and records how they died."""
+    cfg = tiny_config("model.n_layers=2", "rounds.rounds=3", "rounds.heartbeat_s=0.5", "rounds.lease_s=60",
+                      "rounds.deadline_s=600")
+    run = Run(workdir, cfg, deadline_s=200)
+    reports, ckpt = workdir / "island", workdir / "ckpt"
+    flags = ["--nproc-per-node", "2", "--max-restarts", "0", "--checkpoint", str(ckpt), "--checkpoint-every", "100",
+             *SHARDED_FLAGS]
+    notes = run.notes
+    try:
+        run.island("first", *flags, "--report-dir", str(reports), env={"DILOCO_FAULT": "hold-before-push:round=0,delay=600"})
+        launcher = run.procs["first"]
+        def up() -> list[int] | None:
+            pids = [e["pid"] for r in (0, 1) for e in events(reports, f"g0-r{r}-a0") if e["event"] == "up"]
+            return pids if len(pids) == 2 else None
+
+        ranks = wait_until(run, "both ranks up", up, timeout_s=150)
+        torchruns = sorted({parent_pid(pid) for pid in ranks})
+        notes.update(launcher=launcher.pid, ranks=ranks, torchruns=torchruns,
+                     torchrun_parents=[parent_pid(pid) for pid in torchruns], joined=len(run.coordinator.state.islands))
+
+        # A second copy of the island beside the first: refused at its start, whatever it was asked to do.
+        run.island("second", *flags, "--resume")
+        try:
+            code = run.procs["second"].wait(min(120.0, run.left()))
+        except subprocess.TimeoutExpired:
+            code = None
+        notes["second"] = {"code": code, "log": (workdir / "second.log").read_text(),
+                           "joined_after": len(run.coordinator.state.islands),
+                           "first_alive": launcher.poll() is None and all(_proc_state(p) not in ("", "Z") for p in ranks)}
+
+        # SIGKILL the launcher: torchrun and both ranks must go with it.
+        watched = [*torchruns, *ranks]
+        killed_at = time.monotonic()
+        os.kill(launcher.pid, signal.SIGKILL)
+        launcher.wait(30)
+        gone: dict[int, float] = {}
+        how: dict[int, str] = {}
+        give_up = killed_at + 60
+        while len(gone) < len(watched) and time.monotonic() < give_up:
+            for pid in watched:
+                if pid in gone:
+                    continue
+                if _proc_state(pid) in ("", "Z", "X"):
+                    gone[pid] = time.monotonic() - killed_at
+                    how[pid] = _exit_of(pid)
+            time.sleep(0.005)
+        notes["gone_s"] = {str(pid): round(t, 4) for pid, t in gone.items()}
+        notes["how"] = {str(pid): h for pid, h in how.items()}
+        notes["remaining"] = {str(pid): _proc_state(pid) for pid in watched if pid not in gone}
+
+        # The launcher's lock went with it: the next copy (the --resume one would start now) gets it.
+        import fcntl
+
+        with open(ckpt / "island.lock", "a+") as f:
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                notes["lock_free_after"] = True
+            except OSError:
+                notes["lock_free_after"] = False
+    finally:
+        run.close()
+        (workdir / "result.json").write_text(json.dumps({"notes": notes}, indent=1))
+
+
+SCENARIOS = {"two_islands": two_islands, "faults": faults, "torchrun": torchrun, "cuda": cuda, "time_boxed": time_boxed,
+             "launcher_killed": launcher_killed}
 
 if __name__ == "__main__":
     logging.basicConfig(level=logging.INFO, format="%(asctime)s [scenario] %(levelname)s %(name)s: %(message)s")
