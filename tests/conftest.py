@@ -45,15 +45,30 @@ def island_on(coordinator, cfg):
 
 
 def tiny_config(*overrides: str):
-    """A model small enough that a round takes milliseconds."""
+    """A model small enough that a round takes milliseconds; every other setting is the default users get (the claim
+    check and the norm guard included): a test that must turn one off says why where it does."""
     base = [
         "model.d_model=32", "model.n_layers=1", "model.n_heads=2", "model.d_ff=64", "model.max_seq_len=32",
         "data.seq_len=32", "inner.batch_size=4", "inner.steps_per_round=2", "eval.batches=0",
+        # A failed test ends in 30 s rather than an hour; small chunks so that even this model spans several.
         "rounds.deadline_s=30", "wire.chunk_bytes=4096",
-        # Protocol tests push made-up token counts; the tests of real islands and of the claims turn it on.
-        "robust.check_claims=false",
     ]
     return load_config(None, base + list(overrides))
+
+
+def per_step(cfg) -> int:
+    """The tokens one rank trains in one inner step: inner.batch_size x data.seq_len (128 in tiny_config)."""
+    return cfg.inner.batch_size * cfg.data.seq_len
+
+
+def claim(cfg, steps: int = 1, ranks: int = 1) -> dict:
+    """An honest push claim for a PushHeader: `steps` inner steps on `ranks` ranks (the island must have joined
+    declaring at least that many), as pb.PushHeader(..., **claim(cfg, 2)). The coordinator's claim check
+    (robust.check_claims, on by default) refuses more tokens than that, or steps beyond a round's."""
+    return {"tokens": steps * ranks * per_step(cfg), "inner_steps": steps}
+
+
+PER_STEP = per_step(tiny_config())  # 4 x 32 = 128 tokens a rank trains per inner step in tiny_config
 
 
 @pytest.fixture

@@ -27,7 +27,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
 import torch  # noqa: E402
 
-from conftest import tiny_config  # noqa: E402
+from conftest import claim, tiny_config  # noqa: E402
 from coordinator.server import start_coordinator  # noqa: E402
 from diloco.codec import Fp32Codec  # noqa: E402
 from diloco.v1 import diloco_pb2 as pb  # noqa: E402
@@ -104,6 +104,9 @@ class Puppet:
 
     def __init__(self, port: int, cfg):
         self.client = CoordinatorClient(f"127.0.0.1:{port}", connect_timeout_s=10)
+        # One inner step of one rank (PER_STEP = 128 tokens in tiny_config) a round: the least a push can claim honestly
+        # (robust.check_claims) with weight, so that a round of the puppet alone still folds and steps.
+        self.claim = claim(cfg)
         joined = self.client.join(cfg.digest(), "fp32")
         self.island_id, self.chunk_bytes = joined.island_id, joined.max_chunk_bytes
         self.zeros = {n: torch.zeros(s) for n, s in Manifest.from_proto(joined.parameters).shapes.items()}
@@ -111,7 +114,8 @@ class Puppet:
         self.client.start_heartbeat(lambda: self.island_id, joined.heartbeat_interval_s, lambda: 0)
 
     def push(self, round_: int, fragment: int = 0) -> None:
-        header = pb.PushHeader(island_id=self.island_id, round=round_, tokens=1, train_loss=0.0, codec="fp32", fragment=fragment)
+        header = pb.PushHeader(island_id=self.island_id, round=round_, train_loss=0.0, codec="fp32", fragment=fragment,
+                               **self.claim)
         zeros = {n: self.zeros[n] for n in self.fragments[fragment]} if self.fragments else self.zeros
         self.client.push(header, ReplayableChunks(tensor_chunks(zeros, Fp32Codec(), self.chunk_bytes)))
 

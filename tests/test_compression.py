@@ -13,7 +13,7 @@ import grpc
 import pytest
 import torch
 
-from conftest import island_on, random_like, tiny_config, wait_for_round
+from conftest import claim, island_on, random_like, tiny_config, wait_for_round
 from diloco.codec import get_codec
 from diloco.params import checksum
 from islands.sim.simulation import run_sim
@@ -33,8 +33,8 @@ def _client(coordinator, cfg=None) -> tuple[CoordinatorClient, pb.JoinResponse]:
     return client, client.join()
 
 
-def _push(client, island_id, round_, pg, codec, chunk_bytes, tokens=1000):
-    header = pb.PushHeader(island_id=island_id, round=round_, tokens=tokens, train_loss=1.0, codec=codec.name)
+def _push(client, island_id, round_, pg, codec, chunk_bytes):
+    header = pb.PushHeader(island_id=island_id, round=round_, train_loss=1.0, codec=codec.name, **claim(tiny_config()))
     return client.push(header, ReplayableChunks(tensor_chunks(pg, codec, chunk_bytes)))
 
 

@@ -10,15 +10,16 @@ import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from conftest import ended, join, random_like, tiny_config, wait_for_round
+from conftest import claim, ended, join, random_like, tiny_config, wait_for_round
 from diloco.codec import Fp32Codec
 from diloco.refusal import Reason, reason_of, refusal_of
 from diloco.v1 import diloco_pb2 as pb
 from diloco.wire import Manifest, make_chunk, tensor_chunks
 
 
-def _header(island_id, round_=0, tokens=1000):
-    return pb.PushMessage(header=pb.PushHeader(island_id=island_id, round=round_, tokens=tokens, train_loss=1.0, codec="fp32"))
+def _header(island_id, round_=0):
+    return pb.PushMessage(header=pb.PushHeader(island_id=island_id, round=round_, train_loss=1.0, codec="fp32",
+                                               **claim(tiny_config())))
 
 
 def _chunk(name, offset, values: torch.Tensor):
@@ -26,8 +27,8 @@ def _chunk(name, offset, values: torch.Tensor):
     return pb.PushMessage(chunk=make_chunk(name, offset, values.numel(), payload))
 
 
-def _messages(island_id, pg, chunk_bytes, round_=0, tokens=1000):
-    yield _header(island_id, round_, tokens)
+def _messages(island_id, pg, chunk_bytes, round_=0):
+    yield _header(island_id, round_)
     for c in tensor_chunks(pg, Fp32Codec(), chunk_bytes):
         yield pb.PushMessage(chunk=c)
 
@@ -55,7 +56,8 @@ def _finish_round_and_check(cfg, coordinator, stub, ids, manifest, theta0):
         reply = stub.PushPseudoGradient(ended(_messages(island_id, pg, cfg.wire.chunk_bytes)), timeout=10)
         assert reply.contribution_complete
     wait_for_round(coordinator, 0)
-    expected = _expected_after_one_round(theta0, [(pgs[0], 1000), (pgs[1], 1000)], lr=1.0)
+    tokens = claim(cfg)["tokens"]  # both islands claim one inner step: equal weights
+    expected = _expected_after_one_round(theta0, [(pgs[0], tokens), (pgs[1], tokens)], lr=1.0)
     for n, t in coordinator.state.params.items():
         torch.testing.assert_close(t, expected[n], rtol=1e-6, atol=1e-7)
 

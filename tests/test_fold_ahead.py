@@ -15,28 +15,25 @@ import pytest
 import torch
 
 from conftest import random_like
-from test_rounds import Clock, make_state, push
-
-TOKENS = {"island-0": 1000, "island-1": 1700, "island-2": 2900}
+from test_rounds import SHARES, Clock, join_shares, make_state, push_share, share_tokens
 
 
 def _run(tmp_path, order, step_between: bool, codec: str = "fp32", scale: dict[str, float] | None = None, *overrides: str):
     """Two rounds of three islands pushing in `order`; with step_between the driver steps after each push (folding
     ahead what it can). Returns the parameters, checksum and each round's folded_ahead."""
     state = make_state(tmp_path, "rounds.rounds=2", f"wire.codec='{codec}'", "outer.lr=0.7", "outer.momentum=0.9", *overrides)
-    for _ in TOKENS:
-        state.join("test")
+    join_shares(state)
     ahead = []
     for round_ in range(2):
         for k, island_id in enumerate(order):
             pg = random_like(state.manifest.shapes, 10 * round_ + int(island_id[-1]))
             if scale:
                 pg = {n: t * scale.get(island_id, 1.0) for n, t in pg.items()}
-            assert push(state, island_id, pg, TOKENS[island_id], round_).contribution_complete
+            assert push_share(state, island_id, pg, round_).contribution_complete
             if step_between and k < len(order) - 1:
                 assert state.step_round(poll_s=0) is None, "the round closed before every island pushed"
         closed = state.step_round(poll_s=0)
-        assert closed is not None and closed.summary.tokens == sum(TOKENS.values())
+        assert closed is not None and closed.summary.tokens == share_tokens(state)
         assert closed.summary.elements_folded == closed.summary.elements_expected
         ahead.append(closed.summary.folded_ahead)
     blocks = state.fragments[0].ctx.spools.pool.allocated
@@ -60,10 +57,10 @@ def _assert_same(a, b, what):
 
 @pytest.mark.parametrize("codec", ["fp32", "int8"])
 def test_folding_ahead_gives_the_close_fold_bit_for_bit_in_every_arrival_order(tmp_path, codec):
-    reference = _run(tmp_path, tuple(TOKENS), step_between=False, codec=codec)
+    reference = _run(tmp_path, tuple(SHARES), step_between=False, codec=codec)
     assert reference[2] == [0, 0]  # nothing was folded before the close
     seen = set()
-    for order in itertools.permutations(TOKENS):
+    for order in itertools.permutations(SHARES):
         result = _run(tmp_path, order, step_between=True, codec=codec)
         _assert_same(result, reference, f"arrival order {order}")
         assert result[2] == [_expected_ahead(order)] * 2, order
@@ -74,11 +71,11 @@ def test_folding_ahead_gives_the_close_fold_bit_for_bit_in_every_arrival_order(t
 def test_a_contribution_folded_ahead_that_the_guard_clips_makes_the_close_start_over(tmp_path):
     """island-0 pushes first with a pseudo-gradient 100x the others': folded ahead at factor 1, then clipped."""
     scale = {"island-0": 100.0}
-    reference = _run(tmp_path, tuple(TOKENS), False, "fp32", scale)
-    result = _run(tmp_path, tuple(TOKENS), True, "fp32", scale)
+    reference = _run(tmp_path, tuple(SHARES), False, "fp32", scale)
+    result = _run(tmp_path, tuple(SHARES), True, "fp32", scale)
     assert result[2] == [0, 0]  # what was folded ahead was not kept
     _assert_same(result, reference, "clipped after folding ahead")
-    unclipped = _run(tmp_path, tuple(TOKENS), True, "fp32", scale, "robust.enabled=false")
+    unclipped = _run(tmp_path, tuple(SHARES), True, "fp32", scale, "robust.enabled=false")
     assert unclipped[2] == [2, 2] and unclipped[1] != reference[1]  # the guard did change this round
 
 
@@ -90,21 +87,22 @@ def test_an_earlier_island_contributing_after_a_later_one_was_folded_ahead_makes
         clock = Clock()
         state = make_state(tmp_path, "rounds.rounds=3", "rounds.min_islands=1", "rounds.deadline_s=1", "rounds.lease_s=100000",
                            "limits.idle_rounds=2", clock=clock)
-        idler, *workers = (state.join("test").island_id for _ in TOKENS)
+        join_shares(state)
+        idler, *workers = SHARES
         assert idler == "island-0"
         for round_ in range(2):
             for w in workers:
-                push(state, w, random_like(state.manifest.shapes, 10 * round_ + int(w[-1])), TOKENS[w], round_)
+                push_share(state, w, random_like(state.manifest.shapes, 10 * round_ + int(w[-1])), round_)
             clock.now += 2  # past the deadline: the round stops waiting for the idler
             assert state.step_round(poll_s=0) is not None
         assert idler not in state.islands
-        state.join("test", island_id=idler)
+        state.join("test", island_id=idler, ranks=SHARES[idler][1])
         assert state.islands[idler].probation
-        push(state, workers[0], random_like(state.manifest.shapes, 21), TOKENS[workers[0]], 2)
+        push_share(state, workers[0], random_like(state.manifest.shapes, 21), 2)
         if step_between:
             assert state.step_round(poll_s=0) is None and len(state.fragments[0].ahead.done) == 1
-        push(state, idler, random_like(state.manifest.shapes, 20), TOKENS[idler], 2)
-        push(state, workers[1], random_like(state.manifest.shapes, 22), TOKENS[workers[1]], 2)
+        push_share(state, idler, random_like(state.manifest.shapes, 20), 2)
+        push_share(state, workers[1], random_like(state.manifest.shapes, 22), 2)
         closed = state.step_round(poll_s=0)
         assert closed is not None and list(closed.summary.islands) == ["island-0", "island-1", "island-2"]
         return {n: t.clone() for n, t in state.params.items()}, state.checksum, [closed.summary.folded_ahead]
@@ -118,9 +116,9 @@ def test_an_earlier_island_contributing_after_a_later_one_was_folded_ahead_makes
 def test_a_fold_from_the_memory_pool_on_many_threads_is_the_fold_from_disk(tmp_path, codec):
     """With the pushes in the spool's memory pool, each contribution's chunks are decoded and added on several threads;
     every arrival order, folded ahead or at the close, gives the bits of folding from disk on the driver's thread."""
-    reference = _run(tmp_path, tuple(TOKENS), False, codec, None, "limits.spool_memory_models=0")
+    reference = _run(tmp_path, tuple(SHARES), False, codec, None, "limits.spool_memory_models=0")
     assert reference[3] == 0  # on disk
-    for order in itertools.permutations(TOKENS):
+    for order in itertools.permutations(SHARES):
         for step_between in (False, True):
             result = _run(tmp_path, order, step_between, codec, None, "limits.spool_memory_models=1000")
             assert result[3] > 1  # in memory, in more than one block

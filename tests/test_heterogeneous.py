@@ -16,7 +16,7 @@ from contextlib import contextmanager
 import pytest
 import torch
 
-from conftest import random_like, tiny_config
+from conftest import claim, random_like, tiny_config
 from coordinator.links import LinkAdvisor
 from coordinator.records import Refused
 from coordinator.server import initial_parameters
@@ -47,6 +47,18 @@ def make_state(tmp_path, *overrides: str, clock: Clock) -> CoordinatorState:
     spool = tmp_path / f"spool-{len(list(tmp_path.iterdir()))}"
     spool.mkdir()
     return CoordinatorState(cfg, initial_parameters(cfg), spool, clock=clock)
+
+
+# The state-machine tests weigh islands in multiples of T, a full round's tokens on one rank (push's default 2 inner
+# steps of tiny_config's 4 x 32 tokens: 256); their islands join declaring RANKS ranks, so that a push claiming up to
+# RANKS x T in those 2 steps is an honest claim (robust.check_claims is on).
+T = claim(tiny_config(), 2)["tokens"]
+RANKS = 4
+
+
+def join_all(state, hostnames: str) -> list[str]:
+    """An island per hostname, each declaring RANKS ranks."""
+    return [state.join(h, ranks=RANKS).island_id for h in hostnames]
 
 
 def push(state, island_id: str, pg: dict[str, torch.Tensor], tokens: int, round_: int, checksum: str = "", steps: int = 2,
@@ -114,7 +126,7 @@ def test_a_late_push_is_folded_with_its_discount_and_one_later_than_k_is_refused
     clock = Clock()
     state = make_state(tmp_path, "rounds.rounds=4", "rounds.late_rounds=1", "rounds.late_discount=0.5", "rounds.deadline_s=30",
                        "rounds.lease_s=10000", "limits.idle_rounds=0", clock=clock)
-    a, b, c = (state.join(h).island_id for h in "abc")
+    a, b, c = join_all(state, "abc")
     shapes, reference = state.manifest.shapes, Reference(state.cfg)
     start = [state.checksum]
 
@@ -128,35 +140,35 @@ def test_a_late_push_is_folded_with_its_discount_and_one_later_than_k_is_refused
 
     # Round 0 closes at its deadline with a alone; b's push for it arrives after: folded into round 1 at half weight.
     pg = {k: random_like(shapes, k) for k in range(8)}
-    push(state, a, pg[0], 1000, 0)
+    push(state, a, pg[0], T, 0)
     close_at_deadline()
-    reference.round([(1000, pg[0])])
-    late = push(state, b, pg[1], 1000, 0, checksum=start[0])
+    reference.round([(T, pg[0])])
+    late = push(state, b, pg[1], T, 0, checksum=start[0])
     assert late.late and late.folded_into == 1 and late.contribution_complete
     # b trained from round 0's parameters: a late push claiming round 1's is refused.
-    assert _refusal(lambda: push(state, c, pg[2], 1000, 0, checksum=start[1])).reason == Reason.CHECKSUM_MISMATCH
-    push(state, a, pg[3], 1000, 1)
+    assert _refusal(lambda: push(state, c, pg[2], T, 0, checksum=start[1])).reason == Reason.CHECKSUM_MISMATCH
+    push(state, a, pg[3], T, 1)
     summary = close_at_deadline()
-    assert [(i.island_id, i.staleness, i.weight) for i in summary.contributions] == [(a, 0, 1000.0), (b, 1, 500.0)]
-    reference.round([(1000, pg[3]), (500.0, pg[1])])
+    assert [(i.island_id, i.staleness, i.weight) for i in summary.contributions] == [(a, 0, T), (b, 1, T / 2)]
+    reference.round([(T, pg[3]), (T / 2, pg[1])])
     assert reference.matches(state), "round 1: the late push was not folded with its discount"
     assert state.events.late_folded == 1
 
     # Round 2: b's contribution is half pushed when the round closes: the rest arrives late and folds into round 3.
-    push(state, a, pg[4], 1000, 2)
-    push(state, b, pg[5], 3000, 2, chunks=slice(0, 2))
+    push(state, a, pg[4], T, 2)
+    push(state, b, pg[5], 3 * T, 2, chunks=slice(0, 2))
     summary = close_at_deadline()
     assert [i.island_id for i in summary.contributions] == [a]
-    reference.round([(1000, pg[4])])
-    rest = push(state, b, pg[5], 3000, 2, chunks=slice(2, None))
+    reference.round([(T, pg[4])])
+    rest = push(state, b, pg[5], 3 * T, 2, chunks=slice(2, None))
     assert rest.late and rest.folded_into == 3 and rest.contribution_complete
     # c's push for round 1 is 2 rounds late (rounds.late_rounds = 1): refused, naming the current round.
-    r = _refusal(lambda: push(state, c, pg[6], 1000, 1, checksum=start[1]))
+    r = _refusal(lambda: push(state, c, pg[6], T, 1, checksum=start[1]))
     assert r.reason == Reason.ROUND_CLOSED and r.current_round == 3 and state.events.late_pushes == 1
-    push(state, a, pg[7], 1000, 3)
+    push(state, a, pg[7], T, 3)
     summary = close_at_deadline()
-    assert [(i.island_id, i.staleness, i.weight) for i in summary.contributions] == [(a, 0, 1000.0), (b, 1, 1500.0)]
-    reference.round([(1000, pg[7]), (1500.0, pg[5])])
+    assert [(i.island_id, i.staleness, i.weight) for i in summary.contributions] == [(a, 0, T), (b, 1, 3 * T / 2)]
+    reference.round([(T, pg[7]), (3 * T / 2, pg[5])])
     assert reference.matches(state) and summary.elements_folded == 2 * state.manifest.total_numel()
 
 
@@ -384,13 +396,13 @@ def test_a_codec_switch_mid_run_keeps_every_copy_equal(make_coordinator):
 def test_pushes_in_different_codecs_fold_each_in_its_own(tmp_path):
     """Compression per link: in one round a pushes fp32 and b int8; b's values are what int8 carries."""
     state = make_state(tmp_path, "rounds.rounds=1", "wire.link_codecs=['fp32', 'int8']", clock=Clock())
-    a, b = state.join("a").island_id, state.join("b").island_id
+    a, b = join_all(state, "ab")
     int8 = link_codecs(state.cfg.wire)["int8"]
     pa, pb_ = random_like(state.manifest.shapes, 1), random_like(state.manifest.shapes, 2)
-    push(state, a, pa, 1000, 0)
-    push(state, b, pb_, 3000, 0, codec=int8)
+    push(state, a, pa, T, 0)
+    push(state, b, pb_, 3 * T, 0, codec=int8)
     bf16 = link_codecs(tiny_config("wire.codec='bf16'").wire)["bf16"]  # a codec outside the list is still refused
-    assert _refusal(lambda: push(state, a, pa, 1000, 0, codec=bf16)).reason == Reason.CODEC_MISMATCH
+    assert _refusal(lambda: push(state, a, pa, T, 0, codec=bf16)).reason == Reason.CODEC_MISMATCH
     closed = state.step_round(poll_s=0)
     assert [c.codec for c in closed.summary.contributions] == ["fp32", "int8"]
     carried = {}
@@ -400,5 +412,5 @@ def test_pushes_in_different_codecs_fold_each_in_its_own(tmp_path):
         carried[name] = torch.cat([int8.decode(int8.encode(flat[i:i + step]), flat[i:i + step].numel())
                                    for i in range(0, flat.numel(), step)]).view(t.shape)
     reference = Reference(state.cfg)
-    reference.round([(1000, pa), (3000, carried)])
+    reference.round([(T, pa), (3 * T, carried)])
     assert reference.matches(state)

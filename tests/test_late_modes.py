@@ -19,7 +19,7 @@ from coordinator.server import initial_parameters
 from diloco.checkpoint import CheckpointStore
 from diloco.config import ConfigError
 from diloco.outer import OuterOptimizer, PseudoGradientAccumulator
-from test_heterogeneous import Clock, Reference, late_island_run, make_state, push
+from test_heterogeneous import T, Clock, Reference, join_all, late_island_run, make_state, push
 
 DELAYED = "rounds.late_mode='delayed_nesterov'"
 LATE = ("rounds.late_rounds=2", "rounds.late_discount=0.5", "rounds.deadline_s=30", "rounds.lease_s=10000",
@@ -84,46 +84,46 @@ def test_delayed_nesterov_matches_the_written_out_equations(tmp_path):
     only weight is late (its on-time push trained on no tokens) and one after it (the late part joins the momentum)."""
     clock = Clock()
     state = make_state(tmp_path, "rounds.rounds=5", DELAYED, *LATE, clock=clock)
-    a, b, c = (state.join(h).island_id for h in "abc")
+    a, b, c = join_all(state, "abc")
     shapes, reference = state.manifest.shapes, DelayedReference(state.cfg)
     pg = {k: random_like(shapes, 100 + k) for k in range(12)}
     start = [state.checksum]
 
-    push(state, a, pg[0], 1000, 0)
+    push(state, a, pg[0], T, 0)
     _close(state, clock)
-    reference.round([(1000, pg[0])])
+    reference.round([(T, pg[0])])
     assert reference.matches(state), "round 0: the first step is torch's"
     start.append(state.checksum)
 
-    assert push(state, b, pg[1], 2000, 0, checksum=start[0]).late
-    assert push(state, c, pg[2], 3000, 0, checksum=start[0]).late
-    push(state, a, pg[3], 3000, 1)
+    assert push(state, b, pg[1], 2 * T, 0, checksum=start[0]).late
+    assert push(state, c, pg[2], 3 * T, 0, checksum=start[0]).late
+    push(state, a, pg[3], 3 * T, 1)
     summary = _close(state, clock)
     assert [(i.island_id, i.staleness, i.weight) for i in summary.contributions] == [
-        (a, 0, 3000.0), (b, 1, 1000.0), (c, 1, 1500.0)]
-    reference.round([(3000, pg[3])], [(1000.0, pg[1]), (1500.0, pg[2])])
+        (a, 0, 3 * T), (b, 1, T), (c, 1, 3 * T / 2)]
+    reference.round([(3 * T, pg[3])], [(float(T), pg[1]), (3 * T / 2, pg[2])])
     assert reference.matches(state), "round 1: the late part was not applied momentum-free at its share"
     assert state.fragments[0].outer.carry, "the late part is carried into the next round's momentum"
     start.append(state.checksum)
 
-    push(state, a, pg[4], 1000, 2)
-    push(state, b, pg[5], 2000, 2)
+    push(state, a, pg[4], T, 2)
+    push(state, b, pg[5], 2 * T, 2)
     _close(state, clock)
-    reference.round([(1000, pg[4]), (2000, pg[5])])
+    reference.round([(T, pg[4]), (2 * T, pg[5])])
     assert reference.matches(state), "round 2: round 1's late part did not join the momentum"
     start.append(state.checksum)
 
     push(state, a, pg[6], 0, 3)  # trained on nothing: the round's only weight is c's, two rounds late
-    assert push(state, c, pg[7], 1000, 1, checksum=start[1]).late
+    assert push(state, c, pg[7], T, 1, checksum=start[1]).late
     summary = _close(state, clock)
-    assert [(i.island_id, i.staleness, i.weight) for i in summary.contributions] == [(a, 0, 0.0), (c, 2, 250.0)]
-    reference.round([(0, pg[6])], [(250.0, pg[7])])
+    assert [(i.island_id, i.staleness, i.weight) for i in summary.contributions] == [(a, 0, 0.0), (c, 2, T / 4)]
+    reference.round([(0, pg[6])], [(T / 4, pg[7])])
     assert reference.matches(state), "round 3: a round of late weight only"
 
-    push(state, a, pg[8], 1000, 4)
-    push(state, c, pg[9], 2000, 4)
+    push(state, a, pg[8], T, 4)
+    push(state, c, pg[9], 2 * T, 4)
     summary = _close(state, clock)
-    reference.round([(1000, pg[8]), (2000, pg[9])])
+    reference.round([(T, pg[8]), (2 * T, pg[9])])
     assert reference.matches(state) and summary.elements_folded == 2 * state.manifest.total_numel()
     assert state.events.late_folded == 3
 
@@ -154,13 +154,13 @@ def test_without_late_contributions_both_modes_are_torch_sgd_bit_for_bit(tmp_pat
     clock = Clock()
     states = [make_state(tmp_path, "rounds.rounds=4", f"outer.nesterov={nesterov}", mode, clock=clock)
               for mode in ("rounds.late_mode='discount'", DELAYED)]
-    ids = [[s.join(h).island_id for h in "ab"] for s in states]
+    ids = [join_all(s, "ab") for s in states]
     cfg = states[0].cfg
     reference = Reference(cfg)
     reference.opt.param_groups[0]["nesterov"] = cfg.outer.nesterov
     for round_ in range(4):
         pgs = [random_like(states[0].manifest.shapes, 10 * round_ + i) for i in range(2)]
-        tokens = [1000 * (round_ + 1), 3000]
+        tokens = [T * (round_ + 1), 3 * T]
         for state, (a, b) in zip(states, ids):
             push(state, a, pgs[0], tokens[0], round_)
             push(state, b, pgs[1], tokens[1], round_)
@@ -173,14 +173,14 @@ def test_without_late_contributions_both_modes_are_torch_sgd_bit_for_bit(tmp_pat
 def _checkpoint_round_trip(tmp_path, clock, store, overrides, rounds):
     """A coordinator saved after round 1 and one restored from it take the same pushes for rounds 2..rounds-1."""
     state = make_state(tmp_path, f"rounds.rounds={rounds}", *overrides, clock=clock)
-    a, b = (state.join(h).island_id for h in "ab")
+    a, b = join_all(state, "ab")
     pg = {k: random_like(state.manifest.shapes, 200 + k) for k in range(20)}
     start = [state.checksum]
-    push(state, a, pg[0], 1000, 0)
+    push(state, a, pg[0], T, 0)
     _close(state, clock)
     start.append(state.checksum)
-    push(state, b, pg[1], 3000, 0, checksum=start[0])  # late into round 1 (discount runs refuse nothing either)
-    push(state, a, pg[2], 2000, 1)
+    push(state, b, pg[1], 3 * T, 0, checksum=start[0])  # late into round 1 (discount runs refuse nothing either)
+    push(state, a, pg[2], 2 * T, 1)
     _close(state, clock)
     durable.save(state, store)
     return state, (a, b), pg
@@ -199,9 +199,9 @@ def test_a_restart_from_a_checkpoint_carries_on_bit_for_bit(tmp_path):
     round_2 = state.checksum  # what b trains round 2 from: its push comes late, into round 3
     for round_ in range(2, 5):
         for s in (state, restored):
-            push(s, a, pg[3 * round_], 1000 + 500 * round_, round_)
+            push(s, a, pg[3 * round_], T + T // 2 * round_, round_)
             if round_ == 3:
-                assert push(s, b, pg[3 * round_ + 1], 2000, 2, checksum=round_2).late
+                assert push(s, b, pg[3 * round_ + 1], 2 * T, 2, checksum=round_2).late
             _close(s, clock)
         assert all(torch.equal(state.params[n], t) for n, t in restored.params.items()), f"round {round_}"
         assert state.checksum == restored.checksum
@@ -220,8 +220,8 @@ def test_a_discount_checkpoint_resumed_with_delayed_nesterov_continues_exactly(t
     assert durable.restore(restored, store)
     for round_ in (2, 3):
         for s in (state, restored):
-            push(s, a, pg[10 + round_], 1000, round_)
-            push(s, b, pg[15 + round_], 2000, round_)
+            push(s, a, pg[10 + round_], T, round_)
+            push(s, b, pg[15 + round_], 2 * T, round_)
             _close(s, clock)
         assert all(torch.equal(state.params[n], t) for n, t in restored.params.items()), f"round {round_}"
 

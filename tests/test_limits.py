@@ -189,7 +189,8 @@ def test_non_finite_numbers_in_requests_are_refused_not_waited_on(make_coordinat
 
 def test_what_the_fuzzer_found_stays_fixed(make_coordinator, channel_to):
     """Three findings of tests/test_fuzz.py, each as its own case."""
-    coordinator = make_coordinator(tiny_config("rounds.lease_s=100000"))  # the claim check off, as when the freeze was found
+    # The claim check off, as when the freeze was found: it refuses inner_steps = 2**62 before lr_sum, the subject here.
+    coordinator = make_coordinator(tiny_config("rounds.lease_s=100000", "robust.check_claims=false"))
     stub = channel_to(coordinator)
     island = _join(stub)
     # A 20 KB island id quoted in the refusal pushed the status past gRPC's metadata limit: no status, no reason.

@@ -10,7 +10,7 @@ import grpc
 import torch
 import pytest
 
-from conftest import ended, join, random_like, tiny_config, wait_for_round
+from conftest import PER_STEP, claim, ended, join, random_like, tiny_config, wait_for_round
 from diloco.codec import Fp32Codec
 from islands.sim.simulation import Simulation
 from diloco.v1 import diloco_pb2 as pb
@@ -18,7 +18,7 @@ from diloco.wire import Manifest, tensor_chunks
 
 
 def _push(stub, island_id, manifest, round_=0, seed=0):
-    messages = [pb.PushMessage(header=pb.PushHeader(island_id=island_id, round=round_, tokens=100, codec="fp32"))]
+    messages = [pb.PushMessage(header=pb.PushHeader(island_id=island_id, round=round_, codec="fp32", **claim(tiny_config())))]
     messages += [pb.PushMessage(chunk=c) for c in tensor_chunks(random_like(manifest.shapes, seed), Fp32Codec(), 4096)]
     return stub.PushPseudoGradient(ended(messages), timeout=10)
 
@@ -127,7 +127,7 @@ def test_island_keeps_waiting_for_a_round_held_open_below_min_islands(make_coord
     ranges = [FlatRange(n, 0, manifest.numel(n)) for n in manifest.shapes]
     shard = FragmentShard(0, manifest, ranges, True, {n: torch.zeros(manifest.numel(n)) for n in manifest.shapes}, targets)
     pg = {n: t.reshape(-1) for n, t in random_like(manifest.shapes, 0).items()}
-    ex = Exchange(0, 0, 0, 0, tokens=100, inner_steps=1, train_loss=0.0, checksum="", pusher=True, pg=pg)
+    ex = Exchange(0, 0, 0, 0, tokens=PER_STEP, inner_steps=1, train_loss=0.0, checksum="", pusher=True, pg=pg)
     client = CoordinatorClient(f"127.0.0.1:{coordinator.port}", connect_timeout_s=10)
     wire = Wire(client, Fp32Codec(), 4096, None, pull_timeout_s=0.3, island_id=lambda: a.island_id)
     outcome: list = []

@@ -9,7 +9,7 @@ import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 
-from conftest import tiny_config, wait_for_round
+from conftest import claim, tiny_config, wait_for_round
 from coordinator.metrics import CheckpointStats, coordinator_metrics
 from diloco.codec import Fp32Codec
 from diloco.v1 import diloco_pb2 as pb
@@ -24,9 +24,12 @@ def _samples(metrics) -> dict[tuple[str, tuple], float]:
 
 
 def test_metrics_follow_the_run(make_coordinator, channel_to):
-    coordinator = make_coordinator(tiny_config("rounds.rounds=3", "rounds.min_islands=2"))
+    cfg = tiny_config("rounds.rounds=3", "rounds.min_islands=2")
+    coordinator = make_coordinator(cfg)
     stub = channel_to(coordinator)
-    ids = [stub.Join(pb.JoinRequest(protocol_version=PROTOCOL_VERSION, island_key=k), timeout=10).island_id for k in "ab"]
+    # Island i declares i + 1 ranks and claims a step on each: unequal tokens, told apart below.
+    ids = [stub.Join(pb.JoinRequest(protocol_version=PROTOCOL_VERSION, island_key=k, ranks=i + 1), timeout=10).island_id
+           for i, k in enumerate("ab")]
     checkpoints = CheckpointStats()
     metrics = coordinator_metrics(coordinator.state, checkpoints)
     shapes = coordinator.state.manifest.shapes
@@ -34,7 +37,7 @@ def test_metrics_follow_the_run(make_coordinator, channel_to):
         for i, island in enumerate(ids):
             g = torch.Generator().manual_seed(10 * round_ + i)
             pg = {n: torch.randn(s, generator=g) * 1e-3 for n, s in shapes.items()}
-            header = pb.PushHeader(island_id=island, round=round_, tokens=100 + i, train_loss=2.0 + i, codec="fp32", inner_steps=1)
+            header = pb.PushHeader(island_id=island, round=round_, train_loss=2.0 + i, codec="fp32", **claim(cfg, 1, ranks=i + 1))
             stub.PushPseudoGradient(push_messages(header, tensor_chunks(pg, Fp32Codec(), 4096)), timeout=30)
         wait_for_round(coordinator, round_, timeout_s=60)
     stub.Heartbeat(pb.HeartbeatRequest(island_id=ids[0], utilization=0.9, tokens_per_s=1234.5, train_loss=2.5), timeout=10)
@@ -52,7 +55,7 @@ def test_metrics_follow_the_run(make_coordinator, channel_to):
         up = sum(t.bytes_up for r in summaries for t in r.traffic if t.island_id == island)
         assert up > 0 and s[("diloco_island_bytes_up_total", (("island", island),))] == up
         assert s[("diloco_island_last_push_timestamp_seconds", (("island", island),))] > 0
-    assert s[("diloco_island_tokens_total", (("island", ids[1]),))] == 2 * 101
+    assert s[("diloco_island_tokens_total", (("island", ids[1]),))] == 2 * claim(cfg, 1, ranks=2)["tokens"]
     assert s[("diloco_island_train_loss", (("island", ids[1]),))] == 3.0
     assert s[("diloco_island_utilization", (("island", ids[0]),))] == 0.9
     assert s[("diloco_island_tokens_per_second", (("island", ids[0]),))] == 1234.5
@@ -68,14 +71,15 @@ def test_metrics_follow_the_run(make_coordinator, channel_to):
 
 def test_a_failing_checkpoint_is_counted_and_the_run_goes_on(make_coordinator, channel_to, tmp_path):
     target = tmp_path / "ckpt"
-    coordinator = make_coordinator(tiny_config("rounds.rounds=3", f"checkpoint.url={target}", "checkpoint.every_rounds=1"))
+    cfg = tiny_config("rounds.rounds=3", f"checkpoint.url={target}", "checkpoint.every_rounds=1")
+    coordinator = make_coordinator(cfg)
     shutil.rmtree(target, ignore_errors=True)
     target.write_text("a file where the checkpoints should go")  # every write under it fails from now on
     stub = channel_to(coordinator)
     island = stub.Join(pb.JoinRequest(protocol_version=PROTOCOL_VERSION), timeout=10).island_id
     zeros = {n: torch.zeros(s) for n, s in coordinator.state.manifest.shapes.items()}
     for round_ in range(3):
-        header = pb.PushHeader(island_id=island, round=round_, tokens=100, codec="fp32", inner_steps=1)
+        header = pb.PushHeader(island_id=island, round=round_, codec="fp32", **claim(cfg))
         stub.PushPseudoGradient(push_messages(header, tensor_chunks(zeros, Fp32Codec(), 4096)), timeout=30)
         wait_for_round(coordinator, round_, timeout_s=60)
     assert coordinator.wait(60), "the round drivers stopped on a failed checkpoint"

@@ -8,7 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from conftest import random_like, tiny_config
+from conftest import claim, random_like, tiny_config
 from diloco.codec import Fp32Codec
 from diloco.config import OuterConfig
 from diloco.outer import OuterOptimizer, PseudoGradientAccumulator
@@ -17,9 +17,10 @@ from diloco.wire import Manifest, tensor_chunks
 from islands.client import CoordinatorClient, ReplayableChunks
 
 
-def _clients(coordinator, n):
-    clients = [CoordinatorClient(f"127.0.0.1:{coordinator.port}", connect_timeout_s=10) for _ in range(n)]
-    joined = [c.join() for c in clients]
+def _clients(coordinator, ranks: list[int]):
+    """An island per entry of ranks, each joined declaring that many ranks."""
+    clients = [CoordinatorClient(f"127.0.0.1:{coordinator.port}", connect_timeout_s=10) for _ in ranks]
+    joined = [c.join(ranks=r) for c, r in zip(clients, ranks)]
     return clients, joined
 
 
@@ -29,25 +30,27 @@ def _fetch(client, island_id, manifest):
     return header, params
 
 
-def _push(client, island_id, round_, tokens, pg, chunk_bytes):
-    header = pb.PushHeader(island_id=island_id, round=round_, tokens=tokens, train_loss=1.0, codec="fp32")
+def _push(client, island_id, round_, claimed: dict, pg, chunk_bytes):
+    header = pb.PushHeader(island_id=island_id, round=round_, train_loss=1.0, codec="fp32", **claimed)
     return client.push(header, ReplayableChunks(tensor_chunks(pg, Fp32Codec(), chunk_bytes)))
 
 
 def test_outer_step_matches_torch_sgd_nesterov_on_token_weighted_mean(make_coordinator):
     cfg = tiny_config("outer.lr=0.7", "outer.momentum=0.9", "rounds.rounds=3")
     coordinator = make_coordinator(cfg)
-    clients, joined = _clients(coordinator, 2)
+    ranks = [3, 1]  # one inner step on each rank: 3:1 tokens
+    clients, joined = _clients(coordinator, ranks)
     manifest = Manifest.from_proto(joined[0].parameters)
     try:
         _, theta = _fetch(clients[0], joined[0].island_id, manifest)
         reference = {k: v.clone() for k, v in theta.items()}
         sgd = torch.optim.SGD(list(reference.values()), lr=0.7, momentum=0.9, nesterov=True)
-        tokens = [3000, 1000]
+        claims = [claim(cfg, 1, r) for r in ranks]
+        tokens = [c["tokens"] for c in claims]
         for round_ in range(3):
             pgs = [random_like(manifest.shapes, seed=10 * round_ + i) for i in range(2)]
-            for client, j, t, pg in zip(clients, joined, tokens, pgs):
-                _push(client, j.island_id, round_, t, pg, cfg.wire.chunk_bytes)
+            for client, j, c, pg in zip(clients, joined, claims, pgs):
+                _push(client, j.island_id, round_, c, pg, cfg.wire.chunk_bytes)
             header = clients[0].pull(joined[0].island_id, round_, theta, manifest, "", timeout_s=20)
             assert header.round == round_ + 1
             for name, p in reference.items():
@@ -63,16 +66,18 @@ def test_outer_step_matches_torch_sgd_nesterov_on_token_weighted_mean(make_coord
 def test_lr1_momentum0_gives_token_weighted_mean_of_island_parameters(make_coordinator):
     cfg = tiny_config("outer.lr=1.0", "outer.momentum=0.0", "rounds.rounds=1")
     coordinator = make_coordinator(cfg)
-    clients, joined = _clients(coordinator, 3)
+    ranks = [1, 2, 7]  # one inner step on each rank: 1:2:7 tokens
+    clients, joined = _clients(coordinator, ranks)
     manifest = Manifest.from_proto(joined[0].parameters)
     try:
         _, theta_global = _fetch(clients[0], joined[0].island_id, manifest)
-        tokens = [100, 200, 700]
+        claims = [claim(cfg, 1, r) for r in ranks]
+        tokens = [c["tokens"] for c in claims]
         # Each island moves to its own parameters; the pseudo-gradient is global - local.
         locals_ = [{n: theta_global[n] + d for n, d in random_like(manifest.shapes, seed=i, scale=0.1).items()} for i in range(3)]
-        for client, j, t, local in zip(clients, joined, tokens, locals_):
+        for client, j, c, local in zip(clients, joined, claims, locals_):
             pg = {n: theta_global[n] - local[n] for n in local}
-            _push(client, j.island_id, 0, t, pg, cfg.wire.chunk_bytes)
+            _push(client, j.island_id, 0, c, pg, cfg.wire.chunk_bytes)
         result = {k: torch.zeros(s) for k, s in manifest.shapes.items()}
         clients[0].pull(joined[0].island_id, 0, result, manifest, "", timeout_s=20)
         for name in result:

@@ -14,7 +14,7 @@ import threading
 import pytest
 import torch
 
-from conftest import random_like, tiny_config
+from conftest import claim, random_like, tiny_config
 from coordinator.publish import SharedStream
 from coordinator.records import Refused
 from coordinator.server import initial_parameters
@@ -40,10 +40,33 @@ def make_state(tmp_path, *overrides: str, clock: Clock | None = None) -> Coordin
     return CoordinatorState(cfg, initial_parameters(cfg), spool, clock=clock or Clock())
 
 
-def push(state: CoordinatorState, island_id: str, pg: dict[str, torch.Tensor], tokens: int = 1000, round_: int = 0):
+def push(state: CoordinatorState, island_id: str, pg: dict[str, torch.Tensor], steps: int = 1, round_: int = 0,
+         ranks: int = 1):
+    """island_id's push for round_, claiming what `steps` inner steps on `ranks` ranks train (it joined with them)."""
     codec = uplink_codec(state.cfg.wire)
-    header = pb.PushHeader(island_id=island_id, round=round_, tokens=tokens, train_loss=2.0, codec=codec.name)
+    header = pb.PushHeader(island_id=island_id, round=round_, train_loss=2.0, codec=codec.name, **claim(state.cfg, steps, ranks))
     return state.receive(header, tensor_chunks(pg, codec, state.cfg.wire.chunk_bytes))
+
+
+# Three islands of unequal weight, as (inner steps, ranks declared at join): 128, 256 and 384 tokens in tiny_config.
+# The same one inner step each: the norm guard judges norms per unit of inner lr, and these pseudo-gradients are alike.
+SHARES = {"island-0": (1, 1), "island-1": (1, 2), "island-2": (1, 3)}
+
+
+def join_shares(state: CoordinatorState) -> None:
+    """Joins island-0, -1 and -2 in order, each declaring its SHARES ranks."""
+    for island_id, (_, ranks) in SHARES.items():
+        assert state.join("test", ranks=ranks).island_id == island_id
+
+
+def push_share(state: CoordinatorState, island_id: str, pg: dict[str, torch.Tensor], round_: int):
+    steps, ranks = SHARES[island_id]
+    return push(state, island_id, pg, steps, round_, ranks)
+
+
+def share_tokens(state: CoordinatorState) -> int:
+    """The tokens of a round of all three SHARES islands."""
+    return sum(claim(state.cfg, *share)["tokens"] for share in SHARES.values())
 
 
 def refusal(call) -> pb.Refusal:
@@ -55,18 +78,16 @@ def refusal(call) -> pb.Refusal:
 @pytest.mark.parametrize("codec", ["fp32", "int8"])
 def test_aggregate_is_bit_identical_for_every_arrival_order(tmp_path, codec):
     """Three islands with unequal tokens, pushed in all six orders, two rounds with Nesterov momentum."""
-    tokens = {"island-0": 1000, "island-1": 1700, "island-2": 2900}
     results = []
-    for order in itertools.permutations(tokens):
+    for order in itertools.permutations(SHARES):
         state = make_state(tmp_path, "rounds.rounds=2", f"wire.codec='{codec}'", "outer.lr=0.7", "outer.momentum=0.9")
-        for _ in tokens:
-            state.join("test")
+        join_shares(state)
         for round_ in range(2):
             for island_id in order:
                 seed = 10 * round_ + int(island_id[-1])
-                assert push(state, island_id, random_like(state.manifest.shapes, seed), tokens[island_id], round_).contribution_complete
+                assert push_share(state, island_id, random_like(state.manifest.shapes, seed), round_).contribution_complete
             closed = state.step_round(poll_s=0)
-            assert closed is not None and closed.summary.tokens == sum(tokens.values())
+            assert closed is not None and closed.summary.tokens == share_tokens(state)
         results.append((order, {n: t.clone() for n, t in state.params.items()}, state.checksum))
     first_order, first, first_sum = results[0]
     for order, params, digest in results[1:]:
@@ -109,7 +130,7 @@ def test_expired_lease_stops_holding_the_round_and_drops_a_half_push(tmp_path):
     pg = random_like(state.manifest.shapes, 5)
     codec = uplink_codec(state.cfg.wire)
     chunks = list(tensor_chunks(pg, codec, state.cfg.wire.chunk_bytes))
-    header = pb.PushHeader(island_id=b, round=0, tokens=1000, train_loss=2.0, codec=codec.name)
+    header = pb.PushHeader(island_id=b, round=0, train_loss=2.0, codec=codec.name, **claim(state.cfg))
     assert not state.receive(header, iter(chunks[:2])).contribution_complete  # b's push breaks off half-way
     push(state, a, random_like(state.manifest.shapes, 1))
     assert state.step_round(poll_s=0) is None, "closed while b's lease held"
@@ -173,7 +194,7 @@ def test_a_pull_for_ranges_the_coordinator_lacks_asks_for_them_again(tmp_path):
     codec = uplink_codec(state.cfg.wire)
     pg = random_like(state.manifest.shapes, 1)
     first = {"embed.weight": pg["embed.weight"]}  # rank 0's part only
-    header = pb.PushHeader(island_id=a, round=0, tokens=1000, train_loss=2.0, codec=codec.name)
+    header = pb.PushHeader(island_id=a, round=0, train_loss=2.0, codec=codec.name, **claim(state.cfg))
     assert not state.receive(header, tensor_chunks(first, codec, state.cfg.wire.chunk_bytes)).contribution_complete
     mine = [FlatRange("embed.weight", 0, state.manifest.numel("embed.weight"))]
     theirs = [FlatRange("norm.weight", 0, state.manifest.numel("norm.weight"))]

@@ -7,7 +7,7 @@ import grpc
 import pytest
 import torch
 
-from conftest import random_like, tiny_config, wait_for_round
+from conftest import claim, random_like, tiny_config, wait_for_round
 from diloco.codec import Fp32Codec
 from diloco.params import ranges_checksum
 from diloco.refusal import Reason, reason_of
@@ -66,7 +66,8 @@ def test_fetch_of_ranges_gives_exactly_those_elements_and_their_checksum(make_co
 
 
 def _push_shard(client, island_id, round_, ranges, pg, chunk_bytes, checksum):
-    header = pb.PushHeader(island_id=island_id, round=round_, tokens=100, train_loss=1.0, codec="fp32", global_checksum=checksum)
+    header = pb.PushHeader(island_id=island_id, round=round_, train_loss=1.0, codec="fp32", global_checksum=checksum,
+                           **claim(tiny_config()))
 
     def chunks(start: int):
         produced = (c for r in ranges for c in encode_chunks(r.name, pg[r.name].view(-1)[r.offset : r.end], Fp32Codec(), chunk_bytes, r.offset))
