@@ -5,11 +5,13 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+# First: it quiets gRPC's C core (GRPC_VERBOSITY), which takes effect only before grpc is imported.
+from diloco.cli import ArgumentParser, add_config_flags, config_from_args, fail, setup_logging  # isort: skip
+
 import torch
 
 from coordinator.server import Observe, serve
 from diloco.credentials import RevocationList, coordinator_files
-from diloco.cli import ArgumentParser, add_config_flags, config_from_args, fail, setup_logging
 
 
 def build_parser() -> ArgumentParser:

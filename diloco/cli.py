@@ -4,10 +4,17 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from typing import NoReturn
 
 from diloco.config import ConfigError, RunConfig, load_config
+
+# gRPC's C core logs to stderr on its own, past Python's logging: every failed TLS handshake, at INFO, on each of
+# its retries. It reads GRPC_VERBOSITY once, when grpc is first imported, so this is set here, on importing the
+# shared command-line plumbing, which the console scripts import before grpc. Errors still show; a
+# GRPC_VERBOSITY of the user's own (INFO, DEBUG) wins.
+os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
 
 
 class ArgumentParser(argparse.ArgumentParser):

@@ -7,11 +7,13 @@ import os
 import sys
 from pathlib import Path
 
+# First: it quiets gRPC's C core (GRPC_VERBOSITY), which takes effect only before grpc is imported.
+from diloco.cli import ArgumentParser, add_config_flags, fail, setup_logging  # isort: skip
+
 import grpc
 import torch
 
 from diloco.checkpoint import CheckpointError
-from diloco.cli import ArgumentParser, add_config_flags, fail, setup_logging
 from diloco.config import ConfigError, load_config
 from diloco.credentials import TlsFiles, island_files
 from diloco.jsonlog import LogError, check_tensorboard

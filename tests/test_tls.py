@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import socket
 import subprocess
 import sys
 import time
@@ -19,7 +20,7 @@ from diloco.refusal import Reason, reason_of
 from diloco.v1 import diloco_pb2 as pb
 from diloco.v1 import diloco_pb2_grpc as pb_grpc
 from diloco.wire import PROTOCOL_VERSION, Manifest, push_messages, tensor_chunks
-from islands.client import CoordinatorClient
+from islands.client import CoordinatorClient, CoordinatorTlsRefused, CoordinatorUnreachable
 from islands.island import Island
 from islands.world import IslandWorld
 
@@ -170,3 +171,95 @@ def test_plaintext_off_loopback_needs_insecure(tmp_path):
         out = subprocess.run([sys.executable, *argv], capture_output=True, text=True, timeout=120)
         lines = out.stderr.strip().splitlines()
         assert out.returncode == 2 and len(lines) == 1 and message in lines[0], (argv, out.stderr[-500:])
+
+
+def _other_run(tmp_path, name: str = "other"):
+    """Another run's credentials folder: its own CA and an island 'east'."""
+    other = tmp_path / name
+    credentials.create_ca(other)
+    credentials.issue_island(other, "east")
+    return other
+
+
+def _mixed(run_ca, other, tmp_path):
+    """A folder with the other run's island certificate whose ca.pem trusts both runs' CAs (the other's first, the
+    one that issued the certificate): the island trusts the coordinator, the coordinator does not trust the island."""
+    mixed = tmp_path / "mixed"
+    mixed.mkdir()
+    (mixed / "ca.pem").write_bytes((other / "ca.pem").read_bytes() + (run_ca / "ca.pem").read_bytes())
+    for suffix in (".pem", ".key"):
+        (mixed / f"island-east{suffix}").write_bytes((other / f"island-east{suffix}").read_bytes())
+    return mixed
+
+
+def _refused(address: str, files: credentials.TlsFiles, connect_timeout_s: float = 120.0) -> tuple[str, float]:
+    started = time.monotonic()
+    with pytest.raises(CoordinatorTlsRefused) as e:
+        CoordinatorClient(address, connect_timeout_s=connect_timeout_s, tls=files)
+    return str(e.value), time.monotonic() - started
+
+
+def test_a_certificate_refused_in_the_handshake_ends_the_wait_at_once_and_says_which(
+        run_ca, tls_coordinator, make_coordinator, tmp_path):
+    # gRPC's channel alone retried such a handshake for the whole connect timeout and then only timed out.
+    coordinator = tls_coordinator(tiny_config())
+    address = f"127.0.0.1:{coordinator.port}"
+    other = _other_run(tmp_path)
+
+    # The island holds another run's CA: the coordinator's certificate is not signed by it.
+    message, took = _refused(address, credentials.island_files(other, "east"))
+    assert took < 30, took
+    assert f"the coordinator's certificate at {address} is not signed by the run's CA in {other / 'ca.pem'}" in message
+    assert "unable to get local issuer certificate" in message and "\n" not in message
+
+    # The island trusts the coordinator's CA too, but its own certificate is another run's: the coordinator refuses it.
+    mixed = _mixed(run_ca, other, tmp_path)
+    message, took = _refused(address, credentials.island_files(mixed, "east"))
+    assert took < 30, took
+    assert f"the coordinator at {address} refused this island's certificate {mixed / 'island-east.pem'}" in message
+
+    # The coordinator's certificate names 127.0.0.1 only.
+    message, took = _refused(f"localhost:{coordinator.port}", credentials.island_files(run_ca, "east"))
+    assert took < 30 and "does not name localhost" in message, (took, message)
+
+    # A plaintext coordinator.
+    plain = make_coordinator(tiny_config())
+    message, took = _refused(f"127.0.0.1:{plain.port}", credentials.island_files(run_ca, "east"))
+    assert took < 30 and "does not speak TLS" in message, (took, message)
+    assert not coordinator.state.islands and not plain.state.islands
+
+
+def test_a_coordinator_not_listening_yet_is_waited_for_over_tls(run_ca):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # closed again: nothing listens there
+    started = time.monotonic()
+    with pytest.raises(CoordinatorUnreachable) as e:
+        CoordinatorClient(f"127.0.0.1:{port}", connect_timeout_s=2, tls=credentials.island_files(run_ca, "east"))
+    assert not isinstance(e.value, CoordinatorTlsRefused)
+    assert time.monotonic() - started >= 2
+    assert f"cannot reach the coordinator at 127.0.0.1:{port} within 2s over mutual TLS (last: Connection refused)" in str(e.value)
+
+
+@pytest.mark.parametrize("whose", ["the coordinator's", "the island's"])
+def test_diloco_island_with_another_runs_credentials_exits_at_once_with_one_line(run_ca, tls_coordinator, tmp_path, whose):
+    coordinator = tls_coordinator(tiny_config())
+    address = f"127.0.0.1:{coordinator.port}"
+    other = _other_run(tmp_path)
+    if whose == "the coordinator's":  # another run's folder: the island does not trust the coordinator's certificate
+        folder, expected = other, f"the coordinator's certificate at {address} is not signed by the run's CA in {other / 'ca.pem'}"
+    else:  # trusts the coordinator, but holds another run's island certificate, which the coordinator does not trust
+        folder = _mixed(run_ca, other, tmp_path)
+        expected = f"the coordinator at {address} refused this island's certificate {folder / 'island-east.pem'}"
+    started = time.monotonic()
+    out = subprocess.run(
+        [sys.executable, "-m", "islands", "join", "--coordinator", address, "--tls", str(folder), "--device", "cpu",
+         "--connect-timeout", "300"],
+        capture_output=True, text=True, timeout=240,
+    )
+    took = time.monotonic() - started
+    lines = out.stderr.strip().splitlines()
+    # One line (no gRPC C-core handshake log), long before the connect timeout: starting the process is most of it.
+    assert out.returncode == 2 and len(lines) == 1, out.stderr[-2000:]
+    assert lines[0].startswith(f"diloco-island: error: {expected}"), lines[0]
+    assert took < 60, took
