@@ -16,6 +16,10 @@ from diloco.config import ConfigError, RunConfig, load_config
 # GRPC_VERBOSITY of the user's own (INFO, DEBUG) wins.
 os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
 
+# Libraries that log at INFO what nobody asked ("Found credentials in environment variables." on every S3
+# command, a connection pool's retries): quiet below WARNING unless --log-level debug.
+_CHATTY_LIBRARIES = ("botocore", "boto3", "aiobotocore", "s3fs", "s3transfer", "fsspec", "urllib3")
+
 
 class ArgumentParser(argparse.ArgumentParser):
     """argparse that reports a bad flag on one line (not usage plus error) and exits 2."""
@@ -60,3 +64,7 @@ def setup_logging(level: str, name: str = "") -> None:
         format=f"%(asctime)s {prefix}%(levelname)s %(name)s: %(message)s",
         datefmt="%H:%M:%S",
     )
+    if level.lower() != "debug":
+        quiet = max(logging.WARNING, logging.getLogger().getEffectiveLevel())
+        for library in _CHATTY_LIBRARIES:
+            logging.getLogger(library).setLevel(quiet)

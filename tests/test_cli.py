@@ -120,3 +120,20 @@ def test_joining_a_finished_run_ends_quietly(make_coordinator, channel_to):
     out = _run(SCRIPTS["diloco-island"] + ["join", "--coordinator", f"127.0.0.1:{coordinator.port}", "--device", "cpu"])
     assert out.returncode == 0, out.stderr
     assert "the run has finished; nothing to do" in out.stderr
+
+
+def test_commands_touching_s3_fail_in_one_line_without_the_s3_librarys_chatter(s3):
+    # botocore and aiobotocore log at INFO on every S3 command ("Found credentials in environment variables.", "Found
+    # endpoint for s3 via: environment_global."), which made a one-line error three; --log-level debug shows them.
+    island = SCRIPTS["diloco-island"] + [
+        "join", "--coordinator", "127.0.0.1:9", "--connect-timeout", "1", "--device", "cpu",
+        "--resume", "--checkpoint", f"{s3}/island-missing",  # lists the bucket before connecting
+    ]
+    evaluate = [sys.executable, "-m", "diloco.evalcli", f"{s3}/missing", "--log-level", "info"]
+    for argv, message in [(island, "cannot reach the coordinator at 127.0.0.1:9"), (evaluate, f"{s3}/missing")]:
+        out = _run(argv)
+        lines = out.stderr.strip().splitlines()
+        assert out.returncode == 2 and len(lines) == 1, (argv, out.stderr[-2000:])
+        assert message in lines[0], lines[0]
+    out = _run(island + ["--log-level", "debug"])
+    assert out.returncode == 2 and "botocore" in out.stderr
