@@ -26,8 +26,15 @@ from diloco.config import RunConfig
 
 
 def max_round_steps(cfg: RunConfig) -> int:
-    """The most inner steps one round of one island may hold (a push claiming more is refused)."""
-    return max(cfg.inner.steps_per_round, cfg.inner.max_steps) + cfg.streaming.overlap
+    """The most inner steps one round of one island may hold (a push claiming more is refused).
+
+    On the fixed schedule with P fragments a fragment's last round holds H + o_f steps, and an island that joins
+    or resumes mid-run starts every fragment at the earliest of their round starts, up to o_(P-1) steps before
+    the fragment's own (diloco/fragments.py): H + o_(P-1) at most. Time-boxed, or with an island's own H, a
+    round holds at most inner.max_steps.
+    """
+    h, p = cfg.inner.steps_per_round, cfg.streaming.fragments
+    return max(h + (p - 1) * h // p, cfg.inner.max_steps) + cfg.streaming.overlap
 
 
 def lr_position(round_first: int, j: int, cfg: RunConfig) -> int:

@@ -175,10 +175,11 @@ def push(shard: FragmentShard, ex: Exchange, wire: Wire) -> int:
         return PUSHED
     except grpc.RpcError as e:
         status = _STATUS.get(next_step(e))
+        if status != PUSHED:  # every refusal is in the island's own log, with its reason
+            log.log(logging.ERROR if status is None else logging.WARNING, "%s: push of %sround %d refused: %s: %s",
+                    header.island_id, _label(shard), ex.round, reason_name(e), e.details())
         if status is None:
             raise
-        if status != PUSHED:
-            log.warning("%s: push of %sround %d refused: %s: %s", header.island_id, _label(shard), ex.round, reason_name(e), e.details())
         return status
 
 
