@@ -283,6 +283,13 @@ class FragmentRounds(PushIntake):
                       self.ctx.pool)
         folded += ahead * self.manifest.total_numel()
         summary.fold_s, summary.folded_ahead = time.perf_counter() - started, ahead
+        # A round that folds no weight (every contribution trained on 0 tokens, or dropped) takes no outer step: a step
+        # on momentum alone would move the parameters with no data behind it. The parameters, momentum and checksum
+        # stay; the round moves on.
+        skipped = not any(c.weight for _, c in kept)
+        if skipped:
+            log.warning("%sround %d folds no tokens (%d contribution(s), none with weight): no outer step", self.label,
+                        self.round, len(closing.contributions))
         # Step, publication and round change happen under the write lock, so no
         # reader ever sees new parameters under an old round number or the reverse.
         self.param_lock.acquire_write()
@@ -290,16 +297,19 @@ class FragmentRounds(PushIntake):
             started = time.perf_counter()
             # Streamed (a lossy downlink, Nesterov): each chunk's span is divided into the mean, stepped and published
             # in one go, on every core, while pulls send the chunks made so far. Else the whole step, then publication.
-            streamed = not delayed and not self.publication.lossless and self.outer.steps_by_parameter
+            streamed = not skipped and not delayed and not self.publication.lossless and self.outer.steps_by_parameter
             eager_s = 0.0  # counted with the publication, as it is sent with it
-            if self.cfg.streaming.eager:
+            if self.cfg.streaming.eager and not skipped:
                 # Eager updates: islands build their provisional update from this (downlink codec, no feedback).
                 # Encoded before the step, which may overwrite the mean (the accumulator is reset after it).
                 eager_s = time.perf_counter()
                 self.mean_chunks = list(tensor_chunks(self.accumulator.mean(), self.publication.codec, self.cfg.wire.chunk_bytes))
                 eager_s = time.perf_counter() - eager_s
             stream = None
-            if streamed:
+            if skipped:
+                self.mean_chunks = []
+                self.publication.unchanged()
+            elif streamed:
                 stream = DeltaStream(self.round + 1, self.checksum, len({i for i, _ in closing.contributions}), summary.tokens)
                 with self.cond:
                     self.streaming = stream

@@ -151,6 +151,12 @@ class Publication:
         self.checksum = checksum(self.params)
         return thread_s
 
+    def unchanged(self) -> None:
+        """A round that took no outer step: the parameters stay, so there is no update to send; a pull of the next
+        round gets the values (lossless, the same checksum)."""
+        self._values = None
+        self.delta_chunks, self.delta_base = [], ""
+
     @torch.no_grad()
     def _publish_chunk(self, span: tuple[str, int, int], step: Callable[[str, int, int], None] | None) -> tuple[pb.TensorChunk, float]:
         """One chunk of a lossy update, stepped (with step), subtracted, encoded, decoded and added while it is in cache;
