@@ -163,6 +163,9 @@ class PushIntake:
         and the coordinator knows what that round started from); else refuses ROUND_CLOSED. Caller holds cond."""
         if round_ == self.round and self.phase is Phase.OPEN:
             return 0
+        if round_ > self.round:  # only after a restart from a checkpoint: the island must go back to our round
+            raise Refused(Reason.ROUND_AHEAD, f"{self.label}round {round_} is ahead of the coordinator's round {self.round} "
+                          "(it restarted from a checkpoint); resync", current_round=self.round)
         late = self.round - round_ + (self.phase is Phase.CLOSING)  # while a round is folded, pushes join the next one
         if self.phase is not Phase.FINISHED and 0 < late <= self.cfg.rounds.late_rounds and round_ in self.published:
             return late

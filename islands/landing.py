@@ -57,14 +57,7 @@ class Landing:
     def start(self) -> None:
         s = self.state
         into = self.global_shard if not self.restored else {n: torch.empty_like(t) for n, t in self.global_shard.items()}
-        for _ in range(5):
-            header = self.client.fetch(s.island_id, into, self.manifest, None if self.whole else self.shard.ranges)
-            lo, hi = self.group_reduce([-header.round, header.round], dist.ReduceOp.MAX)
-            if -lo == hi:
-                break
-            log.warning("ranks fetched different rounds (%d..%d); fetching again", -lo, hi)
-        else:
-            raise RuntimeError("the group's ranks could not fetch the same round of global parameters; is the coordinator restarting?")
+        header = self._fetch_all(into)
         rounds = [f.round for f in header.fragments] or [header.round]
         sums = [f.checksum for f in header.fragments] or [header.checksum]
         adopt = [not self.restored or (r, c) != (mine, own) for r, c, mine, own in zip(rounds, sums, s.rounds, s.checksums)]
@@ -83,6 +76,36 @@ class Landing:
         for f in (f for f, a in enumerate(adopt) if a):
             mix_(self.fragments[f].local, self.fragments[f].flat, 0.0)  # theta_local <- theta_global
         s.finished = s.finished or header.run_finished
+
+    def _fetch_all(self, into: dict[str, torch.Tensor]) -> pb.ResultHeader:
+        """Every fragment's global parameters (this rank's ranges), the same round on every rank of the group."""
+        for _ in range(5):
+            header = self.client.fetch(self.state.island_id, into, self.manifest, None if self.whole else self.shard.ranges)
+            lo, hi = self.group_reduce([-header.round, header.round], dist.ReduceOp.MAX)
+            if -lo == hi:
+                return header
+            log.warning("ranks fetched different rounds (%d..%d); fetching again", -lo, hi)
+        raise RuntimeError("the group's ranks could not fetch the same round of global parameters; is the coordinator restarting?")
+
+    @torch.no_grad()
+    def _rewind(self) -> None:
+        """The coordinator is behind this island (it restarted from a checkpoint of an earlier round): every fragment
+        goes back to the coordinator's round and the island trains from that round's start, as a resumed island does
+        (start()), so each round it replays holds all of its inner steps. Only the work since the coordinator's
+        checkpoint is lost. With fragments, a per-fragment shift would not do: the fragments share one step counter."""
+        s = self.state
+        header = self._fetch_all(self.global_shard)
+        s.rounds = [f.round for f in header.fragments] or [header.round]
+        s.checksums = [f.checksum for f in header.fragments] or [header.checksum]
+        s.finished = s.finished or header.run_finished
+        s.step = self.layout.start_step(s.rounds, self.total_rounds)
+        for f, shard in enumerate(self.fragments):
+            s.restart_fragment(f)
+            mix_(shard.local, shard.flat, 0.0)
+            if self.eager is not None:
+                self.eager[f].forget()
+        log.warning("%s: the coordinator went back to fragment rounds %s (it restarted): training again from inner step %d",
+                    s.island_id, s.rounds, s.step)
 
     # --- landing: agree on the push, pull, mix the result in ------------------------------------------
 
@@ -217,12 +240,15 @@ class Landing:
             lo, hi = self.group_reduce([-header.round, header.round], dist.ReduceOp.MAX)
             if -lo == hi:
                 break
+        s.resyncs += 1
+        if one is not None and header.round < s.rounds[f]:
+            self._rewind()  # the coordinator restarted behind us (fragments share the step counter)
+            return
         s.rounds[f], s.checksums[f] = header.round, header.checksum
         s.finished = s.finished or header.run_finished
         mix_(shard.local, shard.flat, 0.0)
         self._align_step(f)  # the coordinator may be more than one round on
         s.restart_fragment(f)
-        s.resyncs += 1
         if self.eager is not None:
             self.eager[f].forget()
 
