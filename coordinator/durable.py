@@ -100,6 +100,6 @@ def restore(state: CoordinatorState, store: CheckpointStore) -> bool:
     with state.cond:
         state.summaries = [json_format.ParseDict(s, pb.RoundSummary()) for s in meta["summaries"]]
         state.initial_eval_loss = meta["initial_eval_loss"]
-    log.info("resumed from %s at round %s with %d islands", store.url,
-             state.round if len(fragments) == 1 else f"s {rounds} (per fragment)", len(state.islands))
+    where = f"round {state.round}" if len(fragments) == 1 else f"fragment rounds {rounds}"
+    log.info("resumed from %s at %s with %d islands", store.url, where, len(state.islands))
     return True
