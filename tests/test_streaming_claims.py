@@ -1,0 +1,114 @@
+"""Streaming DiLoCo with the claim check on, as users run it: no honest push refused, no round on 0 tokens.
+
+A fragment's rounds are not all H steps long: its first is H - o_f, its last
+H + o_f, and an island that joins or resumes mid-run starts every fragment at
+the earliest of their round starts. Each inner step trains every fragment, so
+over a run each fragment's rounds add up to every island's inner steps: the
+token sums below say that no honest work was refused, pushed with no weight
+or lost.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from conftest import kill_all_and_resume, tiny_config
+from islands.sim.simulation import Simulation, run_sim
+
+PER_STEP = 4 * 32  # tiny_config: inner.batch_size x data.seq_len
+
+
+def _config(fragments: int, tau: int, *extra: str):
+    # 3 layers so that 3 fragments each hold a block; H = 6 so that every fragment has its own offset (0, 2, 4).
+    return tiny_config("model.n_layers=3", "inner.steps_per_round=6", "rounds.rounds=4", "rounds.min_islands=2",
+                       "data.shards=2", f"streaming.fragments={fragments}", f"streaming.tau={tau}", *extra)
+
+
+def _fragment_tokens(report: dict) -> dict[int, list[int]]:
+    out: dict[int, list[int]] = {}
+    for r in sorted(report["rounds"], key=lambda r: (r["fragment"], r["round"])):
+        out.setdefault(r["fragment"], []).append(r["tokens"])
+    return out
+
+
+def _assert_honest(report: dict, fragments: int, rounds: int) -> dict[int, list[int]]:
+    assert report["events"]["refusals"] == {}, report["events"]["refusals"]
+    tokens = _fragment_tokens(report)
+    assert sorted(tokens) == list(range(fragments))
+    for f, per_round in tokens.items():
+        assert len(per_round) == rounds, (f, per_round)
+        assert all(t > 0 for t in per_round), f"fragment {f} closed a round on 0 tokens: {per_round}"
+    assert set(report["islands"].values()) == {report["checksum"]}
+    return tokens
+
+
+@pytest.mark.parametrize("fragments,tau", [(2, 0), (2, 1), (3, 0), (3, 1)])
+def test_fixed_schedule_folds_every_inner_step_of_every_fragment(tmp_path, fragments, tau):
+    cfg = _config(fragments, tau)
+    report = run_sim(cfg, 2, tmp_path, timeout_s=300, echo=lambda s: None).report
+    tokens = _assert_honest(report, fragments, 4)
+    trained = sum(s["inner_steps"] for s in report["island_stats"].values()) * PER_STEP
+    assert trained == 2 * 4 * 6 * PER_STEP
+    # Each inner step counts once towards each fragment: the last round (H + o_f steps) included.
+    assert {f: sum(t) for f, t in tokens.items()} == {f: trained for f in range(fragments)}
+
+
+def test_time_boxed_fragments_fold_every_inner_step(tmp_path):
+    cfg = _config(2, 1, "rounds.mode='time'", "rounds.round_s=0.5", "inner.min_steps=1", "inner.max_steps=12")
+    report = run_sim(cfg, 2, tmp_path, timeout_s=300, echo=lambda s: None).report
+    tokens = _assert_honest(report, 2, 4)
+    trained = sum(s["inner_steps"] for s in report["island_stats"].values()) * PER_STEP
+    # Time-boxed, steps run on after a fragment's last round; what a round holds is never more than was trained.
+    assert all(0 < sum(t) <= trained for t in tokens.values())
+
+
+def test_resumed_islands_and_coordinator_lose_no_fold(tmp_path):
+    """Everything SIGKILLed after round 1's checkpoints and resumed: the first pushes after the resume (a fragment's
+    round that started before the kill) are taken with their weight, and no round closes on 0 tokens."""
+    cfg = _config(2, 1, "rounds.rounds=5", "checkpoint.every_rounds=1", "rounds.heartbeat_s=0.5", "rounds.lease_s=8")
+    sim = Simulation(cfg, 2, tmp_path, checkpoints=True)
+    try:
+        sim.start()
+        kill_all_and_resume(sim, step=2, islands=2, timeout_s=120)
+        for _ in sim.watch(300):
+            pass
+        report = sim.finish(300).report
+    finally:
+        sim.close()
+    assert report["events"]["restarts"] == 1
+    _assert_honest(report, 2, 5)
+
+
+def test_coordinator_restarted_behind_its_islands_replays_rounds_with_their_weight(tmp_path):
+    """The coordinator alone SIGKILLed rounds after its last checkpoint: its islands are ahead of it when it is back.
+    They go back to its rounds and train them again, so every replayed round folds both islands' full rounds: each
+    fragment's tokens add up to the undisturbed run's, and only the islands' work since the checkpoint is lost."""
+    rounds = 8
+    cfg = _config(2, 1, f"rounds.rounds={rounds}", "checkpoint.every_rounds=4", "rounds.heartbeat_s=0.5",
+                  "rounds.lease_s=30")
+    sim = Simulation(cfg, 2, tmp_path, checkpoints=True)
+    committed = tmp_path / "ckpt" / "coordinator" / "step-0000000008" / "COMMITTED"
+    try:
+        sim.start()
+        killed = False
+        for summary in sim.watch(300):
+            # every_rounds counts each fragment's rounds, a checkpoint's step both fragments': step 8 holds rounds
+            # 0-3 of each. Killed once round 5 closed, the coordinator comes back at round 4, its islands at 6.
+            if not killed and summary.fragment == 0 and summary.round == 5:
+                assert committed.exists(), "no coordinator checkpoint of rounds 0-3 before the kill"
+                sim.kill_coordinator()
+                sim.start_coordinator(resume=True)
+                killed = True
+        report = sim.finish(300).report
+    finally:
+        sim.close()
+    assert killed and report["events"]["restarts"] == 1
+    refused = report["events"]["refusals"]
+    assert set(refused) <= {"ROUND_AHEAD", "PUSH_AGAIN"}, refused  # islands ahead are told so, then go back
+    tokens = _fragment_tokens(report)
+    assert all(t > 0 for per_round in tokens.values() for t in per_round), tokens
+    # Back at round 4 the islands train from fragment 1's round start (step 21, offset 3), so fragment 0's round 4
+    # holds 3 more steps than H (diloco/fragments.py start_step): trained and folded, not lost.
+    whole = 2 * rounds * 6 * PER_STEP
+    assert {f: sum(t) for f, t in tokens.items()} == {0: whole + 2 * 3 * PER_STEP, 1: whole}
+    assert set(report["islands"].values()) == {report["checksum"]}
