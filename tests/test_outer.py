@@ -222,3 +222,36 @@ def test_an_outer_step_taken_a_span_at_a_time_on_threads_is_torch_sgd_bit_for_bi
     delayed = OuterOptimizer({"w": torch.zeros(3)}, OuterConfig(lr=0.7, momentum=0.9, nesterov=False))
     with pytest.raises(RuntimeError, match="Nesterov"):
         delayed.span_step()
+
+
+def test_a_round_on_no_tokens_takes_no_outer_step(make_coordinator):
+    """Every contribution of a round trained on 0 tokens (an island that resynced at its round's end pushes with no
+    weight): the round closes and moves on, but a step on momentum alone would move the parameters with no data behind
+    it, so parameters, momentum and checksum stay; the next round with weight steps again."""
+    cfg = tiny_config("outer.momentum=0.9", "rounds.rounds=3")
+    coordinator = make_coordinator(cfg)
+    clients, joined = _clients(coordinator, [1])
+    client, island = clients[0], joined[0].island_id
+    manifest = Manifest.from_proto(joined[0].parameters)
+    fragment = coordinator.state.fragments[0]
+
+    def snapshot():
+        momentum = [s["momentum_buffer"].clone() for s in fragment.outer.optimizer.state.values()]
+        return {n: t.clone() for n, t in fragment.outer.params.items()}, momentum, fragment.checksum
+
+    try:
+        _, theta = _fetch(client, island, manifest)
+        for round_, claimed in enumerate([claim(cfg), {"tokens": 0, "inner_steps": 1}, claim(cfg)]):
+            before = snapshot()
+            _push(client, island, round_, claimed, random_like(manifest.shapes, seed=round_), cfg.wire.chunk_bytes)
+            header = client.pull(island, round_, theta, manifest, before[2], timeout_s=20)
+            assert header.round == round_ + 1 and header.checksum == fragment.checksum
+            params, momentum, checksum_ = snapshot()
+            moved = any(not torch.equal(params[n], before[0][n]) for n in params)
+            assert moved == bool(claimed["tokens"]), round_
+            assert (checksum_ == before[2]) == (not claimed["tokens"])
+            if not claimed["tokens"]:
+                assert all(torch.equal(a, b) for a, b in zip(momentum, before[1]))
+        assert [s.tokens for s in coordinator.state.summaries] == [claim(cfg)["tokens"], 0, claim(cfg)["tokens"]]
+    finally:
+        client.close()
