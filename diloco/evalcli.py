@@ -9,9 +9,14 @@ checkpoint records its run's config (older ones only its digest: give the run's 
 overrides, without which the embedded default is tried); a config of another digest is refused,
 so the model is always built as the run built it.
 
-Held-out data: --text FILE (bytes; the tail a run on that file holds out, data.eval_fraction, 0.1:
+Held-out data: --text FILE (the tail a run on that file holds out, data.eval_fraction, 0.1:
 --set data.eval_fraction=1 for all of it), --tokens URL (a corpus's eval split), or by default a
 checkpoint's own run's held-out set, the batches its coordinator evaluates on. --batches 0 skips it.
+
+Text (--text, --hellaswag) is read with the model's tokenizer: --tokenizer FILE, else --tokens' corpus's,
+an exported folder's tokenizer.json, a checkpoint's run's (its token corpus's; bytes for a text run),
+else bytes for a model of 256 tokens. A model of another vocabulary with none of these is refused
+(--tokenizer bytes says it was trained on bytes).
 """
 
 from __future__ import annotations
@@ -36,12 +41,13 @@ from diloco.cli import ArgumentParser, add_config_flags, fail, setup_logging
 from diloco.config import ConfigError, ModelConfig, RunConfig, _apply_override, config_from_dict, load_config
 from diloco.data import eval_batches, resolve_vocab
 from diloco.evaluation import (ByteTokenizer, EvalError, HFTokenizer, Tokenizer, check_vocab, corpus_tokenizer,
-                               heldout_loss, load_hellaswag, multiple_choice, run_tokenizer)
+                               heldout_loss, load_hellaswag, multiple_choice, text_eval_batches)
 from diloco.shards import DataError
 
 PROG = "diloco-eval"
 _STEP_DIR = re.compile(r"^(?P<root>.*)/step-(?P<step>\d{10})$")
 _STEP_NAME = re.compile(r"step-\d{10}$")
+BYTE_VOCAB = 256  # a model of exactly this vocabulary and no tokenizer is taken to be byte-level
 
 
 @dataclass
@@ -59,11 +65,14 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("source", metavar="CHECKPOINT_OR_FOLDER",
                    help="a coordinator's checkpoint.url or one step folder of it (local or s3://), or an exported folder")
     data = p.add_mutually_exclusive_group()
-    data.add_argument("--text", metavar="FILE", help="byte-level held-out text: the file's held-out tail (data.eval_fraction)")
+    data.add_argument("--text", metavar="FILE",
+                      help="held-out text: the file's held-out tail (data.eval_fraction), in the model's tokens")
     data.add_argument("--tokens", metavar="URL", help="a token corpus made by `diloco-data prepare`: its eval split")
     p.add_argument("--hellaswag", metavar="FILE.jsonl", help="multiple-choice accuracy on a HellaSwag-format file")
     p.add_argument("--limit", type=int, default=0, metavar="N", help="score only the file's first N examples")
-    p.add_argument("--tokenizer", metavar="FILE", help="the model's tokenizer.json for --hellaswag (default: the data's)")
+    p.add_argument("--tokenizer", metavar="FILE",
+                   help="the model's tokenizer.json for --text and --hellaswag, or 'bytes' for a byte-level model "
+                        "(default: the folder's, the run's corpus's, or bytes for a vocabulary of 256)")
     p.add_argument("--batches", type=int, metavar="N",
                    help="held-out batches (default: the run's eval.batches, else 8; 0: no held-out loss)")
     p.add_argument("--batch-size", type=int, metavar="B", help="sequences per forward (default: the run's eval.batch_size)")
@@ -194,39 +203,59 @@ def build_model(model_cfg: ModelConfig, params: dict[str, torch.Tensor], where: 
 # --- the figures ----------------------------------------------------------------------
 
 
-def heldout_data(args: argparse.Namespace, loaded: Loaded, seq_len: int) -> tuple[Any, str] | None:
-    """(DataConfig, description) of the held-out set to use, or None for none."""
+def heldout_data(args: argparse.Namespace, loaded: Loaded, seq_len: int) -> tuple[Any, str, Tokenizer | None] | None:
+    """(DataConfig, description, tokenizer) of the held-out set to use, or None for none. The tokenizer is
+    None where the data is the model's own tokens: a token corpus, or bytes for a byte-level model."""
     data = dataclasses.replace(loaded.cfg.data, seq_len=seq_len)
+    tokenizer: Tokenizer | None = None
     if args.text:
         if not Path(args.text).is_file():
             raise EvalError(f"text file not found: {args.text}")
         data = dataclasses.replace(data, source="text", path=args.text)
+        tokenizer = pick_tokenizer(args, loaded, "--text")
+        check_vocab(tokenizer, loaded.cfg.model.vocab_size)
     elif args.tokens:
         data = dataclasses.replace(data, source="tokens", url=args.tokens)
     elif loaded.kind != "checkpoint":
         return None  # an exported model does not say what it was trained on
     if data.source == "text":
-        if loaded.cfg.model.vocab_size < 256:
-            raise EvalError(f"byte-level text needs a model vocabulary of 256 or more; this one has {loaded.cfg.model.vocab_size}")
-        return data, f"text {data.path} (its last {data.eval_fraction:.0%})"
+        what = f"text {data.path} (its last {data.eval_fraction:.0%}"
+        if tokenizer is None or isinstance(tokenizer, ByteTokenizer):  # bytes: read exactly as a text run reads them
+            if loaded.cfg.model.vocab_size < BYTE_VOCAB:
+                raise EvalError(f"byte-level text needs a model vocabulary of 256 or more; this one has "
+                                f"{loaded.cfg.model.vocab_size}")
+            return data, what + ")", None
+        return data, f"{what}, tokenized by {tokenizer.name})", tokenizer
     if data.source == "tokens":
-        return data, f"tokens {data.url} (eval split)"
-    return data, f"the synthetic language (seed {data.synthetic_seed})"
+        return data, f"tokens {data.url} (eval split)", None
+    return data, f"the synthetic language (seed {data.synthetic_seed})", None
 
 
-def pick_tokenizer(args: argparse.Namespace, loaded: Loaded) -> Tokenizer:
+def pick_tokenizer(args: argparse.Namespace, loaded: Loaded, purpose: str) -> Tokenizer:
+    """The tokenizer that turns text into the model's tokens, for purpose (the flag that needs it)."""
+    if args.tokenizer == "bytes":
+        return ByteTokenizer()
     if args.tokenizer:
         return HFTokenizer.from_url(args.tokenizer)
     if args.tokens:
         return corpus_tokenizer(args.tokens)
-    if args.text:
-        return ByteTokenizer()
     if loaded.tokenizer_url:
         return HFTokenizer.from_url(loaded.tokenizer_url)
-    if loaded.kind == "checkpoint":
-        return run_tokenizer(loaded.cfg.data)
-    raise EvalError("--hellaswag needs the model's tokenizer: pass --tokenizer tokenizer.json (or --tokens URL of its "
-                    "corpus, or --text FILE for a byte-level model)")
+    run = loaded.cfg.data if loaded.kind == "checkpoint" else None  # a folder's data section is not its run's
+    if run is not None and run.source == "tokens":
+        try:
+            return corpus_tokenizer(run.url)
+        except EvalError as e:
+            raise EvalError(f"{purpose} needs the model's tokenizer, its run's corpus's: {e}; pass --tokenizer FILE "
+                            "(the tokenizer.json it was trained with)") from None
+    if (run is not None and run.source == "text") or loaded.cfg.model.vocab_size == BYTE_VOCAB:
+        return ByteTokenizer()
+    # Reading text as bytes for a model of another vocabulary scores ids it never saw as those tokens.
+    has = ("its run trained on the synthetic language, which has no tokenizer" if run is not None
+           else "the folder has no tokenizer.json")
+    raise EvalError(f"{purpose} needs the model's tokenizer and none was found: {has}, and its vocabulary of "
+                    f"{loaded.cfg.model.vocab_size} tokens is not bytes ({BYTE_VOCAB}); pass --tokenizer FILE (the "
+                    "tokenizer.json it was trained with), or --tokenizer bytes for a model trained on bytes")
 
 
 def evaluate(args: argparse.Namespace) -> dict[str, Any]:
@@ -246,9 +275,12 @@ def evaluate(args: argparse.Namespace) -> dict[str, Any]:
     n_batches = args.batches if args.batches is not None else (cfg.eval.batches or 8)
     chosen = heldout_data(args, loaded, seq_len) if n_batches > 0 else None
     if chosen is not None:
-        data, description = chosen
+        data, description, text_tokenizer = chosen
         try:
-            batches = eval_batches(data, n_batches, batch_size, cfg.model.vocab_size)
+            if text_tokenizer is not None:
+                batches = text_eval_batches(data, text_tokenizer, n_batches, batch_size)
+            else:
+                batches = eval_batches(data, n_batches, batch_size, cfg.model.vocab_size)
         except ValueError as e:  # ConfigError and DataError are ValueErrors too: say which data, and the way out
             raise EvalError(f"held-out data {description}: {' '.join(str(e).split())} (--batches 0 skips the "
                             "held-out loss)") from None
@@ -257,7 +289,7 @@ def evaluate(args: argparse.Namespace) -> dict[str, Any]:
                              "loss": loss, "perplexity": perplexity, "tokens": tokens}
     if args.hellaswag:
         examples = load_hellaswag(args.hellaswag, args.limit)
-        tokenizer = pick_tokenizer(args, loaded)
+        tokenizer = pick_tokenizer(args, loaded, "--hellaswag")
         check_vocab(tokenizer, cfg.model.vocab_size)
         scores = multiple_choice(model, tokenizer, examples, batch_size, device)
         report["hellaswag"] = {"file": args.hellaswag, "tokenizer": tokenizer.name, **scores}

@@ -13,9 +13,11 @@ import tempfile
 from pathlib import Path
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 from conftest import tiny_config
 from coordinator import durable
@@ -27,6 +29,7 @@ from diloco.evaluation import (ByteTokenizer, EvalError, Example, choice_loglike
                                heldout_loss, load_hellaswag, loglikelihoods, make_task_evaluator, multiple_choice)
 from diloco.inner import evaluate
 from diloco.model import Transformer
+from diloco.prepare import PrepareConfig, prepare
 
 ROOT = Path(__file__).resolve().parents[1]
 WORDS = ("the man sits on a roof and pulls up shingles while a dog runs across the yard near a river under "
@@ -325,7 +328,7 @@ def test_the_coordinator_scores_the_tasks_every_n_rounds_and_logs_them(make_coor
     from diloco.v1 import diloco_pb2 as pb
     from diloco.wire import PROTOCOL_VERSION, push_messages, tensor_chunks
 
-    from conftest import wait_for_round
+    from conftest import claim, wait_for_round
 
     text, hellaswag = write_text(tmp_path / "t.txt"), write_jsonl(tmp_path / "h.jsonl", DOCS)
     cfg = tiny_config("data.source=text", f"data.path={text!r}", "model.vocab_size=256", "rounds.rounds=4",
@@ -335,7 +338,7 @@ def test_the_coordinator_scores_the_tasks_every_n_rounds_and_logs_them(make_coor
     island = stub.Join(pb.JoinRequest(protocol_version=PROTOCOL_VERSION), timeout=10).island_id
     zeros = {n: torch.zeros(s) for n, s in coordinator.state.manifest.shapes.items()}
     for round_ in range(4):
-        header = pb.PushHeader(island_id=island, round=round_, tokens=100, codec="fp32", inner_steps=1)
+        header = pb.PushHeader(island_id=island, round=round_, codec="fp32", **claim(cfg))  # an honest claim
         stub.PushPseudoGradient(push_messages(header, tensor_chunks(zeros, Fp32Codec(), 4096)), timeout=30)
         wait_for_round(coordinator, round_, timeout_s=120)
     scored = {s.round: dict(s.task_scores) for s in coordinator.state.summaries if s.task_scores}
@@ -348,3 +351,113 @@ def test_the_coordinator_scores_the_tasks_every_n_rounds_and_logs_them(make_coor
 
     last = coordinator.state.summaries[-1]
     assert message_dict(last)["task_scores"] == scored[3]
+
+
+# --- text on a model with a tokenizer -------------------------------------------------------
+
+
+def train(model: nn.Module, ids: list[int], seq_len: int, steps: int = 200) -> None:
+    """A few hundred AdamW steps on random windows of ids: enough for a tiny model to learn a repetitive text."""
+    data, g = torch.tensor(ids), torch.Generator().manual_seed(0)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for _ in range(steps):
+        starts = torch.randint(0, len(data) - seq_len - 1, (16,), generator=g).tolist()
+        seqs = torch.stack([data[s:s + seq_len + 1] for s in starts])
+        loss = F.cross_entropy(model(seqs[:, :-1]).flatten(0, 1), seqs[:, 1:].flatten())
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+
+
+@pytest.fixture
+def bpe_folder(make_coordinator, tmp_path):
+    """A diloco-export folder (with tokenizer.json) of a token run on a BPE corpus of a text, its weights
+    trained on the BPE tokens of the text's head, and the text."""
+    from diloco.export import export
+    from diloco.hf import from_hf_folder
+
+    text = tmp_path / "river.txt"
+    sentences = [f"the river {i % 13} runs past the stone island {i % 7}." for i in range(600)]
+    # Paragraphs: prepare cuts documents at blank lines, and holds some of them out.
+    text.write_text("\n\n".join(" ".join(sentences[i:i + 5]) for i in range(0, 600, 5)) + "\n")
+    corpus = str(tmp_path / "tokens")
+    prepare(PrepareConfig([str(text)], corpus, vocab_size=300, eval_fraction=0.1, shard_tokens=4096, workers=1))
+    url = str(tmp_path / "ckpt")
+    cfg = tiny_config(f"checkpoint.url={url!r}", "data.source=tokens", f"data.url={corpus!r}", "model.vocab_size=0",
+                      f"data.cache_dir={str(tmp_path / 'cache')!r}", "data.shuffle_block=8")
+    coordinator = make_coordinator(cfg)
+    torch.manual_seed(0)
+    model = Transformer(cfg.model)
+    head = text.read_text()[:int(len(text.read_text()) * 0.9)]  # not the held-out tail
+    train(model, corpus_tokenizer(corpus).encode(head), cfg.model.max_seq_len)
+    trained = model.state_dict()
+    with torch.no_grad():  # the checkpoint holds the trained model, as if the run had trained it
+        for params in (coordinator.state.params, coordinator.state.outer_params):
+            for n, t in params.items():
+                t.copy_(trained[n])
+    durable.save(coordinator.state, CheckpointStore(url))
+    folder = tmp_path / "hf"
+    export(url, folder)
+    model_cfg, state = from_hf_folder(folder)
+    assert (folder / "tokenizer.json").is_file() and model_cfg.vocab_size > 256  # BPE stops merging short of 300
+    assert all(torch.equal(state[n], t) for n, t in trained.items())
+    return SimpleNamespace(folder=folder, text=str(text), model_cfg=model_cfg, params=state, tmp=tmp_path)
+
+
+def tokenized_heldout_loss(b, seq_len: int, n_batches: int, batch_size: int) -> tuple[float, int]:
+    """The loss of the folder's model on the tail a run on the text holds out (10%), encoded with its
+    tokenizer.json (the tokenizers library, no special tokens), in eval_batches' evenly spaced windows."""
+    from tokenizers import Tokenizer as HF
+
+    data = Path(b.text).read_bytes()
+    tail = data[int(len(data) * 0.9):].decode()
+    ids = torch.tensor(HF.from_file(str(b.folder / "tokenizer.json")).encode(tail, add_special_tokens=False).ids)
+    starts = np.linspace(0, len(ids) - seq_len - 1, num=n_batches * batch_size, dtype=np.int64).tolist()
+    seqs = torch.stack([ids[s:s + seq_len + 1] for s in starts])
+    model = Transformer(b.model_cfg)
+    model.load_state_dict(b.params)
+    loss, _, tokens = heldout_loss(model, [(x[:, :-1], x[:, 1:]) for x in seqs.split(batch_size)])
+    return loss, tokens
+
+
+def test_text_on_an_exported_bpe_model_is_read_with_its_tokenizer(bpe_folder, capsys):
+    b = bpe_folder
+    loss, tokens = tokenized_heldout_loss(b, b.model_cfg.max_seq_len, 2, 4)
+    hellaswag = write_jsonl(b.tmp / "h.jsonl", DOCS)
+    report, out = run_cli(b.folder, "--text", b.text, "--batches", 2, "--batch-size", 4, "--hellaswag", hellaswag,
+                          capsys=capsys)
+    held = report["heldout"]
+    assert held["loss"] == pytest.approx(loss, rel=1e-6) and held["tokens"] == tokens == 2 * 4 * b.model_cfg.max_seq_len
+    # Trained: far below the ~300 of a uniform guess (read as bytes, this text scored a perplexity in the thousands).
+    assert held["perplexity"] == pytest.approx(math.exp(loss)) and held["perplexity"] < 10
+    assert "tokenized by" in held["data"] and "tokenizer.json" in out
+    assert report["hellaswag"]["tokenizer"].endswith("tokenizer.json")  # one tokenizer for all the text
+    # A folder without its tokenizer.json reads the text with the one given.
+    bare = b.tmp / "bare"
+    shutil.copytree(b.folder, bare)
+    (bare / "tokenizer.json").unlink()
+    given, _ = run_cli(bare, "--text", b.text, "--tokenizer", b.folder / "tokenizer.json", "--batches", 2,
+                       "--batch-size", 4, capsys=capsys)
+    assert given["heldout"]["loss"] == pytest.approx(loss, rel=1e-6)
+
+
+def test_text_on_a_model_without_a_tokenizer_is_refused_unless_it_is_byte_level(bpe_folder, text_run, capsys):
+    bare = bpe_folder.tmp / "bare"
+    shutil.copytree(bpe_folder.folder, bare)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        (bare / name).unlink()
+    for flags in (["--text", bpe_folder.text], ["--hellaswag", text_run.hellaswag]):
+        with pytest.raises(SystemExit) as e:
+            main([str(bare), *flags, "--device", "cpu"])
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and err.startswith("diloco-eval: error: ") and err.count("\n") == 1, err
+        assert "no tokenizer.json" in err and "--tokenizer FILE" in err, err
+        assert f"vocabulary of {bpe_folder.model_cfg.vocab_size} " in err, err
+    # A model of 256 tokens without one is byte-level: the text's bytes, as a byte-level run reads them.
+    from diloco.export import export
+
+    export(text_run.url, text_run.tmp / "bytes-hf")
+    report, _ = run_cli(text_run.tmp / "bytes-hf", "--text", text_run.text, capsys=capsys)
+    assert report["heldout"]["loss"] == pytest.approx(library_figures(text_run.cfg, text_run.params, ByteTokenizer(),
+                                                                      text_run.hellaswag)["loss"], rel=1e-6)
+    assert "tokenized by" not in report["heldout"]["data"]
