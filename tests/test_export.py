@@ -12,7 +12,7 @@ import fsspec
 import pytest
 import torch
 
-from conftest import ended, random_like, tiny_config, wait_for_round
+from conftest import claim, ended, random_like, tiny_config, wait_for_round
 from coordinator import durable
 from diloco.checkpoint import CheckpointStore
 from diloco.codec import Fp32Codec
@@ -48,7 +48,7 @@ def coordinator_checkpoint(make_coordinator, url: str, *overrides: str, push: bo
             stub = pb_grpc.CoordinatorStub(channel)
             island = stub.Join(pb.JoinRequest(protocol_version=PROTOCOL_VERSION), timeout=5).island_id
             pg = random_like(coordinator.state.manifest.shapes, seed=1, scale=0.05)
-            messages = [pb.PushMessage(header=pb.PushHeader(island_id=island, round=0, tokens=1000, codec="fp32"))]
+            messages = [pb.PushMessage(header=pb.PushHeader(island_id=island, round=0, codec="fp32", **claim(cfg)))]
             messages += [pb.PushMessage(chunk=c) for c in tensor_chunks(pg, Fp32Codec(), cfg.wire.chunk_bytes)]
             stub.PushPseudoGradient(ended(messages), timeout=10)
             wait_for_round(coordinator, 0)
@@ -96,7 +96,7 @@ def test_export_loads_in_transformers_with_our_logits(variant, make_coordinator,
     assert diff < 1e-5
     card = (tmp_path / "hf" / "README.md").read_text()
     assert "## Run config" in card and cfg.to_toml().splitlines()[0] in card
-    assert "tokens trained | 1,000 |" in card and "eval loss | " in card and "after round 0" in card
+    assert f"tokens trained | {claim(cfg)['tokens']:,} |" in card and "eval loss | " in card and "after round 0" in card
 
 
 def test_a_large_model_is_sharded_with_an_index(make_coordinator, tmp_path):

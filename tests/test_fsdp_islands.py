@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import run_scenario
+from conftest import PER_STEP as PUPPET, run_scenario  # the puppet island pushes one honest step a round
 from islands.cli import build_parser
 from islands.launch import LaunchError, LaunchOptions, adopt_slurm_env, replica_spec, worker_command
 
@@ -150,11 +150,11 @@ def test_killed_replica_group_heals_and_a_dead_pusher_is_taken_over(tmp_path, da
         from test_token_runs import write_corpus
 
         result = run_scenario("fsdp_scenarios.py", "faults", tmp_path, 260, write_corpus(tmp_path / "corpus", docs=300))
-        # Each round folded exactly the island's leased positions it names (the puppet adds one token and no
-        # samples), and no position twice: group 1's death and both heals kept the data cursor exact.
+        # Each round folded exactly the island's leased positions it names (the puppet adds one honest step's tokens
+        # and no samples), and no position twice: group 1's death and both heals kept the data cursor exact.
         folded = []
         for r in result["rounds"]:
-            assert r["data"]["folded_this_round"] == r["tokens"] - 1 > 0, r
+            assert r["data"]["folded_this_round"] == r["tokens"] - PUPPET > 0, r
             folded += [p for a, b in r["data"]["samples"] for p in range(a, b)]
         assert len(folded) == len(set(folded)) and result["data"]["tokens_repeated"] == 0
     else:
@@ -166,7 +166,7 @@ def test_killed_replica_group_heals_and_a_dead_pusher_is_taken_over(tmp_path, da
     sharded = notes["sharded_island"]
     assert all(sharded in r["islands"] for r in result["rounds"])
     # While group 1 was down the island kept training: group 0 trained (some of) round 2 alone.
-    tokens = [r["tokens"] - 1 for r in result["rounds"]]  # the puppet adds one token a round
+    tokens = [r["tokens"] - PUPPET for r in result["rounds"]]  # the puppet adds one step's tokens a round
     assert tokens[2] < tokens[0], tokens
     # The restarted groups healed from their live peer, rank k from rank k, and then held exactly its state.
     g0, g1 = _restarted(reports, 0), _restarted(reports, 1)
