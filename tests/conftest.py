@@ -49,8 +49,10 @@ def tiny_config(*overrides: str):
     check and the norm guard included): a test that must turn one off says why where it does."""
     base = [
         "model.d_model=32", "model.n_layers=1", "model.n_heads=2", "model.d_ff=64", "model.max_seq_len=32",
-        "data.seq_len=32", "inner.batch_size=4", "inner.steps_per_round=2", "eval.batches=0",
-        # A failed test ends in 30 s rather than an hour; small chunks so that even this model spans several.
+        "data.seq_len=32", "inner.batch_size=4", "inner.steps_per_round=2",
+        # No held-out evaluation at each close (the tests that need it ask for eval.batches); a failed test ends in
+        # 30 s rather than at the default deadline; small chunks so that even this model spans several.
+        "eval.batches=0",
         "rounds.deadline_s=30", "wire.chunk_bytes=4096",
     ]
     return load_config(None, base + list(overrides))

@@ -257,7 +257,7 @@ def time_boxed(workdir: Path) -> None:
     cfg = tiny_config(
         "model.n_layers=2", "streaming.fragments=2", "streaming.tau=1", "inner.steps_per_round=4", "inner.max_steps=16",
         "rounds.rounds=4", "rounds.mode='time'", "rounds.round_s=1.5", "rounds.min_islands=2", "data.shards=2",
-        "rounds.deadline_s=120", "rounds.heartbeat_s=0.5", "rounds.lease_s=30", "robust.check_claims=true",
+        "rounds.deadline_s=120", "rounds.heartbeat_s=0.5", "rounds.lease_s=30",
     )
     run = Run(workdir, cfg, deadline_s=200)
     try:

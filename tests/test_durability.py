@@ -21,7 +21,7 @@ def _sim_config(rounds: int, islands: int, *extra: str):
     return tiny_config(
         f"rounds.rounds={rounds}", f"rounds.min_islands={islands}", f"data.shards={islands}",
         "inner.steps_per_round=4", "inner.lr=1e-2", "inner.warmup_steps=2", "eval.batches=4",
-        "checkpoint.every_rounds=1", "rounds.heartbeat_s=0.5", "rounds.lease_s=8", "robust.check_claims=true", *extra,
+        "checkpoint.every_rounds=1", "rounds.heartbeat_s=0.5", "rounds.lease_s=8", *extra,
     )
 
 

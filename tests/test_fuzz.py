@@ -31,7 +31,7 @@ DEEP = {"-", "BAD_CHUNK", "CORRUPT_CHUNK", "NOT_FINITE", "DUPLICATE"}
 
 def test_fuzzing_every_rpc_beside_a_run_gets_explained_answers_and_leaves_its_aggregate_as_it_was(tmp_path):
     # The tiny run with the robust defaults (tiny_config turns the claim check off for the protocol tests).
-    cfg = tiny_config("rounds.rounds=20", *fuzz.RUN, "robust.check_claims=true")
+    cfg = tiny_config("rounds.rounds=20", *fuzz.RUN)
     report = fuzz.fuzz(cfg, tmp_path, seed=0, calls=1500, seconds=20.0)
     assert report.ok, f"{report.summary()}\n{report.table()}"
     # It reached every RPC of the .proto, and pushes got as far as their chunks.

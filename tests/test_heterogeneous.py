@@ -96,7 +96,7 @@ class Reference:
 def test_unequal_contributions_are_weighted_by_tokens_exactly(tmp_path):
     """Two islands of different speeds (one trains twice the steps: twice the tokens); claims up to inner.max_steps."""
     clock = Clock()
-    state = make_state(tmp_path, "rounds.rounds=2", "inner.max_steps=4", "robust.check_claims=true", "robust.enabled=true",
+    state = make_state(tmp_path, "rounds.rounds=2", "inner.max_steps=4",
                        clock=clock)
     a, b = state.join("a").island_id, state.join("b").island_id
     per_step = state.cfg.inner.batch_size * state.cfg.data.seq_len
@@ -273,7 +273,7 @@ def late_island_run(make_coordinator, *overrides: str):
     """A real island beside a puppet, k = 1: its round-0 push is held until round 0 closed without it (folded late into
     round 1), its round-2 push until round 4 is open (refused). Returns (state, puppet's id, the island, its result)."""
     cfg = tiny_config("rounds.rounds=5", "rounds.late_rounds=1", "rounds.late_discount=0.5", "rounds.deadline_s=120",
-                      "rounds.lease_s=600", "robust.check_claims=true", *overrides)
+                      "rounds.lease_s=600", *overrides)
     coordinator = make_coordinator(cfg)
     puppet = Puppet(coordinator.port, cfg)
     gates = {0: threading.Event(), 2: threading.Event()}
@@ -331,7 +331,7 @@ def test_time_boxed_rounds_give_the_fast_island_more_steps(make_coordinator):
     """rounds.mode = "time": the throttled island (1 s a step) fits one step in each 0.9 s round, the other more;
     contributions carry their tokens and both islands end on the coordinator's parameters."""
     cfg = tiny_config("rounds.rounds=3", "rounds.mode='time'", "rounds.round_s=0.9", "inner.max_steps=6", "rounds.lease_s=600",
-                      "rounds.deadline_s=120", "robust.check_claims=true")
+                      "rounds.deadline_s=120")
     coordinator = make_coordinator(cfg)
     state = coordinator.state
     with _islands(coordinator, cfg, [ReplicaSpec(), ReplicaSpec(throttle_s=1.0)]) as ((fast, slow), results):
@@ -347,7 +347,7 @@ def test_time_boxed_rounds_give_the_fast_island_more_steps(make_coordinator):
 
 def test_an_island_with_its_own_steps_per_round(make_coordinator):
     """--steps-per-round: one island trains 4 steps a round where the run's H is 2; its pushes weigh twice."""
-    cfg = tiny_config("rounds.rounds=2", "inner.max_steps=4", "rounds.lease_s=600", "robust.check_claims=true")
+    cfg = tiny_config("rounds.rounds=2", "inner.max_steps=4", "rounds.lease_s=600")
     coordinator = make_coordinator(cfg)
     state = coordinator.state
     with _islands(coordinator, cfg, [ReplicaSpec(), ReplicaSpec(steps_per_round=4)]) as ((plain, own), results):
@@ -381,7 +381,7 @@ def test_a_codec_switch_mid_run_keeps_every_copy_equal(make_coordinator):
     int8 (with error feedback); the coordinator folds each push in its own codec and every island ends on its
     parameters."""
     cfg = tiny_config("rounds.rounds=3", "wire.link_codecs=['fp32', 'int8']", "wire.link_fraction=1e-9", "wire.error_feedback=true",
-                      "rounds.lease_s=600", "robust.check_claims=true")
+                      "rounds.lease_s=600")
     coordinator = make_coordinator(cfg)
     state = coordinator.state
     with _islands(coordinator, cfg, [ReplicaSpec(), ReplicaSpec()]) as (islands, results):

@@ -21,7 +21,7 @@ from test_heterogeneous import Puppet, _islands, _wait
 
 
 def test_a_push_refused_while_its_round_is_open_is_trained_again(make_coordinator, monkeypatch):
-    cfg = tiny_config("rounds.rounds=3", "rounds.deadline_s=120", "rounds.lease_s=600", "robust.check_claims=true")
+    cfg = tiny_config("rounds.rounds=3", "rounds.deadline_s=120", "rounds.lease_s=600")
     coordinator = make_coordinator(cfg)
     state = coordinator.state
     refused = []

@@ -11,7 +11,7 @@ from islands.sim.simulation import run_sim
 def test_three_island_sim_ends_with_identical_parameters_and_lower_eval_loss(tmp_path):
     cfg = tiny_config(
         "rounds.rounds=4", "rounds.min_islands=3", "data.shards=3", "inner.steps_per_round=5",
-        "inner.lr=1e-2", "inner.warmup_steps=2", "eval.batches=4", "robust.check_claims=true",
+        "inner.lr=1e-2", "inner.warmup_steps=2", "eval.batches=4",
     )
     lines = []
     result = run_sim(cfg, islands=3, workdir=tmp_path, timeout_s=240, echo=lines.append)

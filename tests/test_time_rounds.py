@@ -79,7 +79,7 @@ def test_time_boxed_streaming_with_overlap_keeps_every_fragment_equal(make_coord
     fragment's pushes carry their own tokens; both islands end on the coordinator's parameters, fragment by fragment."""
     cfg = tiny_config("model.n_layers=2", "streaming.fragments=2", "streaming.tau=1", "inner.steps_per_round=4",
                       "rounds.rounds=4", "rounds.mode='time'", "rounds.round_s=0.6", "inner.max_steps=12", "rounds.lease_s=600",
-                      "rounds.deadline_s=120", "robust.check_claims=true")
+                      "rounds.deadline_s=120")
     coordinator = make_coordinator(cfg)
     state = coordinator.state
     with _islands(coordinator, cfg, [ReplicaSpec(), ReplicaSpec(throttle_s=0.25)]) as ((fast, slow), results):

@@ -33,7 +33,7 @@ def corpus(tmp_path_factory) -> str:
 
 def token_config(url: str, tmp_path, *overrides: str):
     return tiny_config("data.source=tokens", f"data.url={url!r}", "model.vocab_size=0", f"data.cache_dir={str(tmp_path / 'cache')!r}",
-                       "data.shuffle_block=8", "robust.check_claims=true", *overrides)
+                       "data.shuffle_block=8", *overrides)
 
 
 def _positions(ranges) -> list[int]:
