@@ -130,9 +130,18 @@ def main(argv: list[str] | None = None) -> None:
             fail(parser.prog, str(e))
     try:
         launched = is_launched_rank()
-        claim_island(launched, args.checkpoint)  # a rank dies with its torchrun; one copy of an island per --checkpoint
+        lock = claim_island(launched, args.checkpoint)  # a rank dies with its torchrun; one copy of an island per --checkpoint
     except LaunchError as e:
         fail(parser.prog, str(e))
+    try:
+        _join(parser, args, argv, cfg, tls, launched)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _join(parser: ArgumentParser, args, argv: list[str] | None, cfg, tls: TlsFiles | None, launched: bool) -> None:
+    """The island's run once its arguments are checked and its lock is held: as a launcher, or as one rank."""
     sharded = (
         args.nproc_per_node > 1 or args.replica_groups > 1
         or int(os.environ.get("WORLD_SIZE", "1")) > 1 or int(os.environ.get("DILOCO_REPLICA_GROUPS", "1")) > 1

@@ -210,20 +210,16 @@ class IslandLock:
             self.fd = -1
 
 
-_held: dict[str, IslandLock] = {}  # held for the process's life; main() called again in one process keeps its lock
-
-
 def claim_island(launched: bool, checkpoint: str) -> IslandLock | None:
     """At the start of `diloco-island join`: a rank started by torchrun dies with it; a launcher or a one-rank
-    island takes the lock of its --checkpoint (none without one). Raises LaunchError if another copy holds it."""
+    island takes the lock of its --checkpoint (none without one), which the caller releases when it ends. Raises
+    LaunchError if another copy holds it."""
     if launched:
         die_with_parent()
         return None
     if not checkpoint:
         return None
-    if checkpoint not in _held:
-        _held[checkpoint] = IslandLock.acquire(checkpoint)
-    return _held[checkpoint]
+    return IslandLock.acquire(checkpoint)
 
 
 @dataclass
