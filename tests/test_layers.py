@@ -121,12 +121,3 @@ def test_the_harness_sits_above_what_it_launches(graph):
     # and the harness really does use the layers beneath it, so the rules above have something to hold
     assert any(d.startswith("diloco") for d in graph["islands.sim.simulation"])
     assert "islands.sim.simulation" in graph["islands.sim.chaos"]
-
-
-def test_no_source_file_over_400_lines():
-    long = {
-        str(path.relative_to(ROOT)): n
-        for path in _modules().values()
-        if not str(path.relative_to(ROOT)).startswith(GENERATED) and (n := len(path.read_text().splitlines())) > 400
-    }
-    assert long == {}
