@@ -20,7 +20,8 @@ from diloco.refusal import Reason, reason_of
 from diloco.v1 import diloco_pb2 as pb
 from diloco.v1 import diloco_pb2_grpc as pb_grpc
 from diloco.wire import PROTOCOL_VERSION, Manifest, push_messages, tensor_chunks
-from islands.client import CoordinatorClient, CoordinatorTlsRefused, CoordinatorUnreachable
+from islands.client import CoordinatorClient, CoordinatorUnreachable
+from islands.handshake import CoordinatorTlsRefused
 from islands.island import Island
 from islands.world import IslandWorld
 
