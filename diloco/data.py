@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from pathlib import Path
+from collections.abc import Sequence
 from typing import Any, Protocol
 
 import numpy as np
@@ -298,3 +299,41 @@ def resolve_vocab(cfg) -> None:
     """A run on a token corpus takes its vocabulary size from the corpus (model.vocab_size = 0), or checks it."""
     if cfg.data.source == "tokens":
         cfg.model.vocab_size = open_corpus(cfg.data, cfg.seed, cfg.model.vocab_size).vocab_size
+
+
+# --- held-out text for a model with a tokenizer (diloco-eval --text) ----------------------------------------
+
+
+class Encoder(Protocol):
+    def encode(self, text: str) -> list[int]: ...
+
+
+def text_eval_batches(data: DataConfig, tokenizer: Encoder, n_batches: int, batch_size: int) -> list[Batch]:
+    """eval_batches of a text file for a model with a tokenizer: the same held-out tail
+    (the bytes past the cut a byte-level run on data.path makes at data.eval_fraction), decoded and
+    encoded whole with tokenizer, then cut into the same evenly spaced windows of data.seq_len + 1."""
+    _, tail = split_text(read_bytes(data.path), data.eval_fraction)
+    tokens = tokenizer.encode(_utf8(tail.tobytes(), data.path))
+    return token_windows(tokens, data.seq_len, n_batches, batch_size, f"the held-out tail of {data.path}")
+
+
+def _utf8(data: bytes, where: str) -> str:
+    # The byte cut can fall inside a character: its continuation bytes (10xxxxxx, at most 3) are dropped.
+    skip = next((i for i, b in enumerate(data[:3]) if b & 0xC0 != 0x80), min(3, len(data)))
+    try:
+        return data[skip:].decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{where}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+
+
+def token_windows(tokens: Sequence[int], seq_len: int, n_batches: int, batch_size: int, where: str) -> list[Batch]:
+    """n_batches (inputs, targets) of batch_size windows of seq_len + 1 tokens spread evenly over tokens,
+    as eval_batches spreads them over a text's bytes (overlapping where there are few)."""
+    ids = torch.tensor(list(tokens), dtype=torch.long)
+    span = len(ids) - seq_len - 1
+    if span < 0:
+        raise ValueError(f"{where} is {len(ids)} tokens, fewer than one window of {seq_len + 1}: give more text, "
+                        "a larger data.eval_fraction (--set) or a smaller --seq-len")
+    starts = np.linspace(0, span, num=n_batches * batch_size, dtype=np.int64)
+    seqs = torch.stack([ids[s : s + seq_len + 1] for s in starts.tolist()])
+    return [(b[:, :-1], b[:, 1:]) for b in seqs.split(batch_size)]

@@ -39,9 +39,9 @@ import torch.nn as nn
 from diloco.checkpoint import CheckpointError, CheckpointStore
 from diloco.cli import ArgumentParser, add_config_flags, fail, setup_logging
 from diloco.config import ConfigError, ModelConfig, RunConfig, _apply_override, config_from_dict, load_config
-from diloco.data import eval_batches, resolve_vocab
+from diloco.data import eval_batches, resolve_vocab, text_eval_batches
 from diloco.evaluation import (ByteTokenizer, EvalError, HFTokenizer, Tokenizer, check_vocab, corpus_tokenizer,
-                               heldout_loss, load_hellaswag, multiple_choice, text_eval_batches)
+                               heldout_loss, load_hellaswag, multiple_choice)
 from diloco.shards import DataError
 
 PROG = "diloco-eval"

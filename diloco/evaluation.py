@@ -31,13 +31,12 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import fsspec
-import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 from diloco.config import ConfigError, DataConfig, RunConfig
-from diloco.data import Batch, read_bytes, split_text
+from diloco.data import Batch
 from diloco.inner import compute_precision
 
 log = logging.getLogger(__name__)
@@ -74,37 +73,6 @@ def heldout_loss(model: nn.Module, batches: Sequence[Batch], device: torch.devic
         raise EvalError("no held-out tokens to evaluate on")
     loss = total / tokens
     return loss, _exp(loss), tokens
-
-
-def text_eval_batches(data: DataConfig, tokenizer: Tokenizer, n_batches: int, batch_size: int) -> list[Batch]:
-    """diloco.data.eval_batches of a text file for a model with a tokenizer: the same held-out tail
-    (the bytes past the cut a byte-level run on data.path makes at data.eval_fraction), decoded and
-    encoded whole with tokenizer, then cut into the same evenly spaced windows of data.seq_len + 1."""
-    _, tail = split_text(read_bytes(data.path), data.eval_fraction)
-    tokens = tokenizer.encode(_utf8(tail.tobytes(), data.path))
-    return token_windows(tokens, data.seq_len, n_batches, batch_size, f"the held-out tail of {data.path}")
-
-
-def _utf8(data: bytes, where: str) -> str:
-    # The byte cut can fall inside a character: its continuation bytes (10xxxxxx, at most 3) are dropped.
-    skip = next((i for i, b in enumerate(data[:3]) if b & 0xC0 != 0x80), min(3, len(data)))
-    try:
-        return data[skip:].decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise EvalError(f"{where}: not UTF-8 text ({_one_line(e)})") from None
-
-
-def token_windows(tokens: Sequence[int], seq_len: int, n_batches: int, batch_size: int, where: str) -> list[Batch]:
-    """n_batches (inputs, targets) of batch_size windows of seq_len + 1 tokens spread evenly over tokens,
-    as eval_batches spreads them over a text's bytes (overlapping where there are few)."""
-    ids = torch.tensor(list(tokens), dtype=torch.long)
-    span = len(ids) - seq_len - 1
-    if span < 0:
-        raise EvalError(f"{where} is {len(ids)} tokens, fewer than one window of {seq_len + 1}: give more text, "
-                        "a larger data.eval_fraction (--set) or a smaller --seq-len")
-    starts = np.linspace(0, span, num=n_batches * batch_size, dtype=np.int64)
-    seqs = torch.stack([ids[s : s + seq_len + 1] for s in starts.tolist()])
-    return [(b[:, :-1], b[:, 1:]) for b in seqs.split(batch_size)]
 
 
 def _exp(x: float) -> float:
