@@ -11,7 +11,7 @@ from coordinator.spool import Spool
 from diloco.codec import Codec
 from diloco.config import RunConfig
 from diloco.inner import inner_lr
-from diloco.pace import lr_position, max_round_steps
+from diloco.pace import lr_position, max_round_steps, round_first_position
 from diloco.refusal import Reason, Refused
 from diloco.v1 import diloco_pb2 as pb
 from diloco.wire import Coverage
@@ -79,10 +79,11 @@ class Closed:
 def lr_sum(header: pb.PushHeader, cfg: RunConfig) -> float:
     """The inner learning rates of the steps a push claims, summed (1.0 when that is not positive): a
     pseudo-gradient's norm grows with them (warmup, a fragment's shorter first round), so the norm guard
-    compares norm / lr_sum."""
+    compares norm / lr_sum. Where the steps sit on the schedule is the coordinator's to know (the push's
+    fragment and round), not the island's word: a first_step claimed at the lr's peak would let an update
+    through unclipped at many times an honest norm."""
     total = cfg.rounds.rounds * cfg.inner.steps_per_round
-    # Within the run's steps whatever the header says: this sum runs holding the round's lock.
-    first = min(max(header.first_step, 0), total)
+    first = min(max(round_first_position(header.fragment, header.round, cfg), 0), total)
     # The positions the island trained at (diloco/pace.py): a round's extra steps sit at its last position.
     steps = (lr_position(first, j, cfg) for j in range(min(max(1, header.inner_steps), total)))
     s = sum(inner_lr(t, total, cfg.inner) for t in steps)

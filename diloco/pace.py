@@ -37,6 +37,16 @@ def max_round_steps(cfg: RunConfig) -> int:
     return max(h + (p - 1) * h // p, cfg.inner.max_steps) + cfg.streaming.overlap
 
 
+def round_first_position(fragment: int, round_: int, cfg: RunConfig) -> int:
+    """The schedule position of fragment `fragment`'s round `round_` first inner step, as the coordinator knows it:
+    on the fixed schedule with fragments, the fragment's round start (diloco/fragments.py: r*H - o_f after round 0);
+    otherwise r*H, where an island with a pace of its own also starts it."""
+    h, p = cfg.inner.steps_per_round, cfg.streaming.fragments
+    if p > 1 and cfg.rounds.mode != "time" and round_ > 0:
+        return round_ * h - fragment * h // p
+    return round_ * h
+
+
 def lr_position(round_first: int, j: int, cfg: RunConfig) -> int:
     """The schedule position of an island's j-th inner step (from 0) of a round starting at round_first."""
     if cfg.streaming.fragments > 1 and cfg.rounds.mode != "time":
