@@ -1,0 +1,103 @@
+"""What a kill costs a run on the defaults: Streaming DiLoCo with the claim check on.
+
+Runs the embedded default (the demo's model, 4-bit + zstd both ways, mutual TLS,
+robust aggregation with the claim check) with Streaming DiLoCo (P = 2
+fragments, tau = 1), 2 islands, once undisturbed and once per kind of kill:
+
+- island: one island SIGKILLed once a round has closed, restarted with --resume
+  from its own checkpoint (every round);
+- coordinator: the coordinator SIGKILLed two rounds after its last checkpoint
+  (checkpoint.every_rounds = 4), so its islands are ahead of it when it is back;
+- launcher (with --launcher): island 1 is a 2-rank FSDP island; its launcher (the
+  `diloco-island join --nproc-per-node 2` process a user starts) is SIGKILLed and
+  started again with --resume. Its ranks must die with it, or the island would
+  run twice (a second copy is refused).
+
+For each run it prints the pushes refused (by reason), the rounds that closed on
+0 tokens, and each fragment's tokens folded against the undisturbed run's: what
+a kill cost in work the coordinator never folded (the work since the last
+checkpoint, and the rounds an island was down for).
+
+    python benchmarks/faults.py [--rounds 8] [--launcher]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+from pathlib import Path
+
+from diloco.config import RunConfig, load_config
+from islands.sim.simulation import Simulation
+
+KINDS = ("none", "island", "coordinator", "launcher")
+
+
+def config(rounds: int, kind: str) -> RunConfig:
+    overrides = ["streaming.fragments=2", "streaming.tau=1", f"rounds.rounds={rounds}", "rounds.min_islands=2",
+                 "data.shards=2", "rounds.heartbeat_s=0.5"]
+    # Checkpoints every round, except that the coordinator's kill lands two rounds after its last one.
+    overrides.append(f"checkpoint.every_rounds={4 if kind == 'coordinator' else 1}")
+    return load_config(None, overrides)
+
+
+def run(kind: str, rounds: int, workdir: Path, timeout_s: float = 900) -> dict:
+    cfg = config(rounds, kind)
+    island_args = {1: ["--nproc-per-node", "2"]} if kind == "launcher" else None
+    sim = Simulation(cfg, 2, workdir, checkpoints=True, island_args=island_args)
+    kill_at = 5 if kind == "coordinator" else rounds // 2  # the coordinator's checkpoint holds rounds 0-3
+    killed_at = None
+    try:
+        sim.start()
+        for summary in sim.watch(timeout_s):
+            if kind != "none" and killed_at is None and summary.fragment == 0 and summary.round == kill_at:
+                killed_at = time.monotonic()
+                if kind == "coordinator":
+                    sim.kill_coordinator()
+                    sim.start_coordinator(resume=True)
+                else:
+                    sim.kill_island(1)  # the launcher, for an FSDP island: its ranks die with it
+                    sim.start_island(1, resume=True)
+        result = sim.finish(timeout_s)
+    finally:
+        sim.close()
+    report = result.report
+    folded = {f: sum(r["tokens"] for r in report["rounds"] if r["fragment"] == f) for f in range(cfg.streaming.fragments)}
+    return {
+        "kind": kind, "seconds": result.seconds, "refusals": report["events"]["refusals"],
+        "zero_token_rounds": sum(1 for r in report["rounds"] if r["tokens"] == 0),
+        "rounds": len(report["rounds"]), "folded": folded, "checksums_agree": set(report["islands"].values()) == {report["checksum"]},
+        "eval_loss": report["rounds"][-1]["eval_loss"],
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(prog="faults", description=__doc__.split("\n\n")[0])
+    p.add_argument("--rounds", type=int, default=8)
+    p.add_argument("--kinds", default="none,island,coordinator", help=f"comma-separated, of {', '.join(KINDS)}")
+    p.add_argument("--launcher", action="store_true", help="also kill an FSDP island's launcher (starts torchrun)")
+    p.add_argument("--json", metavar="OUT", help="also write the rows as JSON")
+    args = p.parse_args()
+    kinds = [k for k in args.kinds.split(",") if k] + (["launcher"] if args.launcher else [])
+    if args.rounds < 8 or any(k not in KINDS for k in kinds):
+        p.error(f"--rounds must be at least 8 and --kinds of {', '.join(KINDS)}")
+    if "none" not in kinds:
+        kinds.insert(0, "none")
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="diloco-faults-") as work:
+        for kind in kinds:
+            rows.append(run(kind, args.rounds, Path(work) / kind))
+    base = rows[0]["folded"]
+    print(f"{'kill':<12} {'refused':<28} {'0-token rounds':>14} {'tokens folded per fragment (vs undisturbed)':>46} {'eval':>7} {'agree':>6} {'secs':>6}")
+    for row in rows:
+        lost = ", ".join(f"f{f} {n:,} ({100 * (n - base[f]) / base[f]:+.1f}%)" for f, n in row["folded"].items())
+        print(f"{row['kind']:<12} {json.dumps(row['refusals']):<28} {row['zero_token_rounds']:>14} {lost:>46} "
+              f"{row['eval_loss']:>7.4f} {str(row['checksums_agree']):>6} {row['seconds']:>6.1f}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()
