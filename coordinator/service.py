@@ -17,7 +17,7 @@ from coordinator.limits import Limits, idle_bounded
 from coordinator.records import Reason, Refused
 from coordinator.state import CoordinatorState
 from diloco.codec import get_codec
-from diloco.credentials import identity_from_auth_context
+from diloco.credentials import CredentialError, identity_from_auth_context, ranks_from_auth_context
 from diloco.frames import ChunkView, chunk_deserializer, frame_chunk, serialized
 from diloco.params import ranges_checksum
 from diloco.v1 import diloco_pb2 as pb
@@ -100,6 +100,32 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         self.state.members.check_owner(island_id, owner)
         return owner
 
+    def _most_ranks(self, context) -> tuple[int, str]:
+        """The most ranks the caller may declare, and what sets it: its certificate's ranks (mutual TLS), else
+        rounds.max_island_ranks (plaintext, or a certificate issued without ranks). Never the island's word."""
+        cap = self.state.cfg.rounds.max_island_ranks
+        if not self.mutual_tls:
+            return cap, f"rounds.max_island_ranks = {cap} (plaintext: no certificate)"
+        try:
+            granted = ranks_from_auth_context(context.auth_context())
+        except CredentialError as e:
+            raise Refused(Reason.BAD_REQUEST, str(e)) from None
+        if granted is None:
+            return cap, f"rounds.max_island_ranks = {cap} (its certificate carries no ranks)"
+        return granted, "its certificate"
+
+    def _check_ranks(self, context, declared: int, owner: str | None) -> None:
+        """Refuses a Join declaring more ranks than the caller may (a rejoin included: it cannot raise them)."""
+        most, source = self._most_ranks(context)
+        if 0 <= declared <= most:
+            return
+        if owner is not None:
+            fix = (f"issue the island a certificate for its ranks (`diloco-certs island DIR {owner} --ranks {max(declared, 1)} "
+                   "--force`) or join with fewer")
+        else:
+            fix = "raise rounds.max_island_ranks on the coordinator, or join with fewer"
+        raise Refused(Reason.BAD_REQUEST, f"the island declared {declared} ranks; {source} allows 1 to {most}: {fix}")
+
     @_refusals
     def Join(self, request: pb.JoinRequest, context) -> pb.JoinResponse:
         state, cfg = self.state, self.state.cfg
@@ -120,12 +146,10 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                 f"config mismatch: the island's config digest is {request.config_digest}, the coordinator's is "
                 f"{cfg.digest()}; start the island with the coordinator's config file, or without --config to adopt it",
             )
-        if not 0 <= request.ranks <= cfg.rounds.max_island_ranks:
-            raise Refused(Reason.BAD_REQUEST, f"an island of {request.ranks} ranks: at most rounds.max_island_ranks = "
-                          f"{cfg.rounds.max_island_ranks}")
         owner = self._caller(context, request.island_id)
         if owner is not None:
             self.limits.join(owner)
+        self._check_ranks(context, request.ranks, owner)
         island = state.join(request.hostname or context.peer(), request.island_id, request.island_key, owner, request.ranks)
         self.audit.record("join", island=island.island_id, ranks=island.ranks, hostname=request.hostname, **self._who(context))
         return pb.JoinResponse(

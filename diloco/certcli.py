@@ -27,11 +27,17 @@ def parser() -> argparse.ArgumentParser:
                       help="every DNS name and IP address islands dial the coordinator at, comma-separated, "
                            "e.g. coord.example.com,10.0.0.5")
     init.add_argument("--islands", type=_names, default=[], help="island names, comma-separated, e.g. east,west")
+    init.add_argument("--ranks", type=int, default=1,
+                      help="the most ranks (replica groups x ranks per group) each of these islands may declare "
+                           "(default %(default)s; issue an island of more with `island NAME --ranks N`)")
     init.add_argument("--run-name", default="diloco", help="named in the CA's subject (default %(default)s)")
     init.add_argument("--days", type=int, default=825, help="the certificates' validity (default %(default)s; the CA's: 3650)")
     isl = sub.add_parser("island", help="issue one more island's certificate from DIR's CA")
     isl.add_argument("dir")
     isl.add_argument("name", help="the island's name: its identity in the run")
+    isl.add_argument("--ranks", type=int, default=1,
+                     help="the most ranks (replica groups x ranks per group) the island may declare at join: "
+                          "the coordinator refuses more (default %(default)s)")
     isl.add_argument("--days", type=int, default=825, help="validity (default %(default)s)")
     isl.add_argument("--force", action="store_true", help="replace an existing certificate for this name")
     coord = sub.add_parser("coordinator", help="re-issue the coordinator's certificate (new hosts, or expiry)")
@@ -59,10 +65,10 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.ERROR, format="%(levelname)s %(name)s: %(message)s")
     try:
         if args.command == "init":
-            return init(Path(args.dir), args.hosts, args.islands, args.run_name, args.days)
+            return init(Path(args.dir), args.hosts, args.islands, args.run_name, args.days, args.ranks)
         if args.command == "island":
-            files = cr.issue_island(args.dir, args.name, days=args.days, force=args.force)
-            print(f"wrote {files.cert}, {files.key}")
+            files = cr.issue_island(args.dir, args.name, days=args.days, force=args.force, ranks=args.ranks)
+            print(f"wrote {files.cert}, {files.key} (at most {args.ranks} ranks)")
             print(f"island {args.name} needs: {files.ca}, {files.cert}, {files.key}")
             return 0
         if args.command == "coordinator":
@@ -80,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
         fail(PROG, str(e))
 
 
-def init(d: Path, hosts: list[str], islands: list[str], run_name: str, days: int) -> int:
+def init(d: Path, hosts: list[str], islands: list[str], run_name: str, days: int, ranks: int = 1) -> int:
     # Check every name before writing anything, so a typo leaves no half-made folder behind.
     for name in islands:
         cr.check_island_name(name)
@@ -89,9 +95,10 @@ def init(d: Path, hosts: list[str], islands: list[str], run_name: str, days: int
     for host in hosts:
         cr.host_san(host)
     cr.check_days(days)
+    cr.check_ranks(ranks)
     ca = cr.create_ca(d, run_name)
     coordinator = cr.issue_coordinator(d, hosts, days=days)
-    island_files = [cr.issue_island(d, name, days=days) for name in islands]
+    island_files = [cr.issue_island(d, name, days=days, ranks=ranks) for name in islands]
     print(f"wrote {ca}, {d / cr.CA_KEY} (the CA: keep ca.key private, off the coordinator and islands)")
     print(f"wrote {coordinator.cert}, {coordinator.key} for {', '.join(hosts)}")
     for files in island_files:
@@ -100,7 +107,9 @@ def init(d: Path, hosts: list[str], islands: list[str], run_name: str, days: int
     print(f"  coordinator: {coordinator.ca}, {coordinator.cert}, {coordinator.key}")
     for name, files in zip(islands, island_files):
         print(f"  island {name}: {files.ca}, {files.cert}, {files.key}")
-    print(f"more islands: {PROG} island {d} NAME; revoke one: {PROG} revoke {d} NAME")
+    if islands:
+        print(f"each island may declare at most {ranks} rank(s); an island of more: {PROG} island {d} NAME --ranks N --force")
+    print(f"more islands: {PROG} island {d} NAME [--ranks N]; revoke one: {PROG} revoke {d} NAME")
     return 0
 
 
@@ -112,7 +121,7 @@ def show(path: str) -> int:
 
 
 def describe(cert_pem: bytes, source: str = "certificate") -> dict[str, object]:
-    """Subject, identity (an island's name, or none), SANs, usage, validity, issuer, serial."""
+    """Subject, identity (an island's name, or none), the ranks it may declare, SANs, usage, validity, issuer, serial."""
     cert = cr.load_cert(cert_pem, source)
     exts = {type(e.value): e.value for e in cert.extensions}
     san = exts.get(x509.SubjectAlternativeName)
@@ -123,24 +132,36 @@ def describe(cert_pem: bytes, source: str = "certificate") -> dict[str, object]:
     usage = [] if eku is None else [_USAGE_NAMES.get(u, u.dotted_string) for u in eku]
     constraints = exts.get(x509.BasicConstraints)
     is_ca = constraints is not None and constraints.ca
-    identity = None
+    identity, ranks = None, "(not an island certificate)"
     if not is_ca and "clientAuth" in usage:
         try:
             identity = cr.identity_of(cert_pem)
         except cr.CredentialError:
             pass
+        ranks = _ranks_line(cert_pem)
     now = dt.datetime.now(dt.timezone.utc)
     start, end = cert.not_valid_before_utc, cert.not_valid_after_utc
     validity = "valid now" if start <= now <= end else ("EXPIRED" if now > end else "NOT YET VALID")
     return {
         "subject": cert.subject.rfc4514_string(),
         "identity": f"island {identity}" if identity else "(none: not an island certificate)",
+        "ranks": ranks,
         "usage": "certificate authority" if is_ca else ", ".join(usage) or "(none)",
         "sans": ", ".join(sans) or "(none)",
         "valid": f"{start:%Y-%m-%d %H:%M} to {end:%Y-%m-%d %H:%M} UTC ({validity})",
         "issuer": cert.issuer.rfc4514_string(),
         "serial": f"{cert.serial_number:x}",
     }
+
+
+def _ranks_line(cert_pem: bytes) -> str:
+    try:
+        ranks = cr.ranks_of(cert_pem)
+    except cr.CredentialError as e:
+        return f"UNREADABLE ({e})"
+    if ranks is None:
+        return "(not set: issued before the field; the coordinator allows rounds.max_island_ranks)"
+    return f"at most {ranks}"
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
 """A run's mutual-TLS credentials: its CA (ca.pem, ca.key), the coordinator's server certificate
 (coordinator.pem/.key), one client certificate per island whose identity is the island's name
-(island-<name>.pem/.key), and a revocation list (revoked.json). EC P-256 keys (which BoringSSL in
-grpc takes for client and server alike), SHA-256 signatures, key files mode 0600."""
+(island-<name>.pem/.key) and which carries the most ranks that island may declare, and a revocation
+list (revoked.json). EC P-256 keys (which BoringSSL in grpc takes for client and server alike),
+SHA-256 signatures, key files mode 0600."""
 
 from __future__ import annotations
 
@@ -32,6 +33,11 @@ REVOKED = "revoked.json"
 ISLAND_URI_PREFIX = "diloco://island/"
 ISLAND_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,62}")
 _DNS_NAME = re.compile(r"(\*\.)?[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?(\.[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*")
+# The most ranks an island may declare at join, in its certificate: a non-critical extension (a peer that does not
+# know it ignores it) whose value is a DER INTEGER. The OID is under 2.25 (X.667: an OID made from a UUID, which
+# needs no registration), UUID 06cd3d31-3ff8-46c7-b483-25abce0413b0.
+RANKS_OID = x509.ObjectIdentifier("2.25.9041029959672624323692317452110402480")
+MAX_RANKS = 1 << 20  # what a certificate may grant: far above any island, far below what would overflow a count
 # Certificates start a few minutes in the past so that a peer whose clock lags ours accepts them.
 _BACKDATE = dt.timedelta(minutes=5)
 
@@ -116,22 +122,71 @@ def issue_coordinator(out_dir: str | Path, hosts: list[str], days: int = 825, fo
     return files
 
 
-def issue_island(out_dir: str | Path, name: str, days: int = 825, force: bool = False) -> TlsFiles:
+def issue_island(out_dir: str | Path, name: str, days: int = 825, force: bool = False, ranks: int | None = 1) -> TlsFiles:
     """An island's client certificate (island-<name>.pem/.key) whose identity is `name`: subject CN
-    and SAN URI diloco://island/<name>. Refuses to replace one unless force, and a revoked name."""
+    and SAN URI diloco://island/<name>, and the most ranks (replica groups x ranks per group) the
+    island may declare at join (None: no such field, as certificates issued before it existed: the
+    coordinator then caps at rounds.max_island_ranks). Refuses to replace one unless force, and a
+    revoked name."""
     d = Path(out_dir)
     check_days(days)
     check_island_name(name)
+    if ranks is not None:
+        check_ranks(ranks)
     files = island_files(d, name)
     _refuse_existing(files, force, f"the certificate of island {name!r}")
     if (d / REVOKED).exists() and RevocationList(d / REVOKED).is_revoked(name):
         raise CredentialError(f"island {name!r} is revoked in {d / REVOKED}; issue the island a new name")
     ca, ca_key = _load_ca(d)
     subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)])
+    extra = [] if ranks is None else [(x509.UnrecognizedExtension(RANKS_OID, _der_integer(ranks)), False)]
     _issue(ca, ca_key, subject, [x509.UniformResourceIdentifier(ISLAND_URI_PREFIX + name)],
-           ExtendedKeyUsageOID.CLIENT_AUTH, days, files)
-    log.info("issued island %r's certificate", name)
+           ExtendedKeyUsageOID.CLIENT_AUTH, days, files, extra=extra)
+    log.info("issued island %r's certificate%s", name, "" if ranks is None else f" for at most {ranks} ranks")
     return files
+
+
+def check_ranks(ranks: int) -> int:
+    if isinstance(ranks, bool) or not isinstance(ranks, int) or not 1 <= ranks <= MAX_RANKS:
+        raise CredentialError(f"ranks {ranks!r}: give the island's replica groups x ranks per group, "
+                              f"a whole number from 1 to {MAX_RANKS}")
+    return ranks
+
+
+def ranks_of(cert_pem: bytes) -> int | None:
+    """The most ranks an island certificate lets its island declare; None when it carries no such field
+    (issued before the field existed). Raises CredentialError when the field is there but unreadable."""
+    cert = load_cert(cert_pem, "certificate")
+    try:
+        value = cert.extensions.get_extension_for_oid(RANKS_OID).value
+    except x509.ExtensionNotFound:
+        return None
+    ranks = _read_der_integer(value.value) if isinstance(value, x509.UnrecognizedExtension) else None
+    if ranks is None or not 1 <= ranks <= MAX_RANKS:
+        raise CredentialError(f"certificate {cert.subject.rfc4514_string()!r}: its ranks field is not a number "
+                              f"from 1 to {MAX_RANKS}; issue it again with `diloco-certs island DIR NAME --ranks N --force`")
+    return ranks
+
+
+def ranks_from_auth_context(auth_context: dict) -> int | None:
+    """ranks_of() the verified mTLS peer's certificate (gRPC's `context.auth_context()`); None without one."""
+    pems = auth_context.get("x509_pem_cert") or []
+    if b"ssl" not in auth_context.get("transport_security_type", []) or not pems:
+        return None
+    return ranks_of(pems[0])
+
+
+def _der_integer(n: int) -> bytes:
+    """A positive integer as DER: tag 2, a short length, big-endian two's complement (a leading zero byte
+    when the top bit is set)."""
+    body = n.to_bytes(n.bit_length() // 8 + 1, "big")
+    return bytes([2, len(body)]) + body
+
+
+def _read_der_integer(der: bytes) -> int | None:
+    if len(der) < 3 or der[0] != 2 or der[1] != len(der) - 2 or der[1] > 8:
+        return None
+    return int.from_bytes(der[2:], "big", signed=True)
 
 
 def check_island_name(name: str) -> str:
@@ -296,7 +351,7 @@ def _refuse_existing(files: TlsFiles, force: bool, what: str) -> None:
 
 def _issue(ca: x509.Certificate, ca_key: ec.EllipticCurvePrivateKey, subject: x509.Name,
            sans: list[x509.GeneralName], usage: x509.ObjectIdentifier, days: int, files: TlsFiles,
-           not_before: dt.datetime | None = None) -> None:
+           not_before: dt.datetime | None = None, extra: list[tuple[x509.ExtensionType, bool]] = ()) -> None:
     key = ec.generate_private_key(ec.SECP256R1())
     start = not_before or _now() - _BACKDATE
     # Never valid past the CA: a peer would refuse the chain from that day on anyway.
@@ -304,7 +359,7 @@ def _issue(ca: x509.Certificate, ca_key: ec.EllipticCurvePrivateKey, subject: x5
     cert = _certificate(subject, key.public_key(), ca.subject, ca_key, start, end, [
         (x509.BasicConstraints(ca=False, path_length=None), True), (_key_usage(ca=False), True),
         (x509.ExtendedKeyUsage([usage]), False), (x509.SubjectAlternativeName(sans), False),
-        (x509.AuthorityKeyIdentifier.from_issuer_public_key(ca.public_key()), False)])
+        (x509.AuthorityKeyIdentifier.from_issuer_public_key(ca.public_key()), False), *extra])
     _write_key(Path(files.key), key)
     _write(Path(files.cert), cert.public_bytes(serialization.Encoding.PEM))
 

@@ -119,8 +119,12 @@ class RoundConfig:
     heartbeat_s: float = 1.0
     # An island that has not heartbeated for this long leaves the run.
     lease_s: float = 10.0
-    # The most ranks (replica groups x ranks per group) an island may declare at join.
-    max_island_ranks: int = 4096
+    # The most ranks (replica groups x ranks per group) an island may declare at join where no certificate
+    # says: without mutual TLS (plaintext serves loopback only: one machine's ranks) and with a certificate
+    # issued before certificates carried ranks. A certificate's ranks (`diloco-certs island DIR NAME --ranks N`)
+    # bound its island instead. 8: one machine of 8 accelerators. A push's tokens, and the island's stream and
+    # heartbeat bounds, scale with ranks: this is the weight a caller without such a certificate can claim.
+    max_island_ranks: int = 8
     # "steps": every island trains inner.steps_per_round (H) inner steps a round (or its own
     # --steps-per-round); "time": each trains for round_s seconds of its own wall time from the start of
     # its round (less the time blocked on a result), between inner.min_steps and inner.max_steps steps, then

@@ -51,6 +51,17 @@ def _fmt_bytes(n: float) -> str:
     return str(n)
 
 
+def island_ranks(args: Collection[str]) -> int:
+    """The ranks an `islands join` command line trains on: --replica-groups x --nproc-per-node (1 x 1 unless given)."""
+    flags = {"--nproc-per-node": 1, "--replica-groups": 1}
+    args = list(args)
+    for k, arg in enumerate(args):
+        name, _, value = arg.partition("=")
+        if name in flags:
+            flags[name] = int(value if value else args[k + 1])
+    return flags["--nproc-per-node"] * flags["--replica-groups"]
+
+
 def ephemeral_ports() -> range:
     """The ports the kernel hands out for outgoing connections and binds to port 0 (Linux's default elsewhere)."""
     try:
@@ -124,8 +135,9 @@ class Simulation:
         if self.tls_dir is not None and not (self.tls_dir / "ca.pem").exists():
             credentials.create_ca(self.tls_dir, run_name=cfg.name)
             credentials.issue_coordinator(self.tls_dir, ["127.0.0.1", "localhost"])
-            for name in [f"site-{i}" for i in range(islands)] + ["sim-watch"]:
-                credentials.issue_island(self.tls_dir, name)
+            for i in range(islands):  # each for the ranks its `islands join` flags give it, as an operator would
+                credentials.issue_island(self.tls_dir, f"site-{i}", ranks=island_ranks(self.island_args.get(i, ())))
+            credentials.issue_island(self.tls_dir, "sim-watch")
 
     def _spawn(self, args: list[str], log_name: str) -> subprocess.Popen:
         with open(self.workdir / log_name, "a") as log_file:
