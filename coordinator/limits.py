@@ -36,7 +36,10 @@ class TokenBucket:
 
 
 class Limits:
-    """Per-island counters and rate buckets; thread-safe. ranks: what the island declared at join."""
+    """Per-island counters and rate buckets; thread-safe. ranks: what the island declared at join, within what
+    the run allows it (its certificate's ranks, or rounds.max_island_ranks: coordinator/service.py), so a bound
+    that scales with ranks never scales with an island's word alone. Heartbeat buckets exist for members only
+    (the service checks membership first), so made-up island ids cannot grow them."""
 
     def __init__(self, cfg: LimitsConfig, heartbeat_s: float, clock: Callable[[], float] = time.monotonic):
         self.cfg, self.heartbeat_s, self.clock = cfg, heartbeat_s, clock

@@ -17,6 +17,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from coordinator.records import Reason, Refused
+from diloco.policy import LimitsConfig
+from diloco.untrusted import HOSTNAME_MAX, KEY_MAX, bounded
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +39,10 @@ class Island:
     ranks: int = 1  # as declared at join: replica groups x ranks per group
     joined_at: float = 0.0  # when it (re)joined: rounds opened before then do not count it idle
     idle: int = 0  # rounds in a row that closed while it was a member, without a contribution of its
-    probation: bool = False  # removed once for idleness: no round waits for it until it contributes
+    # Removed once for idleness, or back without a contribution since it last joined: no round waits for it
+    # until it contributes.
+    probation: bool = False
+    contributed: bool = False  # to a round closed since it last (re)joined
     last_push: float = 0.0  # Unix time its last contribution became whole (0: none yet)
     # What it last reported in a heartbeat: utilization, tokens_per_s, train_loss (metrics, dashboard).
     report: dict = field(default_factory=dict)
@@ -71,9 +76,10 @@ class Membership:
     def __init__(self, max_islands: int, shards: int, lease_s: float, cond: threading.Condition,
                  clock: Callable[[], float], on_leave: Callable[[str], None] = lambda island_id: None,
                  revoked: Callable[[str], bool] = lambda owner: False, record: Callable[..., None] = lambda event, **f: None,
-                 idle_rounds: int = 0):
+                 idle_rounds: int = 0, departed_kept: int = LimitsConfig.departed_kept):
         self.max_islands, self.shards, self.lease_s = max_islands, shards, lease_s
         self.idle_rounds = idle_rounds  # fragment rounds without a contribution before removal (0: never)
+        self.departed_kept = departed_kept  # records of departed islands kept, and of expired ones
         self.cond, self.clock = cond, clock
         self.on_leave = on_leave  # drops the island's half-pushed contributions; called holding cond
         self.revoked = revoked  # whether an owner's credential is revoked (mutual TLS)
@@ -120,7 +126,7 @@ class Membership:
         to its deadline and keep its place in the run for as long as it heartbeats."""
         for island_id, island in list(self.islands.items()):
             if island_id in contributors:
-                island.idle, island.probation = 0, False
+                island.idle, island.probation, island.contributed = 0, False, True
             elif island.joined_at <= opened_at:
                 island.idle += 1
                 if self.idle_rounds and island.idle >= self.idle_rounds:
@@ -131,6 +137,7 @@ class Membership:
                     island.idle, island.probation = 0, True
                     self.expired[island_id] = self.islands.pop(island_id)
                     self.on_leave(island_id)
+        self._keep_bounded()
 
     def check_owner(self, island_id: str, owner: str | None) -> None:
         """Refuses a caller acting as an island its credential did not make (owner None: no TLS, no check)."""
@@ -139,7 +146,7 @@ class Membership:
         if self.revoked(owner):
             raise Refused(Reason.REVOKED, f"the credential {owner!r} was revoked; it is out of the run")
         with self.cond:
-            island = self.islands.get(island_id) or self.expired.get(island_id)
+            island = self.islands.get(island_id) or self.expired.get(island_id) or self._departed(island_id)
         if island is not None and island.owner != owner:
             log.warning("%r tried to act as %s, which belongs to %r; refused", owner, island_id, island.owner)
             raise Refused(Reason.NOT_YOURS, f"{island_id} is not yours: it belongs to another credential")
@@ -152,7 +159,10 @@ class Membership:
 
         With an owner (mutual TLS: the client certificate's name) the owner is the key, so the replica groups of
         one credential are one island, and only the owner may rejoin as an island it made. ranks: what the
-        island declares it trains on (the most its pushes may claim tokens for)."""
+        island declares it trains on (the most its pushes may claim tokens for), bounded by the caller (the
+        service: the credential's certificate, or rounds.max_island_ranks). hostname and key are the client's
+        word: kept and logged bounded (diloco/untrusted.py)."""
+        hostname, key = bounded(hostname, HOSTNAME_MAX), bounded(key, KEY_MAX)
         island = self._admit(hostname, island_id, key, run_finished, round_, owner)
         with self.cond:
             island.ranks = max(1, ranks)
@@ -166,15 +176,9 @@ class Membership:
             if run_finished:
                 raise Refused(Reason.RUN_FINISHED, "the run has finished; nothing to join")
             self.expire_leases()
-            if key.startswith("owner:") and island_id not in self.islands:  # a credential has one island, even expired
-                island_id = next((i.island_id for i in self.expired.values() if i.key == key), island_id)
-            if island_id in self.expired:  # back after its lease ran out (a restart that took long): as itself
-                self.islands[island_id] = self.expired.pop(island_id)
-                self.events.island_restarts += 1
-                self.events.island_silent_s += self.clock() - self.islands[island_id].last_seen
-                self.islands[island_id].last_seen = self.islands[island_id].joined_at = self.clock()
-                log.info("%s rejoined from %s at round %d after its lease had run out", island_id, hostname, round_)
-                return self.islands[island_id]
+            away = self._away(island_id, key)
+            if away is not None:
+                return self._come_back(away, hostname, round_)
             explicit_id = bool(island_id) and island_id in self.islands
             if key and not explicit_id:
                 island_id = next((i.island_id for i in self.islands.values() if i.key == key), island_id)
@@ -196,6 +200,51 @@ class Membership:
             self.cond.notify_all()
             return island
 
+    def _departed(self, island_id: str) -> Island | None:
+        return next((i for i in reversed(self.departed) if i.island_id == island_id), None)
+
+    def _away(self, island_id: str, key: str) -> Island | None:
+        """The record of an island not in the run now that comes back as itself: by its id after its lease ran out
+        (a restart that took long), or by its credential (a credential has one island, even expired or departed,
+        so its idle count and probation follow it through a leave and a rejoin). Caller holds cond."""
+        if island_id in self.islands:
+            return None
+        if key.startswith("owner:") and not any(i.key == key for i in self.islands.values()):
+            mine = [i for i in self.expired.values() if i.key == key] + [i for i in reversed(self.departed) if i.key == key]
+            if mine:
+                return mine[0]
+        return self.expired.get(island_id)
+
+    def _come_back(self, island: Island, hostname: str, round_: int) -> Island:
+        """Makes an expired or departed island a member again. One that has not contributed since it last joined
+        (and left), or that sat through a round idle, is on probation: leaving and rejoining resets nothing, and
+        no round waits for it until it contributes. Caller holds cond."""
+        now, left = self.clock(), any(i is island for i in self.departed)
+        if left:
+            self.departed = [i for i in self.departed if i is not island]
+            how = "after it had left"
+        else:
+            del self.expired[island.island_id]
+            self.events.island_restarts += 1
+            self.events.island_silent_s += now - island.last_seen
+            how = "after its lease had run out"
+        if not island.probation and (island.idle > 0 or left and not island.contributed):
+            island.probation = True
+            log.warning("%s rejoined without contributing since it last joined (%d idle round(s)); on probation: no "
+                        "round waits for it until it contributes", island.island_id, island.idle)
+            self.record("probation", island=island.island_id, idle=island.idle)
+        island.hostname, island.contributed = hostname, False
+        island.last_seen = island.joined_at = now
+        self.islands[island.island_id] = island
+        log.info("%s rejoined from %s at round %d %s", island.island_id, hostname, round_, how)
+        return island
+
+    def _keep_bounded(self) -> None:
+        """Forgets the oldest records of departed and expired islands past limits.departed_kept. Caller holds cond."""
+        del self.departed[: max(0, len(self.departed) - self.departed_kept)]
+        while len(self.expired) > self.departed_kept:
+            del self.expired[next(iter(self.expired))]  # the oldest: a dict keeps insertion order
+
     def leave(self, island_id: str, final_checksum: str, stats: dict | None, matches: bool) -> None:
         with self.cond:
             island = self.islands.pop(island_id, None)
@@ -203,6 +252,7 @@ class Membership:
                 island.final_checksum = final_checksum
                 island.stats = dict(stats or {})
                 self.departed.append(island)
+                self._keep_bounded()
                 log.info("%s left; checksum %s", island_id, "matches" if matches else "DIFFERS")
                 self.on_leave(island_id)
             self.cond.notify_all()
@@ -223,6 +273,7 @@ class Membership:
                 self.record("expired", island=island_id, lease_s=self.lease_s)
                 self.expired[island_id] = self.islands.pop(island_id)
                 self.on_leave(island_id)
+        self._keep_bounded()
 
     # --- checkpoints -------------------------------------------------------------------------
 
@@ -230,7 +281,8 @@ class Membership:
         return {
             "joined": self.joined,
             "islands": [{"island_id": i.island_id, "hostname": i.hostname, "shard": i.shard, "key": i.key, "owner": i.owner,
-                         "ranks": i.ranks, "probation": i.probation} for i in self.islands.values()],
+                         "ranks": i.ranks, "probation": i.probation, "idle": i.idle, "contributed": i.contributed}
+                        for i in self.islands.values()],
             "departed": [dataclasses.asdict(i) for i in self.departed],
             "expired": [dataclasses.asdict(i) for i in self.expired.values()],
             "events": dataclasses.asdict(self.events),
@@ -243,8 +295,18 @@ class Membership:
             self.joined = state["joined"]
             self.islands = {i["island_id"]: Island(i["island_id"], i["hostname"], i["shard"], now, key=i.get("key", ""),
                                                    owner=i.get("owner", ""), ranks=i.get("ranks", 1), joined_at=now,
-                                                   probation=i.get("probation", False)) for i in state["islands"]}
-            self.departed = [Island(**i) for i in state["departed"]]
-            self.expired = {i["island_id"]: Island(**i) for i in state.get("expired", [])}
+                                                   probation=i.get("probation", False), idle=i.get("idle", 0),
+                                                   contributed=i.get("contributed", False)) for i in state["islands"]}
+            # An older checkpoint may hold every departed island and unbounded strings: bounded as they come back.
+            self.departed = [_bounded_record(i) for i in state["departed"]]
+            self.expired = {i["island_id"]: _bounded_record(i) for i in state.get("expired", [])}
+            self._keep_bounded()
             self.events = Events(**state["events"])
             self.events.restarts += 1
+
+
+def _bounded_record(fields: dict) -> Island:
+    """A departed or expired island's record from a checkpoint, its client-given strings bounded."""
+    island = Island(**fields)
+    island.hostname, island.key = bounded(island.hostname, HOSTNAME_MAX), bounded(island.key, KEY_MAX)
+    return island

@@ -20,6 +20,7 @@ from diloco.codec import get_codec
 from diloco.credentials import CredentialError, identity_from_auth_context, ranks_from_auth_context
 from diloco.frames import ChunkView, chunk_deserializer, frame_chunk, serialized
 from diloco.params import ranges_checksum
+from diloco.untrusted import CHECKSUM_MAX, ID_MAX, bounded
 from diloco.v1 import diloco_pb2 as pb
 from diloco.v1 import diloco_pb2_grpc as pb_grpc
 from diloco.wire import (
@@ -86,7 +87,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         with self.state.cond:
             counts = self.state.events.refusals
             counts[pb.Refusal.Reason.Name(e.reason)] = counts.get(pb.Refusal.Reason.Name(e.reason), 0) + 1
-        island = getattr(request, "island_id", "") if not hasattr(request, "__next__") else ""
+        island = bounded(getattr(request, "island_id", ""), ID_MAX) if not hasattr(request, "__next__") else ""
         self.audit.record("refused", method=method, island=island, reason=pb.Refusal.Reason.Name(e.reason), message=str(e),
                           **self._who(context))
 
@@ -151,7 +152,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             self.limits.join(owner)
         self._check_ranks(context, request.ranks, owner)
         island = state.join(request.hostname or context.peer(), request.island_id, request.island_key, owner, request.ranks)
-        self.audit.record("join", island=island.island_id, ranks=island.ranks, hostname=request.hostname, **self._who(context))
+        self.audit.record("join", island=island.island_id, ranks=island.ranks, hostname=island.hostname, **self._who(context))
         return pb.JoinResponse(
             island_id=island.island_id,
             config_digest=cfg.digest(),
@@ -173,6 +174,9 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
     @_refusals
     def Heartbeat(self, request: pb.HeartbeatRequest, context) -> pb.HeartbeatResponse:
         self._caller(context, request.island_id)
+        if not self.state.members.is_member(request.island_id):  # before its rate bucket: only members get one
+            raise Refused(Reason.NOT_A_MEMBER, f"unknown island {bounded(request.island_id, ID_MAX)!r} (lease expired?); "
+                          "join again")
         self.limits.heartbeat(request.island_id, self._ranks(request.island_id))
         report = {k: getattr(request, k) for k in ("utilization", "tokens_per_s", "train_loss")}
         self.state.members.touch(request.island_id, {k: v for k, v in report.items() if math.isfinite(v)})
@@ -323,10 +327,12 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             "wall_s": request.wall_s, "inner_steps": request.inner_steps,
             "steady_compute_s": request.steady_compute_s, "steady_wall_s": request.steady_wall_s,
         }
-        matches, whole = self.state.leave(request.island_id, request.checksum, stats, list(request.fragment_checksums),
-                                          untrained=ranges_of(request.untrained))
+        # Kept in the island's record and logged: bounded. One checksum more than the fragments still differs.
+        checksums = [bounded(c, CHECKSUM_MAX) for c in request.fragment_checksums[: len(self.state.fragments) + 1]]
+        matches, whole = self.state.leave(bounded(request.island_id, ID_MAX), bounded(request.checksum, CHECKSUM_MAX), stats,
+                                          checksums, untrained=ranges_of(request.untrained))
         self.limits.forget(request.island_id)
-        self.audit.record("leave", island=request.island_id, checksum_matches=matches, **self._who(context))
+        self.audit.record("leave", island=bounded(request.island_id, ID_MAX), checksum_matches=matches, **self._who(context))
         return pb.LeaveResponse(checksum_matches=matches, checksum=whole)
 
     @_refusals

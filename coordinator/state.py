@@ -76,7 +76,8 @@ class CoordinatorState:
         self.cond = threading.Condition()
         r = cfg.rounds
         self.members = Membership(r.max_islands, cfg.data.shards, r.lease_s, self.cond, clock, on_leave=self._drop_pending,
-                                  revoked=revoked, record=record, idle_rounds=cfg.limits.idle_rounds * cfg.streaming.fragments)
+                                  revoked=revoked, record=record, idle_rounds=cfg.limits.idle_rounds * cfg.streaming.fragments,
+                                  departed_kept=cfg.limits.departed_kept)
         self.summaries: list[pb.RoundSummary] = []
         self._wave = _Wave()
         # Compression per link (coordinator/links.py): the codecs islands may push with, and who advises which.

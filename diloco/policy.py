@@ -41,8 +41,14 @@ class LimitsConfig:
     joins_per_minute: float = 30.0
     # An island that was a member through this many rounds in a row and contributed to none is removed
     # from the run; when its credential joins again it is on probation: no round waits for it until it
-    # has contributed. 0: never removed.
+    # has contributed. 0: never removed. The count follows the island's credential (mutual TLS) through a leave
+    # and a rejoin, and a credential that rejoins without having contributed since its last join, or after
+    # sitting through a round idle, is on probation at once: leaving and rejoining resets nothing.
     idle_rounds: int = 3
+    # Records of islands that left or whose lease ran out, kept for the run's report, the dashboard and the
+    # checkpoint (with mutual TLS each credential has one, which carries its idle count and probation): the
+    # most recent this many; older ones are forgotten. A client's strings in them are bounded (diloco/untrusted.py).
+    departed_kept: int = 256
     # Disk the spooled pushes may use, all islands together; a chunk beyond it: SPOOL_FULL.
     spool_gb: float = 64.0
     # Memory the spooled pushes use before they go to disk, all islands together, in fp32 copies of the model
@@ -52,4 +58,4 @@ class LimitsConfig:
 
     def valid(self) -> bool:
         return (min(self.push_streams_per_rank, self.push_idle_s, self.heartbeats_per_interval, self.joins_per_minute,
-                    self.spool_gb) > 0 and self.idle_rounds >= 0 and self.spool_memory_models >= 0)
+                    self.spool_gb, self.departed_kept) > 0 and self.idle_rounds >= 0 and self.spool_memory_models >= 0)
