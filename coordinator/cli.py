@@ -10,7 +10,7 @@ from diloco.cli import ArgumentParser, add_config_flags, config_from_args, fail,
 
 import torch
 
-from coordinator.server import Observe, serve
+from coordinator.server import Observe, raise_open_file_limit, serve
 from diloco.credentials import RevocationList, coordinator_files
 
 
@@ -57,6 +57,7 @@ def main(argv: list[str] | None = None) -> None:
     if not 0 <= args.port < 65536:
         fail(parser.prog, f"--port {args.port} is not a valid port")
     setup_logging(args.log_level, "coordinator")
+    raise_open_file_limit()
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.tls and args.insecure:

@@ -161,6 +161,51 @@ def max_message_bytes(cfg: RunConfig) -> int:
     return 2 * cfg.wire.chunk_bytes + (64 << 10)
 
 
+# A connection that has not finished its handshake (TLS, then HTTP/2's preface) this long after it opened is closed:
+# gRPC's default is 120 s, so anyone who reaches the port, certificate or not, held a file descriptor per idle TCP
+# connection for two minutes (1,100 of them exhausted a limit of 1,024: no island could connect, no spool open). An
+# island's handshake takes a few round trips.
+HANDSHAKE_TIMEOUT_S = 5.0
+
+
+# Open files a coordinator should be allowed: each island's connection and each push being spooled to disk takes one,
+# and a burst of connections takes one each until the handshake limit closes them.
+SENSIBLE_OPEN_FILES = 4096
+
+
+def raise_open_file_limit(sensible: int = SENSIBLE_OPEN_FILES) -> int:
+    """Raises this process's soft limit on open files (RLIMIT_NOFILE) to its hard limit, as servers do: the common
+    default of 1,024 is a few hundred islands' connections and spools. Logs one line saying what to run when the
+    limit is still below `sensible`. Returns the soft limit now (-1 where there are no such limits)."""
+    try:
+        import resource
+    except ImportError:  # not a POSIX system
+        return -1
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = hard if hard != resource.RLIM_INFINITY else 1 << 20
+    if soft != resource.RLIM_INFINITY and soft < target:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            log.info("open files: soft limit raised from %d to %d", soft, target)
+            soft = target
+        except (ValueError, OSError) as e:
+            log.debug("could not raise the soft limit on open files from %d to %d: %s", soft, target, e)
+    if soft != resource.RLIM_INFINITY and soft < sensible:
+        log.warning("the coordinator may have only %d files open (RLIMIT_NOFILE; hard limit %s): each island's connection "
+                    "and spooled push takes one, so islands may fail to connect; start it with a higher limit: `ulimit -n %d` "
+                    "in its shell (above the hard limit that needs root or /etc/security/limits.conf), or LimitNOFILE=%d in "
+                    "its systemd unit", soft, "none" if hard == resource.RLIM_INFINITY else hard, 16 * sensible, 16 * sensible)
+    return soft
+
+
+def server_options(cfg: RunConfig) -> list[tuple[str, int]]:
+    """The gRPC server's options: the largest message (max_message_bytes) and the handshake's time limit."""
+    return [
+        ("grpc.max_receive_message_length", max_message_bytes(cfg)),
+        ("grpc.server_handshake_timeout_ms", int(HANDSHAKE_TIMEOUT_S * 1000)),
+    ]
+
+
 def start_coordinator(
     cfg: RunConfig, host: str = "127.0.0.1", port: int = 0, spool_dir: str | None = None, resume: bool = False,
     tls: TlsFiles | None = None, insecure: bool = False, revocations: RevocationList | None = None, audit_url: str = "",
@@ -216,7 +261,7 @@ def start_coordinator(
     # No message an island sends is larger than a chunk and its framing: bigger ones are refused by gRPC
     # itself (RESOURCE_EXHAUSTED) before they are read into memory.
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=2 * cfg.rounds.max_islands + 16),
-                         options=[("grpc.max_receive_message_length", max_message_bytes(cfg))])
+                         options=server_options(cfg))
     add_to_server(CoordinatorService(state, stop, mutual_tls=tls is not None, audit=audit), server)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
