@@ -81,7 +81,8 @@ class PushIntake:
         """
         self.begin_push(header)
         codec, started, received = self.push_codecs[header.codec], time.monotonic(), 0
-        spool: Spool | None = self.ctx.spools.open(self.manifest.total_numel())
+        # The island's spools hold at most its share: the spool split over the members (coordinator/spool.py).
+        spool: Spool | None = self.ctx.spools.open(self.manifest.total_numel(), header.island_id, len(self.members.islands))
         ranges: list[tuple[str, int, int, float]] = []  # each chunk's address and sum of squares (the norm guard)
         try:
             for chunk in chunks:

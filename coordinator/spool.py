@@ -13,6 +13,11 @@ and the fold reads them in place; a write to the page cache and a read back
 cost three times as much (125M fp32: 0.13 + 0.05 s against 0.05 s). Memory is
 bounded by the pool whatever the number of islands; what does not fit waits on
 disk (read back verified: disk or filesystem trouble is SpoolCorrupt).
+
+Each island holds at most its share of both (IslandShare): the bound and the pool
+split over the run's members, so one member whose push streams never finish (a
+stolen island key) fills its own share, is refused SPOOL_FULL, and the others'
+pushes still fit.
 """
 
 from __future__ import annotations
@@ -33,6 +38,9 @@ from diloco.wire import payload_digest
 _RECORD = struct.Struct("<QQQHI")  # offset, numel, XXH3-64 of the payload, name bytes, payload bytes
 BLOCK_PAYLOAD = 8 << 20  # a pool block holds about this much payload: a whole number of the largest chunks
 RECORD_SLACK = 256  # a record's bytes beyond its payload: its header and a name of up to 226 bytes
+# An island may always hold this many fp32 pushes of the fragment it pushes to, with a quarter more for the records'
+# headers, however many members share the spool: its contribution and a late one or a retry.
+FLOOR_PUSHES = 2
 
 
 class SpoolCorrupt(OSError):
@@ -83,35 +91,90 @@ class BlockPool:
             self._free.extend(blocks)
 
 
+@dataclass(frozen=True)
+class IslandShare:
+    """What one island's pushes may hold of the spools: bytes (memory and disk) and blocks of the memory pool."""
+
+    island: str
+    bytes: int
+    blocks: int
+    members: int  # over how many members the spools were split
+
+
 class Spools:
     """Where pushes spool, and the bytes they may take there, all islands together: memory (memory_bytes of payload,
-    limits.spool_memory_models) first, then disk, at most limits.spool_gb in all."""
+    limits.spool_memory_models) first, then disk, at most limits.spool_gb in all; each island at most its share."""
 
     def __init__(self, directory: Path, max_bytes: int, memory_bytes: int = 0, chunk_bytes: int = 1 << 20):
         self.directory, self.max_bytes = directory, max_bytes
         self.pool = BlockPool(memory_bytes, chunk_bytes)
         self.used = 0
+        self.held: dict[str, int] = {}  # bytes each island's spools hold
+        self.blocks_held: dict[str, int] = {}  # pool blocks each island's spools hold
         self._lock = threading.Lock()
 
-    def open(self, max_numel: int) -> Spool:
-        """A spool for one push stream, which may carry at most max_numel elements (its fragment's)."""
-        return Spool(self.directory, self, max_numel)
+    def open(self, max_numel: int, island: str = "", members: int = 1) -> Spool:
+        """A spool for one push stream of `island`, which may carry at most max_numel elements (its fragment's). The
+        island's spools hold at most its share, the spools split over the run's `members`."""
+        return Spool(self.directory, self, max_numel, self.share(island, max_numel, members))
 
-    def reserve(self, n: int) -> None:
+    def share(self, island: str, max_numel: int, members: int) -> IslandShare:
+        """An equal part of the bound and of the pool, and never less than FLOOR_PUSHES fp32 pushes of max_numel
+        elements (a run of many members and a roomy spool refuses no honest push) nor one block."""
+        members = max(1, members)
+        floor = FLOOR_PUSHES * 5 * max_numel  # 4 bytes an element, and a quarter more for the records' headers
+        return IslandShare(island, max(self.max_bytes // members, floor), max(1, -(-self.pool.max_blocks // members)), members)
+
+    def reserve(self, n: int, share: IslandShare | None = None) -> None:
         with self._lock:
             if self.used + n > self.max_bytes:
                 raise Refused(Reason.SPOOL_FULL, f"the coordinator's spool holds {self.used / 1e9:.2f} GB of pushes, its bound "
                               f"(limits.spool_gb = {self.max_bytes / 1e9:g}): this push was dropped; push again later")
+            held = self.held.get(share.island, 0) if share is not None else 0
+            if share is not None and held + n > share.bytes:
+                raise Refused(Reason.SPOOL_FULL, f"{share.island}'s pushes hold {held / 1e6:.2f} MB of the coordinator's spool, "
+                              f"its share ({share.bytes / 1e6:.2f} MB: limits.spool_gb over {share.members} members): this push "
+                              "was dropped; end or cancel the pushes you left open, and push again")
             self.used += n
+            if share is not None:
+                self.held[share.island] = held + n
 
-    def release(self, n: int) -> None:
+    def release(self, n: int, share: IslandShare | None = None) -> None:
         with self._lock:
             self.used -= n
+            if share is not None:
+                self._forget(self.held, share.island, n)
+
+    def take_block(self, share: IslandShare | None = None) -> bytearray | None:
+        """A block of the pool, or None when the pool is spent or the island holds its share of it."""
+        with self._lock:
+            if share is not None and self.blocks_held.get(share.island, 0) >= share.blocks:
+                return None
+            block = self.pool.take()
+            if block is not None and share is not None:
+                self.blocks_held[share.island] = self.blocks_held.get(share.island, 0) + 1
+        return block
+
+    def give_back(self, blocks: list[bytearray], share: IslandShare | None = None) -> None:
+        self.pool.give_back(blocks)
+        if share is not None and blocks:
+            with self._lock:
+                self._forget(self.blocks_held, share.island, len(blocks))
+
+    @staticmethod
+    def _forget(counts: dict[str, int], island: str, n: int) -> None:
+        """Takes n off an island's count; an island holding nothing leaves the dict. Caller holds the lock."""
+        left = counts.get(island, 0) - n
+        if left > 0:
+            counts[island] = left
+        else:
+            counts.pop(island, None)
 
 
 class Spool:
-    def __init__(self, directory: Path, spools: Spools | None = None, max_numel: int | None = None):
-        self.directory = directory
+    def __init__(self, directory: Path, spools: Spools | None = None, max_numel: int | None = None,
+                 share: IslandShare | None = None):
+        self.directory, self.share = directory, share
         self.path: Path | None = None  # the file, once records go to disk
         self._file = None
         self._blocks: list[tuple[bytearray, int]] = []  # pool blocks and the bytes written in each
@@ -132,7 +195,7 @@ class Spool:
             raise Refused(Reason.BAD_CHUNK, f"the stream carries more than the {self.max_numel} elements its fragment has")
         size = _RECORD.size + len(encoded) + len(payload)
         if self.spools is not None:
-            self.spools.reserve(size)
+            self.spools.reserve(size, self.share)
         self.bytes += size
         self.numel += numel
         head = _RECORD.pack(offset, numel, digest, len(encoded), len(payload)) + encoded
@@ -148,8 +211,8 @@ class Spool:
         pool = self.spools.pool
         block, used = self._blocks[-1] if self._blocks else (None, pool.block_bytes)
         if used + size > pool.block_bytes:
-            block = pool.take() if size <= pool.block_bytes else None
-            if block is None:  # the pool is spent: this record and the rest of the stream go to disk, in order
+            block = self.spools.take_block(self.share) if size <= pool.block_bytes else None
+            if block is None:  # the pool (or the island's share) is spent: this record and the rest of the stream go to disk
                 self._open_file()
                 return False
             self._blocks.append((block, 0))
@@ -199,6 +262,6 @@ class Spool:
         if self.path is not None:
             self.path.unlink(missing_ok=True)
         if self.spools is not None:
-            self.spools.pool.give_back([block for block, _ in self._blocks])
-            self.spools.release(self.bytes)
+            self.spools.give_back([block for block, _ in self._blocks], self.share)
+            self.spools.release(self.bytes, self.share)
         self._blocks, self.bytes = [], 0
