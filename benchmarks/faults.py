@@ -8,7 +8,8 @@ fragments, tau = 1), 2 islands, once undisturbed and once per kind of kill:
   from its own checkpoint (every round);
 - coordinator: the coordinator SIGKILLed two rounds after its last checkpoint
   (checkpoint.every_rounds = 4), so its islands are ahead of it when it is back;
-- launcher (with --launcher): island 1 is a 2-rank FSDP island; its launcher (the
+- launcher (with --launcher, against "fsdp": the same layout undisturbed): island 1
+  is a 2-rank FSDP island; its launcher (the
   `diloco-island join --nproc-per-node 2` process a user starts) is SIGKILLed and
   started again with --resume. Its ranks must die with it, or the island would
   run twice (a second copy is refused).
@@ -19,6 +20,9 @@ a kill cost in work the coordinator never folded (the work since the last
 checkpoint, and the rounds an island was down for).
 
     python benchmarks/faults.py [--rounds 8] [--launcher]
+
+--launcher starts torchrun, whose store binds every interface: run it in a
+network namespace with only loopback, as the tests do (README, results table).
 """
 
 from __future__ import annotations
@@ -32,7 +36,8 @@ from pathlib import Path
 from diloco.config import RunConfig, load_config
 from islands.sim.simulation import Simulation
 
-KINDS = ("none", "island", "coordinator", "launcher")
+KINDS = ("none", "island", "coordinator", "fsdp", "launcher")
+BASELINE = {"island": "none", "coordinator": "none", "launcher": "fsdp"}  # the undisturbed run of the same layout
 
 
 def config(rounds: int, kind: str) -> RunConfig:
@@ -45,14 +50,14 @@ def config(rounds: int, kind: str) -> RunConfig:
 
 def run(kind: str, rounds: int, workdir: Path, timeout_s: float = 900) -> dict:
     cfg = config(rounds, kind)
-    island_args = {1: ["--nproc-per-node", "2"]} if kind == "launcher" else None
+    island_args = {1: ["--nproc-per-node", "2"]} if kind in ("fsdp", "launcher") else None
     sim = Simulation(cfg, 2, workdir, checkpoints=True, island_args=island_args)
     kill_at = 5 if kind == "coordinator" else rounds // 2  # the coordinator's checkpoint holds rounds 0-3
     killed_at = None
     try:
         sim.start()
         for summary in sim.watch(timeout_s):
-            if kind != "none" and killed_at is None and summary.fragment == 0 and summary.round == kill_at:
+            if kind in BASELINE and killed_at is None and summary.fragment == 0 and summary.round == kill_at:
                 killed_at = time.monotonic()
                 if kind == "coordinator":
                     sim.kill_coordinator()
@@ -83,20 +88,20 @@ def main() -> None:
     kinds = [k for k in args.kinds.split(",") if k] + (["launcher"] if args.launcher else [])
     if args.rounds < 8 or any(k not in KINDS for k in kinds):
         p.error(f"--rounds must be at least 8 and --kinds of {', '.join(KINDS)}")
-    if "none" not in kinds:
-        kinds.insert(0, "none")
-    rows = []
+    kinds = [b for b in ("none", "fsdp") if b in kinds or any(BASELINE.get(k) == b for k in kinds)] + \
+            [k for k in kinds if k in BASELINE]
+    rows = {}
     with tempfile.TemporaryDirectory(prefix="diloco-faults-") as work:
         for kind in kinds:
-            rows.append(run(kind, args.rounds, Path(work) / kind))
-    base = rows[0]["folded"]
+            rows[kind] = run(kind, args.rounds, Path(work) / kind)
     print(f"{'kill':<12} {'refused':<28} {'0-token rounds':>14} {'tokens folded per fragment (vs undisturbed)':>46} {'eval':>7} {'agree':>6} {'secs':>6}")
-    for row in rows:
+    for kind, row in rows.items():
+        base = rows[BASELINE.get(kind, kind)]["folded"]
         lost = ", ".join(f"f{f} {n:,} ({100 * (n - base[f]) / base[f]:+.1f}%)" for f, n in row["folded"].items())
-        print(f"{row['kind']:<12} {json.dumps(row['refusals']):<28} {row['zero_token_rounds']:>14} {lost:>46} "
+        print(f"{kind:<12} {json.dumps(row['refusals']):<28} {row['zero_token_rounds']:>14} {lost:>46} "
               f"{row['eval_loss']:>7.4f} {str(row['checksums_agree']):>6} {row['seconds']:>6.1f}")
     if args.json:
-        Path(args.json).write_text(json.dumps(rows, indent=1))
+        Path(args.json).write_text(json.dumps(list(rows.values()), indent=1))
 
 
 if __name__ == "__main__":
