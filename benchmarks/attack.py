@@ -58,7 +58,8 @@ def attack(robust: bool) -> str:
             return {n: torch.randn(s, generator=g) * scale for n, s in shapes.items()}
 
         def push(i: int, round_: int, p: dict, tokens: int) -> None:
-            header = pb.PushHeader(island_id=ids[i], round=round_, tokens=tokens, codec="fp32", inner_steps=h, first_step=round_ * h)
+            header = pb.PushHeader(island_id=ids[i], round=round_, tokens=tokens, codec="fp32", inner_steps=h, first_step=round_ * h,
+                                   global_checksum=c.state.fragments[0].checksum)
             stub.PushPseudoGradient(push_messages(header, tensor_chunks(p, Fp32Codec(), cfg.wire.chunk_bytes)), timeout=30)
 
         def closed(round_: int) -> None:
@@ -116,7 +117,8 @@ def _join(stub, island_id: str = "", key: str = "") -> str:
 def impersonation() -> str:
     cfg = load_config(None, TINY)
     chunks = lambda c: list(tensor_chunks({n: torch.zeros(s) for n, s in c.state.manifest.shapes.items()}, Fp32Codec(), 4096))  # noqa: E731
-    header = lambda island: pb.PushHeader(island_id=island, round=0, tokens=128, codec="fp32", inner_steps=1)  # noqa: E731
+    header = lambda island: pb.PushHeader(island_id=island, round=0, tokens=128, codec="fp32", inner_steps=1,  # noqa: E731
+                                          global_checksum=c.state.fragments[0].checksum)
     c = start_coordinator(cfg, "127.0.0.1", 0, spool_dir=tempfile.mkdtemp(prefix="diloco-attack-"))
     channel = grpc.insecure_channel(f"127.0.0.1:{c.port}")
     try:
@@ -174,7 +176,8 @@ def idle_member(rounds: int = 7) -> str:
         worker, idler = _join(stub, key="worker"), _join(stub, key="idler")
         zeros = {n: torch.zeros(s) for n, s in c.state.manifest.shapes.items()}
         for r in range(rounds):
-            header = pb.PushHeader(island_id=worker, round=r, tokens=128, codec="fp32", inner_steps=1)
+            header = pb.PushHeader(island_id=worker, round=r, tokens=128, codec="fp32", inner_steps=1,
+                                   global_checksum=c.state.fragments[0].checksum)
             stub.PushPseudoGradient(push_messages(header, tensor_chunks(zeros, Fp32Codec(), 4096)), timeout=30)
             if r == cfg.limits.idle_rounds + 1:  # it was removed: it comes back, on probation
                 _join(stub, island_id=idler)

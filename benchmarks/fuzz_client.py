@@ -141,6 +141,7 @@ class Fuzzer:
         self.t = Target(manifest, list(manifest.shapes)[-1], self.legit, joined.island_id,
                         joined.round, joined.max_chunk_bytes, joined.config_digest,
                         inner.steps_per_round * inner.batch_size * self.cfg.data.seq_len, inner.steps_per_round)
+        self.t.checksum = self.checksum()
 
     def start(self) -> None:
         self.deadline = time.monotonic() + self.seconds
@@ -256,15 +257,25 @@ class Fuzzer:
             self.rejoin()
 
     def sync(self) -> None:
-        """A plain heartbeat: keeps the fuzzer's lease, learns the round, rejoins when it was evicted."""
+        """A plain heartbeat: keeps the fuzzer's lease, learns the round (and the parameters' checksum), rejoins when it
+        was evicted."""
         try:
             t = self.t
             t.round = self.stub.Heartbeat(pb.HeartbeatRequest(island_id=t.own, round=t.round), timeout=TIMEOUT_S).round
+            t.checksum = self.checksum()
         except grpc.RpcError as e:
             if refusal_of(e).reason == Reason.NOT_A_MEMBER:
                 self.rejoin()
             elif not refusal_of(e).reason:
                 self.fail(f"a plain heartbeat failed: {e.code()} {e.details()!r}")
+
+    def checksum(self) -> str:
+        """The checksum of the current global parameters, from a fetch's header: the one a valid push names."""
+        results = self.stub.FetchParameters(pb.FetchRequest(island_id=self.t.own), timeout=TIMEOUT_S)
+        try:
+            return next(iter(results)).header.checksum
+        finally:
+            results.cancel()
 
     def rejoin(self) -> None:
         try:

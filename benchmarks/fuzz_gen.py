@@ -44,6 +44,7 @@ class Target:
     digest: str = ""
     tokens: int = 0  # an honest claim: one rank, a full round
     steps: int = 1
+    checksum: str = ""  # of the current global parameters (fuzz_client's sync): what a valid push was trained from
     pushed: list[tuple[int, str, int, int]] = field(default_factory=list)  # (round, name, offset, numel) accepted
     lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -218,7 +219,7 @@ class Gen:
     def header(self) -> pb.PushHeader:
         t = self.t
         return pb.PushHeader(island_id=t.own, round=t.round, tokens=t.tokens, train_loss=3.0, codec="fp32",
-                             inner_steps=t.steps, first_step=t.round * t.steps)
+                             inner_steps=t.steps, first_step=t.round * t.steps, global_checksum=t.checksum)
 
     def chunks(self) -> list[pb.TensorChunk]:
         """Honest chunks of a few parameters (never the reserved one), maybe only some of their chunks."""

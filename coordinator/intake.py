@@ -42,7 +42,10 @@ class PushIntake:
                 raise Refused(Reason.NOT_FINITE, f"train_loss {header.train_loss} is not finite: resync and go on")
             # A late push was trained from the parameters its own round started from.
             trained_from = self.published.get(header.round, "") if late else self.checksum
-            if header.global_checksum and header.global_checksum != trained_from:
+            if not header.global_checksum:  # it would skip the check below: trained from parameters nobody can name
+                raise Refused(Reason.BAD_REQUEST, "the push names no global_checksum (of the global parameters it was trained "
+                              "from): fetch the global parameters and push with their checksum")
+            if header.global_checksum != trained_from:
                 self.members.events.checksum_resyncs += 1
                 log.warning(
                     "%s trained %sround %d from global parameters with checksum %s, not the coordinator's %s; "

@@ -109,15 +109,22 @@ class Puppet:
         self.claim = claim(cfg)
         joined = self.client.join(cfg.digest(), "fp32")
         self.island_id, self.chunk_bytes = joined.island_id, joined.max_chunk_bytes
-        self.zeros = {n: torch.zeros(s) for n, s in Manifest.from_proto(joined.parameters).shapes.items()}
+        self.manifest = Manifest.from_proto(joined.parameters)
+        self.zeros = {n: torch.zeros(s) for n, s in self.manifest.shapes.items()}
         self.fragments = [list(f.names) for f in joined.fragments]
         self.client.start_heartbeat(lambda: self.island_id, joined.heartbeat_interval_s, lambda: 0)
 
     def push(self, round_: int, fragment: int = 0) -> None:
+        """A zero push for round_ (the fragment's current round), naming the parameters it was trained from."""
         header = pb.PushHeader(island_id=self.island_id, round=round_, train_loss=0.0, codec="fp32", fragment=fragment,
-                               **self.claim)
+                               global_checksum=self.checksum(fragment), **self.claim)
         zeros = {n: self.zeros[n] for n in self.fragments[fragment]} if self.fragments else self.zeros
         self.client.push(header, ReplayableChunks(tensor_chunks(zeros, Fp32Codec(), self.chunk_bytes)))
+
+    def checksum(self, fragment: int = 0) -> str:
+        """The checksum of the fragment's current global parameters, fetched as an island fetches them."""
+        header = self.client.fetch(self.island_id, {n: torch.zeros_like(t) for n, t in self.zeros.items()}, self.manifest)
+        return header.fragments[fragment].checksum if header.fragments else header.checksum
 
     def close(self) -> None:
         self.client.leave(self.island_id, "", 0)

@@ -9,7 +9,7 @@ import grpc
 import pytest
 import torch
 
-from conftest import claim, ended, random_like, tiny_config, wait_for_round
+from conftest import claim, ended, random_like, tiny_config, trained_from, wait_for_round
 from coordinator.server import start_coordinator
 from diloco.checkpoint import CheckpointError, CheckpointStore
 from diloco.codec import Fp32Codec
@@ -89,7 +89,8 @@ def test_coordinator_resumes_from_s3(s3, tmp_path):
             island = stub.Join(pb.JoinRequest(protocol_version=PROTOCOL_VERSION), timeout=5).island_id
             for round_ in range(2):
                 pg = random_like(first.state.manifest.shapes, seed=round_)
-                messages = [pb.PushMessage(header=pb.PushHeader(island_id=island, round=round_, codec="fp32", **claim(cfg)))]
+                header = pb.PushHeader(island_id=island, round=round_, codec="fp32", **claim(cfg), global_checksum=trained_from(first))
+                messages = [pb.PushMessage(header=header)]
                 messages += [pb.PushMessage(chunk=c) for c in tensor_chunks(pg, Fp32Codec(), cfg.wire.chunk_bytes)]
                 stub.PushPseudoGradient(ended(messages), timeout=10)
                 wait_for_round(first, round_)

@@ -103,7 +103,7 @@ def test_island_of_an_older_release_gets_a_one_line_refusal(make_coordinator):
 
 
 def test_joining_a_finished_run_ends_quietly(make_coordinator, channel_to):
-    from conftest import claim, ended, join, random_like, tiny_config, wait_for_round
+    from conftest import claim, ended, join, random_like, tiny_config, trained_from, wait_for_round
     from diloco.v1 import diloco_pb2 as pb
     from diloco.wire import Manifest, tensor_chunks, uplink_codec
 
@@ -113,7 +113,8 @@ def test_joining_a_finished_run_ends_quietly(make_coordinator, channel_to):
     joined = join(stub)
     codec = uplink_codec(cfg.wire)
     pg = random_like(Manifest.from_proto(joined.parameters).shapes, seed=1)
-    header = pb.PushMessage(header=pb.PushHeader(island_id=joined.island_id, round=0, codec=codec.name, **claim(cfg)))
+    header = pb.PushMessage(header=pb.PushHeader(island_id=joined.island_id, round=0, codec=codec.name, **claim(cfg),
+                                                 global_checksum=trained_from(coordinator)))
     chunks = (pb.PushMessage(chunk=c) for c in tensor_chunks(pg, codec, cfg.wire.chunk_bytes))
     stub.PushPseudoGradient(ended([header, *chunks]), timeout=10)
     wait_for_round(coordinator, 0)

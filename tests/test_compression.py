@@ -13,7 +13,7 @@ import grpc
 import pytest
 import torch
 
-from conftest import claim, island_on, random_like, tiny_config, wait_for_round
+from conftest import claim, island_on, random_like, tiny_config, trained_from, wait_for_round
 from diloco.codec import get_codec
 from diloco.params import checksum
 from islands.sim.simulation import run_sim
@@ -33,8 +33,9 @@ def _client(coordinator, cfg=None) -> tuple[CoordinatorClient, pb.JoinResponse]:
     return client, client.join()
 
 
-def _push(client, island_id, round_, pg, codec, chunk_bytes):
-    header = pb.PushHeader(island_id=island_id, round=round_, train_loss=1.0, codec=codec.name, **claim(tiny_config()))
+def _push(coordinator, client, island_id, round_, pg, codec, chunk_bytes):
+    header = pb.PushHeader(island_id=island_id, round=round_, train_loss=1.0, codec=codec.name, **claim(tiny_config()),
+                           global_checksum=trained_from(coordinator, round_))
     return client.push(header, ReplayableChunks(tensor_chunks(pg, codec, chunk_bytes)))
 
 
@@ -64,7 +65,7 @@ def test_lossy_downlink_keeps_island_and_coordinator_bit_identical(make_coordina
         theta0 = {n: t.clone() for n, t in theta.items()}
         up = uplink_codec(cfg.wire)
         for round_ in range(5):
-            _push(client, joined.island_id, round_, random_like(manifest.shapes, seed=round_), up, cfg.wire.chunk_bytes)
+            _push(coordinator, client, joined.island_id, round_, random_like(manifest.shapes, seed=round_), up, cfg.wire.chunk_bytes)
             before = client.bytes_received
             header = client.pull(joined.island_id, round_, theta, manifest, held, timeout_s=20)
             held = header.checksum
@@ -110,7 +111,7 @@ def test_corrupt_chunk_in_transit_is_refused_and_resent(make_coordinator, damage
     pg = random_like(manifest.shapes, seed=4)
     chunks = list(tensor_chunks(pg, get_codec("fp32"), cfg.wire.chunk_bytes))
     try:
-        reply = _push(client, joined.island_id, 0, pg, get_codec("fp32"), cfg.wire.chunk_bytes)
+        reply = _push(coordinator, client, joined.island_id, 0, pg, get_codec("fp32"), cfg.wire.chunk_bytes)
         assert reply.contribution_complete
         # Refused once with DATA_LOSS, then only the chunks after the kept ones were resent.
         assert len(attempts) == 2
@@ -134,11 +135,11 @@ def test_non_finite_pseudo_gradient_drops_its_island_and_never_reaches_the_aggre
         poisoned["blocks.0.mlp.up_proj.weight"][3, 5] = float("nan")
         with caplog.at_level(logging.ERROR, logger="coordinator.state"):
             with pytest.raises(grpc.RpcError) as err:
-                _push(bad, bad_joined.island_id, 0, poisoned, codec, cfg.wire.chunk_bytes)
+                _push(coordinator, bad, bad_joined.island_id, 0, poisoned, codec, cfg.wire.chunk_bytes)
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "not finite" in err.value.details()
         assert any("NaN/Inf" in r.message and bad_joined.island_id in r.message for r in caplog.records)
         pg = random_like(manifest.shapes, seed=2)
-        _push(good, good_joined.island_id, 0, pg, codec, cfg.wire.chunk_bytes)
+        _push(coordinator, good, good_joined.island_id, 0, pg, codec, cfg.wire.chunk_bytes)
         # The round closes with the good island alone; the dropped one is named in the summary.
         wait_for_round(coordinator, 0)
         summary = coordinator.state.summaries[0]
@@ -330,7 +331,7 @@ def test_a_pull_waiting_at_the_close_streams_the_update_while_it_is_made_and_end
             theta = {r.name: theta[r.name].view(-1)[: r.numel].clone() for r in ranges}
         for round_ in range(3):
             received.clear()
-            _push(client, joined.island_id, round_, random_like(manifest.shapes, seed=round_), uplink_codec(cfg.wire),
+            _push(coordinator, client, joined.island_id, round_, random_like(manifest.shapes, seed=round_), uplink_codec(cfg.wire),
                   cfg.wire.chunk_bytes)
             header = client.pull(joined.island_id, round_, theta, manifest, held, timeout_s=20, ranges=ranges)
             assert header.mode == pb.ResultHeader.DELTA and trailers[-1] is not None and trailers[-1].checksum == header.checksum
@@ -392,7 +393,7 @@ def test_an_island_that_vanishes_mid_stream_leaves_the_update_whole_and_pulls_it
         theta = {n: torch.zeros(s) for n, s in manifest.shapes.items()}
         held = client.fetch(joined.island_id, theta, manifest).checksum
         up = uplink_codec(cfg.wire)
-        _push(client, joined.island_id, 0, random_like(manifest.shapes, seed=0), up, cfg.wire.chunk_bytes)
+        _push(coordinator, client, joined.island_id, 0, random_like(manifest.shapes, seed=0), up, cfg.wire.chunk_bytes)
         call = pb_grpc.CoordinatorStub(client.channel).PullRoundResult(
             pb.PullRequest(island_id=joined.island_id, round=0, timeout_s=20, accept_delta=True), timeout=30)
         first, second = next(call), next(call)
@@ -404,7 +405,7 @@ def test_an_island_that_vanishes_mid_stream_leaves_the_update_whole_and_pulls_it
         header = client.pull(joined.island_id, 0, theta, manifest, held, timeout_s=20)
         assert header.checksum == state.checksum and checksum(theta) == header.checksum
         assert all(torch.equal(theta[n], state.params[n]) for n in theta)
-        _push(client, joined.island_id, 1, random_like(manifest.shapes, seed=1), up, cfg.wire.chunk_bytes)
+        _push(coordinator, client, joined.island_id, 1, random_like(manifest.shapes, seed=1), up, cfg.wire.chunk_bytes)
         header = client.pull(joined.island_id, 1, theta, manifest, header.checksum, timeout_s=20)
         assert header.run_finished and checksum(theta) == state.checksum
     finally:

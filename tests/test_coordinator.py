@@ -10,16 +10,16 @@ import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from conftest import claim, ended, join, random_like, tiny_config, wait_for_round
+from conftest import claim, ended, join, random_like, tiny_config, trained_from, wait_for_round
 from diloco.codec import Fp32Codec
 from diloco.refusal import Reason, reason_of, refusal_of
 from diloco.v1 import diloco_pb2 as pb
 from diloco.wire import Manifest, make_chunk, tensor_chunks
 
 
-def _header(island_id, round_=0):
+def _header(coordinator, island_id, round_=0):
     return pb.PushMessage(header=pb.PushHeader(island_id=island_id, round=round_, train_loss=1.0, codec="fp32",
-                                               **claim(tiny_config())))
+                                               **claim(tiny_config()), global_checksum=trained_from(coordinator, round_)))
 
 
 def _chunk(name, offset, values: torch.Tensor):
@@ -27,8 +27,8 @@ def _chunk(name, offset, values: torch.Tensor):
     return pb.PushMessage(chunk=make_chunk(name, offset, values.numel(), payload))
 
 
-def _messages(island_id, pg, chunk_bytes, round_=0):
-    yield _header(island_id, round_)
+def _messages(coordinator, island_id, pg, chunk_bytes, round_=0):
+    yield _header(coordinator, island_id, round_)
     for c in tensor_chunks(pg, Fp32Codec(), chunk_bytes):
         yield pb.PushMessage(chunk=c)
 
@@ -53,7 +53,7 @@ def run(make_coordinator, channel_to):
 def _finish_round_and_check(cfg, coordinator, stub, ids, manifest, theta0):
     pgs = [random_like(manifest.shapes, seed=i) for i in range(2)]
     for island_id, pg in zip(ids, pgs):
-        reply = stub.PushPseudoGradient(ended(_messages(island_id, pg, cfg.wire.chunk_bytes)), timeout=10)
+        reply = stub.PushPseudoGradient(ended(_messages(coordinator, island_id, pg, cfg.wire.chunk_bytes)), timeout=10)
         assert reply.contribution_complete
     wait_for_round(coordinator, 0)
     tokens = claim(cfg)["tokens"]  # both islands claim one inner step: equal weights
@@ -77,7 +77,7 @@ def test_bad_chunk_is_invalid_argument_and_aggregate_unaffected(run, bad_chunk, 
     cfg, coordinator, stub, a, b, manifest, theta0 = run
 
     def messages():
-        yield from list(_messages(a, random_like(manifest.shapes, seed=99), cfg.wire.chunk_bytes))[:3]
+        yield from list(_messages(coordinator, a, random_like(manifest.shapes, seed=99), cfg.wire.chunk_bytes))[:3]
         yield bad_chunk(manifest)
 
     with pytest.raises(grpc.RpcError) as err:
@@ -94,7 +94,7 @@ def test_payload_that_does_not_match_numel_is_refused(run):
     payload = Fp32Codec().encode(torch.ones(3))
     lying = pb.PushMessage(chunk=make_chunk("norm.weight", 0, 4, payload))
     with pytest.raises(grpc.RpcError) as err:
-        stub.PushPseudoGradient(iter([_header(a), lying]), timeout=10)
+        stub.PushPseudoGradient(iter([_header(coordinator, a), lying]), timeout=10)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "payload is 12 bytes" in err.value.details()
     assert reason_of(err.value) == Reason.BAD_CHUNK
 
@@ -104,7 +104,7 @@ def test_corrupt_chunk_is_data_loss(run):
     good = _chunk("norm.weight", 0, torch.ones(32))
     good.chunk.xxh3 ^= 1
     with pytest.raises(grpc.RpcError) as err:
-        stub.PushPseudoGradient(iter([_header(a), _chunk("blocks.0.attn_norm.weight", 0, torch.ones(32)), good]), timeout=10)
+        stub.PushPseudoGradient(iter([_header(coordinator, a), _chunk("blocks.0.attn_norm.weight", 0, torch.ones(32)), good]), timeout=10)
     assert err.value.code() == grpc.StatusCode.DATA_LOSS
     refusal = refusal_of(err.value)
     assert refusal.reason == Reason.CORRUPT_CHUNK and refusal.resend_from_chunk == 1
@@ -112,7 +112,7 @@ def test_corrupt_chunk_is_data_loss(run):
 
 def test_disconnect_mid_push_leaves_no_partial_contribution(run):
     cfg, coordinator, stub, a, b, manifest, theta0 = run
-    messages = list(_messages(a, random_like(manifest.shapes, seed=7, scale=100.0), cfg.wire.chunk_bytes))
+    messages = list(_messages(coordinator, a, random_like(manifest.shapes, seed=7, scale=100.0), cfg.wire.chunk_bytes))
     assert len(messages) > 6
     hang = threading.Event()
 
@@ -143,7 +143,7 @@ def test_stream_that_ends_without_its_push_end_keeps_nothing(run, end):
     """A cancelled call can reach the server as a clean end of its stream (gRPC races the two):
     only a PushEnd that counts the stream's chunks makes them part of a contribution."""
     cfg, coordinator, stub, a, b, manifest, theta0 = run
-    messages = list(_messages(a, random_like(manifest.shapes, seed=7, scale=100.0), cfg.wire.chunk_bytes))
+    messages = list(_messages(coordinator, a, random_like(manifest.shapes, seed=7, scale=100.0), cfg.wire.chunk_bytes))
     cut = messages[: len(messages) // 2] + ([pb.PushMessage(end=pb.PushEnd(chunks=end))] if end is not None else [])
     with pytest.raises(grpc.RpcError) as err:
         stub.PushPseudoGradient(iter(cut), timeout=10)
@@ -157,7 +157,7 @@ def test_stream_that_ends_without_its_push_end_keeps_nothing(run, end):
 
 def test_push_that_ends_early_is_not_aggregated(run):
     cfg, coordinator, stub, a, b, manifest, theta0 = run
-    messages = list(_messages(a, random_like(manifest.shapes, seed=5, scale=100.0), cfg.wire.chunk_bytes))
+    messages = list(_messages(coordinator, a, random_like(manifest.shapes, seed=5, scale=100.0), cfg.wire.chunk_bytes))
     reply = stub.PushPseudoGradient(ended(messages[:-1]), timeout=10)
     assert reply.accepted and not reply.contribution_complete
     assert coordinator.state.fragments[0].contributions[a].state == "pending"
@@ -175,7 +175,7 @@ def test_push_for_a_closed_round_is_failed_precondition(run):
     cfg, coordinator, stub, a, b, manifest, theta0 = run
     _finish_round_and_check(cfg, coordinator, stub, [a, b], manifest, theta0)
     with pytest.raises(grpc.RpcError) as err:
-        stub.PushPseudoGradient(ended(_messages(a, random_like(manifest.shapes, seed=1), cfg.wire.chunk_bytes, round_=0)), timeout=10)
+        stub.PushPseudoGradient(ended(_messages(coordinator, a, random_like(manifest.shapes, seed=1), cfg.wire.chunk_bytes, round_=0)), timeout=10)
     assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "round 0 is closed" in err.value.details()
     refusal = refusal_of(err.value)
     assert refusal.reason == Reason.ROUND_CLOSED and refusal.current_round == 1
@@ -184,9 +184,9 @@ def test_push_for_a_closed_round_is_failed_precondition(run):
 def test_second_contribution_in_a_round_is_already_exists(run):
     cfg, coordinator, stub, a, b, manifest, theta0 = run
     pg = random_like(manifest.shapes, seed=1)
-    stub.PushPseudoGradient(ended(_messages(a, pg, cfg.wire.chunk_bytes)), timeout=10)
+    stub.PushPseudoGradient(ended(_messages(coordinator, a, pg, cfg.wire.chunk_bytes)), timeout=10)
     with pytest.raises(grpc.RpcError) as err:
-        stub.PushPseudoGradient(ended(_messages(a, pg, cfg.wire.chunk_bytes)), timeout=10)
+        stub.PushPseudoGradient(ended(_messages(coordinator, a, pg, cfg.wire.chunk_bytes)), timeout=10)
     assert err.value.code() == grpc.StatusCode.ALREADY_EXISTS and reason_of(err.value) == Reason.DUPLICATE
 
 

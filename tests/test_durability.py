@@ -9,7 +9,7 @@ import time
 import pytest
 import torch
 
-from conftest import claim, ended, random_like, straight_and_resumed, tiny_config, wait_for_round
+from conftest import claim, ended, random_like, straight_and_resumed, tiny_config, trained_from, wait_for_round
 from islands.sim.chaos import ChaosPlan, parse_chaos, run_chaos
 from diloco.codec import Fp32Codec
 from islands.sim.simulation import run_sim
@@ -32,7 +32,8 @@ def test_coordinator_resume_restores_parameters_momentum_round_and_members(make_
     island = stub.Join(pb.JoinRequest(protocol_version=PROTOCOL_VERSION), timeout=5).island_id
     for round_ in range(2):
         pg = random_like(first.state.manifest.shapes, seed=round_)
-        messages = [pb.PushMessage(header=pb.PushHeader(island_id=island, round=round_, codec="fp32", **claim(cfg)))]
+        messages = [pb.PushMessage(header=pb.PushHeader(island_id=island, round=round_, codec="fp32", **claim(cfg),
+                                                         global_checksum=trained_from(first)))]
         messages += [pb.PushMessage(chunk=c) for c in tensor_chunks(pg, Fp32Codec(), cfg.wire.chunk_bytes)]
         stub.PushPseudoGradient(ended(messages), timeout=10)
         wait_for_round(first, round_)

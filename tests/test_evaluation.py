@@ -328,7 +328,7 @@ def test_the_coordinator_scores_the_tasks_every_n_rounds_and_logs_them(make_coor
     from diloco.v1 import diloco_pb2 as pb
     from diloco.wire import PROTOCOL_VERSION, push_messages, tensor_chunks
 
-    from conftest import claim, wait_for_round
+    from conftest import claim, trained_from, wait_for_round
 
     text, hellaswag = write_text(tmp_path / "t.txt"), write_jsonl(tmp_path / "h.jsonl", DOCS)
     cfg = tiny_config("data.source=text", f"data.path={text!r}", "model.vocab_size=256", "rounds.rounds=4",
@@ -338,7 +338,8 @@ def test_the_coordinator_scores_the_tasks_every_n_rounds_and_logs_them(make_coor
     island = stub.Join(pb.JoinRequest(protocol_version=PROTOCOL_VERSION), timeout=10).island_id
     zeros = {n: torch.zeros(s) for n, s in coordinator.state.manifest.shapes.items()}
     for round_ in range(4):
-        header = pb.PushHeader(island_id=island, round=round_, codec="fp32", **claim(cfg))  # an honest claim
+        header = pb.PushHeader(island_id=island, round=round_, codec="fp32", **claim(cfg),  # an honest claim
+                               global_checksum=trained_from(coordinator))
         stub.PushPseudoGradient(push_messages(header, tensor_chunks(zeros, Fp32Codec(), 4096)), timeout=30)
         wait_for_round(coordinator, round_, timeout_s=120)
     scored = {s.round: dict(s.task_scores) for s in coordinator.state.summaries if s.task_scores}

@@ -12,7 +12,7 @@ import fsspec
 import pytest
 import torch
 
-from conftest import claim, ended, random_like, tiny_config, wait_for_round
+from conftest import claim, ended, random_like, tiny_config, trained_from, wait_for_round
 from coordinator import durable
 from diloco.checkpoint import CheckpointStore
 from diloco.codec import Fp32Codec
@@ -48,7 +48,8 @@ def coordinator_checkpoint(make_coordinator, url: str, *overrides: str, push: bo
             stub = pb_grpc.CoordinatorStub(channel)
             island = stub.Join(pb.JoinRequest(protocol_version=PROTOCOL_VERSION), timeout=5).island_id
             pg = random_like(coordinator.state.manifest.shapes, seed=1, scale=0.05)
-            messages = [pb.PushMessage(header=pb.PushHeader(island_id=island, round=0, codec="fp32", **claim(cfg)))]
+            header = pb.PushHeader(island_id=island, round=0, codec="fp32", **claim(cfg), global_checksum=trained_from(coordinator))
+            messages = [pb.PushMessage(header=header)]
             messages += [pb.PushMessage(chunk=c) for c in tensor_chunks(pg, Fp32Codec(), cfg.wire.chunk_bytes)]
             stub.PushPseudoGradient(ended(messages), timeout=10)
             wait_for_round(coordinator, 0)

@@ -16,7 +16,7 @@ from contextlib import contextmanager
 import pytest
 import torch
 
-from conftest import claim, random_like, tiny_config
+from conftest import claim, random_like, tiny_config, trained_from
 from coordinator.links import LinkAdvisor
 from coordinator.records import Refused
 from coordinator.server import initial_parameters
@@ -26,7 +26,7 @@ from diloco.pace import lr_position
 from diloco.refusal import Reason
 from diloco.v1 import diloco_pb2 as pb
 from diloco.codec import Fp32Codec
-from diloco.wire import link_codecs, tensor_chunks, uplink_codec
+from diloco.wire import Manifest, link_codecs, tensor_chunks, uplink_codec
 from islands.client import CoordinatorClient, ReplayableChunks
 from islands.island import Island
 from islands.pace import PaceError, RoundPace
@@ -61,11 +61,12 @@ def join_all(state, hostnames: str) -> list[str]:
     return [state.join(h, ranks=RANKS).island_id for h in hostnames]
 
 
-def push(state, island_id: str, pg: dict[str, torch.Tensor], tokens: int, round_: int, checksum: str = "", steps: int = 2,
-         chunks: slice = slice(None), codec=None) -> pb.PushResponse:
+def push(state, island_id: str, pg: dict[str, torch.Tensor], tokens: int, round_: int, checksum: str | None = None,
+         steps: int = 2, chunks: slice = slice(None), codec=None) -> pb.PushResponse:
+    """island_id's push for round_, trained from the parameters of checksum (None: those round_ started from)."""
     codec = codec or uplink_codec(state.cfg.wire)
     header = pb.PushHeader(island_id=island_id, round=round_, tokens=tokens, train_loss=2.0, codec=codec.name,
-                           global_checksum=checksum, inner_steps=steps)
+                           global_checksum=trained_from(state, round_) if checksum is None else checksum, inner_steps=steps)
     return state.receive(header, iter(list(tensor_chunks(pg, codec, state.cfg.wire.chunk_bytes))[chunks]))
 
 
@@ -202,13 +203,16 @@ class Puppet:
     def __init__(self, port: int, cfg):
         self.client = CoordinatorClient(f"127.0.0.1:{port}", connect_timeout_s=10)
         joined = self.client.join(cfg.digest(), "fp32")
-        self.island_id, self.cfg = joined.island_id, cfg
+        self.island_id, self.cfg, self.manifest = joined.island_id, cfg, Manifest.from_proto(joined.parameters)
         self.zeros = {n: torch.zeros_like(t) for n, t in initial_parameters(cfg).items()}
 
     def push(self, round_: int) -> None:
+        """A zero push for round_ (the current round), naming the parameters it was trained from."""
         h = self.cfg.inner.steps_per_round
+        fetched = self.client.fetch(self.island_id, {n: torch.zeros_like(t) for n, t in self.zeros.items()}, self.manifest)
         header = pb.PushHeader(island_id=self.island_id, round=round_, tokens=h * self.cfg.inner.batch_size * self.cfg.data.seq_len,
-                               train_loss=0.0, codec="fp32", inner_steps=h)
+                               train_loss=0.0, codec="fp32", inner_steps=h,
+                               global_checksum=fetched.fragments[0].checksum if fetched.fragments else fetched.checksum)
         self.client.push(header, ReplayableChunks(tensor_chunks(self.zeros, Fp32Codec(), self.cfg.wire.chunk_bytes)))
 
     def close(self) -> None:

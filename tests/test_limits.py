@@ -10,7 +10,7 @@ import grpc
 import pytest
 import torch
 
-from conftest import tiny_config, wait_for_round
+from conftest import tiny_config, trained_from, wait_for_round
 from coordinator.server import start_coordinator
 from coordinator.limits import TokenBucket
 from diloco import credentials
@@ -31,8 +31,9 @@ def _chunks(coordinator, seed: int = 0) -> list[pb.TensorChunk]:
     return list(tensor_chunks(pg, Fp32Codec(), 4096))
 
 
-def _header(island: str, round_: int = 0) -> pb.PushHeader:
-    return pb.PushHeader(island_id=island, round=round_, tokens=128, codec="fp32", inner_steps=1)
+def _header(coordinator, island: str, round_: int = 0) -> pb.PushHeader:
+    return pb.PushHeader(island_id=island, round=round_, tokens=128, codec="fp32", inner_steps=1,
+                         global_checksum=trained_from(coordinator, round_))
 
 
 def _refused(call) -> grpc.RpcError:
@@ -59,7 +60,7 @@ def test_a_push_stream_that_goes_quiet_is_cut_off_and_its_part_dropped(make_coor
     release = threading.Event()
 
     def stalls():
-        yield pb.PushMessage(header=_header(island))
+        yield pb.PushMessage(header=_header(coordinator, island))
         yield pb.PushMessage(chunk=chunks[0])
         release.wait(120)  # then nothing: a client that stopped sending but keeps the stream open
 
@@ -77,7 +78,7 @@ def test_a_push_stream_that_goes_quiet_is_cut_off_and_its_part_dropped(make_coor
         time.sleep(0.05)
     assert not any(t.name == "push-reader" for t in threading.enumerate())
     # The island pushes its whole contribution again; nothing of the cut-off stream counts against it.
-    response = stub.PushPseudoGradient(push_messages(_header(island), chunks), timeout=30)
+    response = stub.PushPseudoGradient(push_messages(_header(coordinator, island), chunks), timeout=30)
     assert response.contribution_complete
     wait_for_round(coordinator, 0, timeout_s=60)
 
@@ -100,7 +101,7 @@ def test_the_spool_is_bounded_and_a_stream_cannot_repeat_its_chunks(make_coordin
     stub = channel_to(coordinator)
     island = _join(stub)
     chunks = _chunks(coordinator)
-    error = _refused(lambda: stub.PushPseudoGradient(push_messages(_header(island), chunks), timeout=30))
+    error = _refused(lambda: stub.PushPseudoGradient(push_messages(_header(coordinator, island), chunks), timeout=30))
     assert reason_of(error) == Reason.SPOOL_FULL and error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     spools = coordinator.state.fragments[0].ctx.spools
     assert spools.used == 0 and not list(spools.directory.iterdir())
@@ -110,7 +111,7 @@ def test_the_spool_is_bounded_and_a_stream_cannot_repeat_its_chunks(make_coordin
     island = _join(stub)
     small = min(chunks, key=lambda c: c.numel)
     repeats = roomy.state.manifest.total_numel() // small.numel + 1  # one more than the fragment holds
-    error = _refused(lambda: stub.PushPseudoGradient(push_messages(_header(island), [small] * repeats), timeout=60))
+    error = _refused(lambda: stub.PushPseudoGradient(push_messages(_header(roomy, island), [small] * repeats), timeout=60))
     assert reason_of(error) == Reason.BAD_CHUNK and "more than the" in error.details()
     assert roomy.state.fragments[0].ctx.spools.used == 0
 
@@ -123,7 +124,7 @@ def test_an_island_that_never_pushes_is_removed_and_on_probation_holds_no_round(
     caplog.set_level(logging.INFO, logger="coordinator.fragment")
 
     def round_with_worker(round_: int) -> None:
-        stub.PushPseudoGradient(push_messages(_header(worker, round_), _chunks(coordinator, round_)), timeout=30)
+        stub.PushPseudoGradient(push_messages(_header(coordinator, worker, round_), _chunks(coordinator, round_)), timeout=30)
         wait_for_round(coordinator, round_, timeout_s=60)
 
     for round_ in range(3):  # round 0 opened before the idler joined: it does not count
@@ -139,7 +140,7 @@ def test_an_island_that_never_pushes_is_removed_and_on_probation_holds_no_round(
     closed_by = {r: m for r in range(6) for m in caplog.messages if m.startswith(f"round {r} closed")}
     assert "(every live island contributed)" in closed_by[3], closed_by  # it no longer holds rounds up
     # Once it contributes it is a member like any other again.
-    stub.PushPseudoGradient(push_messages(_header(idler, 4), _chunks(coordinator, 40)), timeout=30)
+    stub.PushPseudoGradient(push_messages(_header(coordinator, idler, 4), _chunks(coordinator, 40)), timeout=30)
     round_with_worker(4)
     assert not coordinator.state.islands[idler].probation
 
@@ -180,11 +181,11 @@ def test_non_finite_numbers_in_requests_are_refused_not_waited_on(make_coordinat
         request = pb.PullRequest(island_id=island, round=0, timeout_s=timeout)
         error = _refused(lambda: list(stub.PullRoundResult(request, timeout=30)))
         assert reason_of(error) == Reason.BAD_REQUEST and "timeout_s" in error.details()
-    header = _header(island)
+    header = _header(coordinator, island)
     header.train_loss = float("nan")
     error = _refused(lambda: stub.PushPseudoGradient(push_messages(header, chunks), timeout=30))
     assert reason_of(error) == Reason.NOT_FINITE and "train_loss" in error.details()
-    assert stub.PushPseudoGradient(push_messages(_header(island), chunks), timeout=30).contribution_complete
+    assert stub.PushPseudoGradient(push_messages(_header(coordinator, island), chunks), timeout=30).contribution_complete
 
 
 def test_what_the_fuzzer_found_stays_fixed(make_coordinator, channel_to):
@@ -197,7 +198,7 @@ def test_what_the_fuzzer_found_stays_fixed(make_coordinator, channel_to):
     error = _refused(lambda: stub.Heartbeat(pb.HeartbeatRequest(island_id="z" * 20_000), timeout=30))
     assert reason_of(error) == Reason.NOT_A_MEMBER and len(error.details()) < 1100
     # inner_steps = 2**62 summed 2**62 learning rates holding the round's lock: every call froze.
-    header = _header(island)
+    header = _header(coordinator, island)
     header.inner_steps = 2**62
     stub.PushPseudoGradient(push_messages(header, _chunks(coordinator)), timeout=60)
     stub.Heartbeat(pb.HeartbeatRequest(island_id=island), timeout=60)

@@ -10,15 +10,17 @@ import grpc
 import torch
 import pytest
 
-from conftest import PER_STEP, claim, ended, join, random_like, tiny_config, wait_for_round
+from conftest import PER_STEP, claim, ended, join, random_like, tiny_config, trained_from, wait_for_round
 from diloco.codec import Fp32Codec
 from islands.sim.simulation import Simulation
 from diloco.v1 import diloco_pb2 as pb
 from diloco.wire import Manifest, tensor_chunks
 
 
-def _push(stub, island_id, manifest, round_=0, seed=0):
-    messages = [pb.PushMessage(header=pb.PushHeader(island_id=island_id, round=round_, codec="fp32", **claim(tiny_config())))]
+def _push(coordinator, stub, island_id, manifest, round_=0, seed=0):
+    header = pb.PushHeader(island_id=island_id, round=round_, codec="fp32", **claim(tiny_config()),
+                           global_checksum=trained_from(coordinator, round_))
+    messages = [pb.PushMessage(header=header)]
     messages += [pb.PushMessage(chunk=c) for c in tensor_chunks(random_like(manifest.shapes, seed), Fp32Codec(), 4096)]
     return stub.PushPseudoGradient(ended(messages), timeout=10)
 
@@ -29,7 +31,7 @@ def test_island_that_misses_its_lease_leaves_the_round(make_coordinator, channel
     stub = channel_to(coordinator)
     a, b = join(stub), join(stub)
     manifest = Manifest.from_proto(a.parameters)
-    _push(stub, a.island_id, manifest)
+    _push(coordinator, stub, a.island_id, manifest)
     # b never heartbeats: the round waits for it only until its lease runs out.
     wait_for_round(coordinator, 0, timeout_s=10)
     summary = coordinator.state.summaries[0]
@@ -48,14 +50,14 @@ def test_round_closes_at_its_deadline_with_min_islands(make_coordinator, channel
     stub = channel_to(coordinator)
     a, b, c = join(stub), join(stub), join(stub)
     manifest = Manifest.from_proto(a.parameters)
-    _push(stub, a.island_id, manifest, seed=1)
-    _push(stub, b.island_id, manifest, seed=2)
+    _push(coordinator, stub, a.island_id, manifest, seed=1)
+    _push(coordinator, stub, b.island_id, manifest, seed=2)
     wait_for_round(coordinator, 0, timeout_s=10)
     assert 1.5 <= coordinator.state.summaries[0].seconds < 4.0  # waited for c until the deadline, not longer
     assert sorted(coordinator.state.summaries[0].islands) == sorted([a.island_id, b.island_id])
     # c's late push for the closed round is refused; it must resync and train for round 1.
     with pytest.raises(grpc.RpcError) as err:
-        _push(stub, c.island_id, manifest, round_=0)
+        _push(coordinator, stub, c.island_id, manifest, round_=0)
     assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
 
 
@@ -66,11 +68,11 @@ def test_round_below_min_islands_keeps_waiting_and_says_why(make_coordinator, ch
     a, b = join(stub), join(stub)
     manifest = Manifest.from_proto(a.parameters)
     with caplog.at_level(logging.WARNING, logger="coordinator.state"):
-        _push(stub, a.island_id, manifest)
+        _push(coordinator, stub, a.island_id, manifest)
         time.sleep(1.5)
     assert coordinator.state.round == 0, "closed below min_islands"
     assert any("past its 0.5s deadline with 1 of min_islands=2" in r.message for r in caplog.records), caplog.text
-    _push(stub, b.island_id, manifest, seed=3)
+    _push(coordinator, stub, b.island_id, manifest, seed=3)
     wait_for_round(coordinator, 0, timeout_s=10)
     assert len(coordinator.state.summaries[0].islands) == 2
 
@@ -127,7 +129,8 @@ def test_island_keeps_waiting_for_a_round_held_open_below_min_islands(make_coord
     ranges = [FlatRange(n, 0, manifest.numel(n)) for n in manifest.shapes]
     shard = FragmentShard(0, manifest, ranges, True, {n: torch.zeros(manifest.numel(n)) for n in manifest.shapes}, targets)
     pg = {n: t.reshape(-1) for n, t in random_like(manifest.shapes, 0).items()}
-    ex = Exchange(0, 0, 0, 0, tokens=PER_STEP, inner_steps=1, train_loss=0.0, checksum="", pusher=True, pg=pg)
+    ex = Exchange(0, 0, 0, 0, tokens=PER_STEP, inner_steps=1, train_loss=0.0, checksum=trained_from(coordinator), pusher=True,
+                  pg=pg)
     client = CoordinatorClient(f"127.0.0.1:{coordinator.port}", connect_timeout_s=10)
     wire = Wire(client, Fp32Codec(), 4096, None, pull_timeout_s=0.3, island_id=lambda: a.island_id)
     outcome: list = []
@@ -143,7 +146,7 @@ def test_island_keeps_waiting_for_a_round_held_open_below_min_islands(make_coord
     thread.start()
     time.sleep(2.0)  # several of a's pull timeouts pass while the round waits for b
     assert not outcome, outcome
-    _push(stub, b.island_id, manifest, seed=3)
+    _push(coordinator, stub, b.island_id, manifest, seed=3)
     thread.join(20)
     client.close()
     assert len(outcome) == 1 and isinstance(outcome[0], pb.ResultHeader), outcome

@@ -9,7 +9,7 @@ import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 
-from conftest import claim, tiny_config, wait_for_round
+from conftest import claim, tiny_config, trained_from, wait_for_round
 from coordinator.metrics import CheckpointStats, coordinator_metrics
 from diloco.codec import Fp32Codec
 from diloco.v1 import diloco_pb2 as pb
@@ -37,7 +37,8 @@ def test_metrics_follow_the_run(make_coordinator, channel_to):
         for i, island in enumerate(ids):
             g = torch.Generator().manual_seed(10 * round_ + i)
             pg = {n: torch.randn(s, generator=g) * 1e-3 for n, s in shapes.items()}
-            header = pb.PushHeader(island_id=island, round=round_, train_loss=2.0 + i, codec="fp32", **claim(cfg, 1, ranks=i + 1))
+            header = pb.PushHeader(island_id=island, round=round_, train_loss=2.0 + i, codec="fp32", **claim(cfg, 1, ranks=i + 1),
+                                   global_checksum=trained_from(coordinator))
             stub.PushPseudoGradient(push_messages(header, tensor_chunks(pg, Fp32Codec(), 4096)), timeout=30)
         wait_for_round(coordinator, round_, timeout_s=60)
     stub.Heartbeat(pb.HeartbeatRequest(island_id=ids[0], utilization=0.9, tokens_per_s=1234.5, train_loss=2.5), timeout=10)
@@ -79,7 +80,7 @@ def test_a_failing_checkpoint_is_counted_and_the_run_goes_on(make_coordinator, c
     island = stub.Join(pb.JoinRequest(protocol_version=PROTOCOL_VERSION), timeout=10).island_id
     zeros = {n: torch.zeros(s) for n, s in coordinator.state.manifest.shapes.items()}
     for round_ in range(3):
-        header = pb.PushHeader(island_id=island, round=round_, codec="fp32", **claim(cfg))
+        header = pb.PushHeader(island_id=island, round=round_, codec="fp32", **claim(cfg), global_checksum=trained_from(coordinator))
         stub.PushPseudoGradient(push_messages(header, tensor_chunks(zeros, Fp32Codec(), 4096)), timeout=30)
         wait_for_round(coordinator, round_, timeout_s=60)
     assert coordinator.wait(60), "the round drivers stopped on a failed checkpoint"

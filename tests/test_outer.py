@@ -8,7 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from conftest import claim, random_like, tiny_config
+from conftest import claim, random_like, tiny_config, trained_from
 from diloco.codec import Fp32Codec
 from diloco.config import OuterConfig
 from diloco.outer import OuterOptimizer, PseudoGradientAccumulator
@@ -30,8 +30,9 @@ def _fetch(client, island_id, manifest):
     return header, params
 
 
-def _push(client, island_id, round_, claimed: dict, pg, chunk_bytes):
-    header = pb.PushHeader(island_id=island_id, round=round_, train_loss=1.0, codec="fp32", **claimed)
+def _push(coordinator, client, island_id, round_, claimed: dict, pg, chunk_bytes):
+    header = pb.PushHeader(island_id=island_id, round=round_, train_loss=1.0, codec="fp32", **claimed,
+                           global_checksum=trained_from(coordinator, round_))
     return client.push(header, ReplayableChunks(tensor_chunks(pg, Fp32Codec(), chunk_bytes)))
 
 
@@ -50,7 +51,7 @@ def test_outer_step_matches_torch_sgd_nesterov_on_token_weighted_mean(make_coord
         for round_ in range(3):
             pgs = [random_like(manifest.shapes, seed=10 * round_ + i) for i in range(2)]
             for client, j, c, pg in zip(clients, joined, claims, pgs):
-                _push(client, j.island_id, round_, c, pg, cfg.wire.chunk_bytes)
+                _push(coordinator, client, j.island_id, round_, c, pg, cfg.wire.chunk_bytes)
             header = clients[0].pull(joined[0].island_id, round_, theta, manifest, "", timeout_s=20)
             assert header.round == round_ + 1
             for name, p in reference.items():
@@ -77,7 +78,7 @@ def test_lr1_momentum0_gives_token_weighted_mean_of_island_parameters(make_coord
         locals_ = [{n: theta_global[n] + d for n, d in random_like(manifest.shapes, seed=i, scale=0.1).items()} for i in range(3)]
         for client, j, c, local in zip(clients, joined, claims, locals_):
             pg = {n: theta_global[n] - local[n] for n in local}
-            _push(client, j.island_id, 0, c, pg, cfg.wire.chunk_bytes)
+            _push(coordinator, client, j.island_id, 0, c, pg, cfg.wire.chunk_bytes)
         result = {k: torch.zeros(s) for k, s in manifest.shapes.items()}
         clients[0].pull(joined[0].island_id, 0, result, manifest, "", timeout_s=20)
         for name in result:
@@ -243,7 +244,7 @@ def test_a_round_on_no_tokens_takes_no_outer_step(make_coordinator):
         _, theta = _fetch(client, island, manifest)
         for round_, claimed in enumerate([claim(cfg), {"tokens": 0, "inner_steps": 1}, claim(cfg)]):
             before = snapshot()
-            _push(client, island, round_, claimed, random_like(manifest.shapes, seed=round_), cfg.wire.chunk_bytes)
+            _push(coordinator, client, island, round_, claimed, random_like(manifest.shapes, seed=round_), cfg.wire.chunk_bytes)
             header = client.pull(island, round_, theta, manifest, before[2], timeout_s=20)
             assert header.round == round_ + 1 and header.checksum == fragment.checksum
             params, momentum, checksum_ = snapshot()

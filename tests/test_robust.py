@@ -9,7 +9,7 @@ import grpc
 import pytest
 import torch
 
-from conftest import tiny_config, wait_for_round
+from conftest import tiny_config, trained_from, wait_for_round
 from diloco.codec import Fp32Codec
 from diloco.config import RobustConfig
 from diloco.refusal import Reason, reason_of
@@ -44,14 +44,17 @@ def test_drop_instead_of_clip_and_off_means_off_and_the_history_survives_a_check
     assert again.history == drop.history and again.judge({"b": 50.0}).clipped == ["b"]
 
 
-def _push(stub, island: str, round_: int, pg: dict, tokens: int, steps: int):
-    header = pb.PushHeader(island_id=island, round=round_, tokens=tokens, codec="fp32", inner_steps=steps)
+def _push(coordinator, stub, island: str, round_: int, pg: dict, tokens: int, steps: int):
+    header = pb.PushHeader(island_id=island, round=round_, tokens=tokens, codec="fp32", inner_steps=steps,
+                           global_checksum=trained_from(coordinator, round_))
     return stub.PushPseudoGradient(push_messages(header, tensor_chunks(pg, Fp32Codec(), 4096)), timeout=30)
 
 
 def test_a_poisoned_push_moves_the_global_parameters_no_more_than_an_honest_round(make_coordinator, channel_to):
     """The attack of issue 15: a finite push 1,000x the usual scale that claims 1e9 tokens."""
-    cfg = tiny_config("rounds.rounds=8", "rounds.min_islands=2")
+    # A constant inner lr: the honest pushes here are of one scale every round, which is what islands push when the lr
+    # stands still (the guard judges norms per unit of the lr the round's steps train at).
+    cfg = tiny_config("rounds.rounds=8", "rounds.min_islands=2", "inner.schedule='constant'")
     coordinator = make_coordinator(cfg)
     stub = channel_to(coordinator)
     islands = [stub.Join(pb.JoinRequest(protocol_version=PROTOCOL_VERSION, island_key=k), timeout=10).island_id for k in "ab"]
@@ -73,17 +76,17 @@ def test_a_poisoned_push_moves_the_global_parameters_no_more_than_an_honest_roun
     for round_ in range(5):
         before = params()
         for i, island in enumerate(islands):
-            _push(stub, island, round_, pg(10 * round_ + i), honest_tokens, steps)
+            _push(coordinator, stub, island, round_, pg(10 * round_ + i), honest_tokens, steps)
         wait_for_round(coordinator, round_)
         honest.append(moved(before))
     # The claim: more tokens than one rank trains in a round is refused outright.
     with pytest.raises(grpc.RpcError) as e:
-        _push(stub, islands[1], 5, pg(99, 1.0), 10**9, steps)
+        _push(coordinator, stub, islands[1], 5, pg(99, 1.0), 10**9, steps)
     assert reason_of(e.value) == Reason.BAD_REQUEST and "1000000000 tokens" in e.value.details()
     # The norm: 1,000x the usual scale, claiming an honest round's tokens, is clipped.
     before = params()
-    _push(stub, islands[0], 5, pg(50), honest_tokens, steps)
-    _push(stub, islands[1], 5, pg(51, 1.0), honest_tokens, steps)
+    _push(coordinator, stub, islands[0], 5, pg(50), honest_tokens, steps)
+    _push(coordinator, stub, islands[1], 5, pg(51, 1.0), honest_tokens, steps)
     wait_for_round(coordinator, 5)
     poisoned = moved(before)
     summary = coordinator.state.summaries[-1]
@@ -113,7 +116,8 @@ def test_an_island_may_hold_only_so_many_push_streams_open(make_coordinator, cha
     coordinator = make_coordinator(cfg)
     stub = channel_to(coordinator)
     island = stub.Join(pb.JoinRequest(protocol_version=PROTOCOL_VERSION), timeout=10).island_id  # 1 rank: 2 x 1 + 2 streams
-    header = pb.PushHeader(island_id=island, round=0, tokens=128, codec="fp32", inner_steps=1)
+    header = pb.PushHeader(island_id=island, round=0, tokens=128, codec="fp32", inner_steps=1,
+                           global_checksum=trained_from(coordinator))
     release = threading.Event()
 
     def held():

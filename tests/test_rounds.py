@@ -14,7 +14,7 @@ import threading
 import pytest
 import torch
 
-from conftest import claim, random_like, tiny_config
+from conftest import claim, random_like, tiny_config, trained_from
 from coordinator.publish import SharedStream
 from coordinator.records import Refused
 from coordinator.server import initial_parameters
@@ -44,7 +44,8 @@ def push(state: CoordinatorState, island_id: str, pg: dict[str, torch.Tensor], s
          ranks: int = 1):
     """island_id's push for round_, claiming what `steps` inner steps on `ranks` ranks train (it joined with them)."""
     codec = uplink_codec(state.cfg.wire)
-    header = pb.PushHeader(island_id=island_id, round=round_, train_loss=2.0, codec=codec.name, **claim(state.cfg, steps, ranks))
+    header = pb.PushHeader(island_id=island_id, round=round_, train_loss=2.0, codec=codec.name, **claim(state.cfg, steps, ranks),
+                           global_checksum=trained_from(state, round_))
     return state.receive(header, tensor_chunks(pg, codec, state.cfg.wire.chunk_bytes))
 
 
@@ -130,7 +131,7 @@ def test_expired_lease_stops_holding_the_round_and_drops_a_half_push(tmp_path):
     pg = random_like(state.manifest.shapes, 5)
     codec = uplink_codec(state.cfg.wire)
     chunks = list(tensor_chunks(pg, codec, state.cfg.wire.chunk_bytes))
-    header = pb.PushHeader(island_id=b, round=0, train_loss=2.0, codec=codec.name, **claim(state.cfg))
+    header = pb.PushHeader(island_id=b, round=0, train_loss=2.0, codec=codec.name, **claim(state.cfg), global_checksum=trained_from(state))
     assert not state.receive(header, iter(chunks[:2])).contribution_complete  # b's push breaks off half-way
     push(state, a, random_like(state.manifest.shapes, 1))
     assert state.step_round(poll_s=0) is None, "closed while b's lease held"
@@ -194,7 +195,7 @@ def test_a_pull_for_ranges_the_coordinator_lacks_asks_for_them_again(tmp_path):
     codec = uplink_codec(state.cfg.wire)
     pg = random_like(state.manifest.shapes, 1)
     first = {"embed.weight": pg["embed.weight"]}  # rank 0's part only
-    header = pb.PushHeader(island_id=a, round=0, train_loss=2.0, codec=codec.name, **claim(state.cfg))
+    header = pb.PushHeader(island_id=a, round=0, train_loss=2.0, codec=codec.name, **claim(state.cfg), global_checksum=trained_from(state))
     assert not state.receive(header, tensor_chunks(first, codec, state.cfg.wire.chunk_bytes)).contribution_complete
     mine = [FlatRange("embed.weight", 0, state.manifest.numel("embed.weight"))]
     theirs = [FlatRange("norm.weight", 0, state.manifest.numel("norm.weight"))]

@@ -114,7 +114,7 @@ def test_what_went_to_disk_is_verified_as_it_is_read_back(tmp_path):
 def test_a_push_cut_off_mid_stream_gives_its_memory_back_and_the_island_pushes_whole_again(tmp_path):
     """The island vanishes half-way through its push: nothing of it is kept (spool bytes 0, every pool block free
     again), the round does not close on it, and its push sent again whole is folded as if nothing had happened."""
-    from conftest import claim, random_like
+    from conftest import claim, random_like, trained_from
     from test_rounds import make_state, push
 
     from diloco.v1 import diloco_pb2 as pb
@@ -130,7 +130,8 @@ def test_a_push_cut_off_mid_stream_gives_its_memory_back_and_the_island_pushes_w
         yield from chunks[: len(chunks) // 2]
         raise ConnectionResetError("the island's connection dropped")
 
-    header = pb.PushHeader(island_id=b, round=0, train_loss=2.0, codec=codec.name, **claim(state.cfg))
+    header = pb.PushHeader(island_id=b, round=0, train_loss=2.0, codec=codec.name, **claim(state.cfg),
+                           global_checksum=trained_from(state))
     spools = state.fragments[0].ctx.spools
     with pytest.raises(ConnectionResetError):
         state.receive(header, cut_off())

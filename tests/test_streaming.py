@@ -15,7 +15,7 @@ import grpc
 import pytest
 import torch
 
-from conftest import claim, ended, island_on, kill_all_and_resume, random_like, tiny_config
+from conftest import claim, ended, island_on, kill_all_and_resume, random_like, tiny_config, trained_from
 from diloco.codec import Fp32Codec
 from diloco.config import RunConfig
 from diloco.data import StepIndexedStream
@@ -161,7 +161,8 @@ def test_a_fragment_closes_its_rounds_while_another_fragment_waits(make_coordina
     shapes = [state.fragments[f].manifest.shapes for f in range(2)]
 
     def push(island, fragment, round_, seed):
-        header = pb.PushHeader(island_id=island, round=round_, codec="fp32", fragment=fragment, **claim(cfg))
+        header = pb.PushHeader(island_id=island, round=round_, codec="fp32", fragment=fragment, **claim(cfg),
+                               global_checksum=trained_from(coordinator, round_, fragment))
         chunks = tensor_chunks(random_like(shapes[fragment], seed), Fp32Codec(), cfg.wire.chunk_bytes)
         return stub.PushPseudoGradient(ended([pb.PushMessage(header=header)] + [pb.PushMessage(chunk=c) for c in chunks]), timeout=10)
 
@@ -177,7 +178,8 @@ def test_a_fragment_closes_its_rounds_while_another_fragment_waits(make_coordina
     assert [s.fragment for s in state.summaries] == [0, 0]
     # A chunk of fragment 1's parameters in a push for fragment 0 is refused, naming the fragment.
     wrong = next(n for n in shapes[1])
-    header = pb.PushHeader(island_id=a.island_id, round=2, codec="fp32", fragment=0, **claim(cfg))
+    header = pb.PushHeader(island_id=a.island_id, round=2, codec="fp32", fragment=0, **claim(cfg),
+                           global_checksum=trained_from(coordinator, 2, 0))
     chunk = next(tensor_chunks({wrong: torch.zeros(shapes[1][wrong])}, Fp32Codec(), cfg.wire.chunk_bytes))
     with pytest.raises(grpc.RpcError) as err:
         stub.PushPseudoGradient(iter([pb.PushMessage(header=header), pb.PushMessage(chunk=chunk)]), timeout=10)

@@ -12,7 +12,7 @@ import grpc
 import pytest
 import torch
 
-from conftest import claim, tiny_config
+from conftest import claim, tiny_config, trained_from
 from coordinator.server import start_coordinator
 from diloco import credentials
 from diloco.codec import Fp32Codec
@@ -91,7 +91,7 @@ def test_nobody_acts_as_another_credentials_island(run_ca, tls_coordinator):
         assert east.Join(pb.JoinRequest(protocol_version=PROTOCOL_VERSION), timeout=10).island_id == mine
         assert west.Join(pb.JoinRequest(protocol_version=PROTOCOL_VERSION), timeout=10).island_id != mine
         pg = {n: torch.zeros(s) for n, s in Manifest.from_proto(joined.parameters).shapes.items()}
-        header = pb.PushHeader(island_id=mine, round=0, codec="fp32", **claim(cfg))
+        header = pb.PushHeader(island_id=mine, round=0, codec="fp32", **claim(cfg), global_checksum=trained_from(coordinator))
         calls = {
             "join as": lambda: west.Join(pb.JoinRequest(protocol_version=PROTOCOL_VERSION, island_id=mine), timeout=10),
             "heartbeat": lambda: west.Heartbeat(pb.HeartbeatRequest(island_id=mine), timeout=10),
@@ -117,7 +117,8 @@ def test_a_revoked_credential_is_removed_from_the_run_and_its_contribution_dropp
         joined = east.Join(pb.JoinRequest(protocol_version=PROTOCOL_VERSION), timeout=10)
         shapes = Manifest.from_proto(joined.parameters).shapes
         half = {n: torch.zeros(s) for n, s in list(shapes.items())[:1]}  # part of a contribution: pending
-        header = pb.PushHeader(island_id=joined.island_id, round=0, codec="fp32", **claim(cfg))
+        header = pb.PushHeader(island_id=joined.island_id, round=0, codec="fp32", **claim(cfg),
+                               global_checksum=trained_from(coordinator))
         east.PushPseudoGradient(push_messages(header, tensor_chunks(half, Fp32Codec(), 4096)), timeout=10)
         assert joined.island_id in coordinator.state.fragments[0].contributions
         assert credentials.revoke(run_ca, "east", "key leaked")
