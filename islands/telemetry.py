@@ -14,7 +14,9 @@ shard), so the figures are the group's. Push and pull seconds are rank 0's
 
 - Metrics (prometheus_client, this process's own CollectorRegistry), served at
   http://HOST:PORT/metrics; PORT is --metrics-port plus the replica group (0:
-  any free port, logged and written in the JSON log's start record).
+  any free port, logged and written in the JSON log's start record). At most
+  METRICS_HANDLERS requests are served at once, each dropped after
+  METRICS_TIMEOUT_S of silence: a client cannot hold the island's threads.
 - JSON lines at --log-url, parts `<name>[-g<group>]-<start>-<n>.jsonl`, where
   name is the island id (island-3), or island-<label> with a label
   (diloco/jsonlog.py): a start record (config, metrics address), one record per
@@ -85,13 +87,51 @@ def flops_per_token(n_params: int, n_layers: int, d_model: int, seq_len: int) ->
     return 6.0 * n_params + 12.0 * n_layers * d_model * seq_len
 
 
+# A scrape takes milliseconds. A client silent this long in the middle of its request is dropped, and no more than
+# METRICS_HANDLERS requests are served at once (a connection beyond them is closed at once): 300 half-sent requests
+# held 300 threads of the island for as long as their clients liked.
+METRICS_TIMEOUT_S = 10.0
+METRICS_HANDLERS = 16
+
+
 class _QuietHandler(WSGIRequestHandler):
+    timeout = METRICS_TIMEOUT_S  # on every read and write of the connection (socketserver.StreamRequestHandler)
+
     def log_message(self, format: str, *args) -> None:  # no line on stderr per scrape
         pass
 
 
 class _ThreadingServer(ThreadingMixIn, WSGIServer):
+    """A thread per request, at most METRICS_HANDLERS at once."""
+
     daemon_threads = True
+    # Connections the kernel holds until they are accepted (socketserver's 5 overflowed under a burst: each
+    # connection beyond them waited for the client's SYN to be sent again, a second or more).
+    request_queue_size = 128
+
+    def __init__(self, *args, **kwargs):
+        self._slots = threading.BoundedSemaphore(METRICS_HANDLERS)
+        super().__init__(*args, **kwargs)
+
+    def process_request(self, request, client_address) -> None:
+        if not self._slots.acquire(blocking=False):
+            log.debug("metrics: %d requests in progress; closed the connection from %s", METRICS_HANDLERS, client_address)
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)  # starts process_request_thread, which releases the slot
+        except BaseException:
+            self._slots.release()
+            raise
+
+    def process_request_thread(self, request, client_address) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
+
+    def handle_error(self, request, client_address) -> None:  # a client that timed out or went away: no traceback
+        log.debug("metrics: request from %s failed", client_address, exc_info=True)
 
 
 class MetricsServer:
