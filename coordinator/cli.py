@@ -57,7 +57,6 @@ def main(argv: list[str] | None = None) -> None:
     if not 0 <= args.port < 65536:
         fail(parser.prog, f"--port {args.port} is not a valid port")
     setup_logging(args.log_level, "coordinator")
-    raise_open_file_limit()
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.tls and args.insecure:
@@ -70,6 +69,7 @@ def main(argv: list[str] | None = None) -> None:
         tls = coordinator_files(args.tls) if args.tls else None
         revocations = RevocationList(args.revoked or Path(args.tls) / "revoked.json") if args.tls else None
         observe = Observe(args.http_host, None if args.http_port < 0 else args.http_port, args.log_url, args.tensorboard)
+        raise_open_file_limit()  # each island's connection and spooled push takes a file
         serve(cfg, args.host, args.port, args.report, args.linger, args.port_file, args.resume, tls, args.insecure, revocations,
               args.audit, observe, args.http_port_file)
     except (OSError, ValueError) as e:

@@ -186,7 +186,7 @@ def raise_open_file_limit(sensible: int = SENSIBLE_OPEN_FILES) -> int:
     if soft != resource.RLIM_INFINITY and soft < target:
         try:
             resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
-            log.info("open files: soft limit raised from %d to %d", soft, target)
+            log.debug("open files: soft limit raised from %d to %d", soft, target)
             soft = target
         except (ValueError, OSError) as e:
             log.debug("could not raise the soft limit on open files from %d to %d: %s", soft, target, e)

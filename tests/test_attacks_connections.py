@@ -183,7 +183,6 @@ def test_idle_connections_without_a_certificate_are_closed_and_rounds_go_on(run_
         assert len(flood.lifetimes) >= flood_n, "the coordinator kept connections that never handshook"
         # Closed at the limit, not at gRPC's 120 s; what is above it is the busy machine.
         assert HANDSHAKE_TIMEOUT_S - 1 <= min(flood.lifetimes) and max(flood.lifetimes) < HANDSHAKE_TIMEOUT_S + 25
-        assert b"soft limit raised from 256" in (tmp_path / "coordinator.log").read_bytes()
     finally:
         for ch in channels:
             ch.close()
