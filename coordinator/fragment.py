@@ -33,7 +33,7 @@ import copy
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Executor
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -46,7 +46,7 @@ from coordinator.ledger import DataLedger
 from coordinator.links import LinkAdvisor
 from coordinator.locks import ReadWriteLock
 from coordinator.membership import Membership, canonical_order
-from coordinator.publish import DeltaStream, Publication, step_and_publish
+from coordinator.publish import DeltaStream, Publication, Reading, step_and_publish
 from coordinator.records import (Closing, Contribution, Phase, Reason, Refused, close_reason, fold_key, round_summary,
                                  traffic_into)
 from coordinator.spool import Spools
@@ -149,57 +149,62 @@ class FragmentRounds(PushIntake):
 
     @contextmanager
     def reading(
-        self, delta_from_round: int | None = None, want_mean: bool = False,
-    ) -> Iterator[tuple[pb.ResultHeader, Iterable[pb.TensorChunk] | None, list[pb.TensorChunk], DeltaStream | None]]:
-        """The fragment's result header; the delta chunks when the caller can take a delta (else
-        None: send values); the last round's mean pseudo-gradient chunks when asked (eager updates);
-        and, when the header's checksum is empty, the DeltaStream whose trailer completes it.
+        self, delta_from_round: int | None = None, want_mean: bool = False, ranges: list[FlatRange] | None = None,
+        cancel: Callable[[], None] = lambda: None,
+    ) -> Iterator[Reading]:
+        """What a result of the fragment sends (publish.py Reading): its header; the delta chunks when the caller can
+        take a delta, else the value messages; the last round's mean pseudo-gradient chunks when asked (eager
+        updates); and, when the header's checksum is empty, the DeltaStream whose trailer completes it. With
+        ranges, the header carries their checksum.
 
-        Consistent while the context is held: the outer step waits for readers. A delta asked for while the
-        next round's update is being made (apply) streams as it is made: the header then has no checksum and the
-        caller sends the stream's trailer after the chunks (with ranges, their checksum: ranges_checksum_after).
+        Taken under the parameters' read lock, held only while it is taken: the caller sends it without the lock,
+        at its client's pace, and the outer step never waits for that (the values are an immutable version,
+        publish.py PublishedValues; cancel ends the caller's call should that version be dropped while it still
+        reads it). A delta asked for while the next round's update is being made (apply) streams as it is made:
+        the header then has no checksum and the caller sends the stream's trailer after the chunks (with ranges,
+        their checksum: ranges_checksum_after).
         """
+        reading = None
         with self.cond:
             stream = self.streaming
-            if stream is None or delta_from_round != stream.round - 1:
-                stream = None
-            else:
-                header = pb.ResultHeader(
+            if stream is not None and delta_from_round == stream.round - 1:
+                reading = Reading(pb.ResultHeader(
                     round=stream.round, islands=stream.islands, tokens=stream.tokens, mode=pb.ResultHeader.DELTA,
                     codec=self.publication.codec.name, base_checksum=stream.base_checksum, fragment=self.index,
-                )
-                mean = self.mean_chunks if want_mean else []
-        if stream is not None:
-            yield header, stream, mean, stream
-            return
-        self.param_lock.acquire_read()
+                ), delta=stream, mean=self.mean_chunks if want_mean else [], stream=stream)
+        if reading is None:
+            with self.param_lock.read():
+                with self.cond:
+                    reading = Reading(pb.ResultHeader(
+                        round=self.round, checksum=self.checksum, run_finished=self.ctx.run_finished(),
+                        islands=self.last_islands, mode=pb.ResultHeader.VALUES, codec="fp32", fragment=self.index,
+                        tokens=self.last_tokens,
+                    ))
+                    pub, header = self.publication, reading.header
+                    if delta_from_round is not None and delta_from_round == self.round - 1 and pub.delta_base:
+                        header.mode, header.codec, header.base_checksum = pb.ResultHeader.DELTA, pub.codec.name, pub.delta_base
+                        reading.delta = pub.delta_chunks  # a new list each round: never changed once published
+                    reading.mean = self.mean_chunks if want_mean and delta_from_round == self.round - 1 else []
+                if ranges is not None:
+                    header.ranges_checksum = ranges_checksum(
+                        (r.name, r.offset, pub.params[r.name].view(-1)[r.offset : r.end]) for r in ranges)
+                if reading.delta is None:
+                    values, done = pub.open_values(cancel)
+                    reading.values.append(values)
+                    reading.releases.append(done)
         try:
-            with self.cond:
-                header = pb.ResultHeader(
-                    round=self.round, checksum=self.checksum, run_finished=self.ctx.run_finished(),
-                    islands=self.last_islands, mode=pb.ResultHeader.VALUES, codec="fp32", fragment=self.index,
-                    tokens=self.last_tokens,
-                )
-                pub = self.publication
-                delta = None
-                if delta_from_round is not None and delta_from_round == self.round - 1 and pub.delta_base:
-                    header.mode, header.codec, header.base_checksum = pb.ResultHeader.DELTA, pub.codec.name, pub.delta_base
-                    delta = pub.delta_chunks
-                mean = self.mean_chunks if want_mean and delta_from_round == self.round - 1 else []
-            yield header, delta, mean, None
+            yield reading
         finally:
-            self.param_lock.release_read()
+            reading.done()
 
     def ranges_checksum_after(self, stream: DeltaStream, ranges: list[FlatRange]) -> str:
-        """The ranges' checksum of the parameters a streamed update led to, once it was made (under the read lock)."""
-        self.param_lock.acquire_read()
-        try:
+        """The ranges' checksum of the parameters a streamed update led to, once it was made (under the read lock,
+        held only for the checksum: the caller sends it after)."""
+        with self.param_lock.read():
             if self.round != stream.round:  # the run went on meanwhile (this island was dropped from a round)
                 raise Refused(Reason.STILL_OPEN, f"{self.label}round {stream.round} is over; pull again", current_round=self.round)
             params = self.publication.params
             return ranges_checksum((r.name, r.offset, params[r.name].view(-1)[r.offset : r.end]) for r in ranges)
-        finally:
-            self.param_lock.release_read()
 
     # --- closing a round: close, then apply ------------------------------------------------
 

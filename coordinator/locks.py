@@ -1,8 +1,14 @@
-"""A readers-writer lock: many parameter streams at once, or one outer step."""
+"""A readers-writer lock: many readers at once, or one outer step.
+
+Readers hold it only while they take what they send (coordinator/publish.py PublishedValues), never while a
+client reads it: a slow or stalled client must not hold up the step that waits for the write lock.
+"""
 
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 
 class ReadWriteLock:
@@ -20,6 +26,14 @@ class ReadWriteLock:
         with self._cond:
             self._readers -= 1
             self._cond.notify_all()
+
+    @contextmanager
+    def read(self) -> Iterator[None]:
+        self.acquire_read()
+        try:
+            yield
+        finally:
+            self.release_read()
 
     def acquire_write(self) -> None:
         with self._cond:

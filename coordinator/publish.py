@@ -10,39 +10,67 @@ feedback, carried into the next round's update.
 
 from __future__ import annotations
 
+import bisect
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import Executor
+from dataclasses import dataclass, field
 
 import torch
 
-from diloco.codec import Codec
+from diloco.codec import Codec, get_codec
 from diloco.outer import OuterOptimizer, PseudoGradientAccumulator
 from diloco.refusal import Reason, Refused
 from diloco.params import checksum
 from diloco.v1 import diloco_pb2 as pb
-from diloco.frames import serialized_values
-from diloco.wire import chunk_spans, make_chunk
+from diloco.frames import chunk_of, frame_chunk, parse_chunk_message, serialized_values
+from diloco.wire import FlatRange, chunk_spans, make_chunk
 
 
 class SharedStream:
-    """A sequence made once, on demand: whichever reader reaches the next item first makes it for all."""
+    """A sequence made once, on demand: whichever reader reaches the next item first makes it for all.
+
+    finish() makes the rest at once (what it is made from is about to change); drop(error) frees the items and
+    every reader raises error at its next item."""
 
     def __init__(self, source: Iterator):
         self._source, self._items, self._lock = source, [], threading.Lock()
+        self.complete = False
+        self._dropped: Exception | None = None
 
     def __iter__(self) -> Iterator:
         i = 0
         while True:
-            if i >= len(self._items):
+            try:
+                item = self._items[i]  # no reference to the list is kept while suspended: drop() frees it
+            except IndexError:
                 with self._lock:
-                    if i >= len(self._items) and (item := next(self._source, None)) is not None:
-                        self._items.append(item)
-                if i >= len(self._items):
+                    if self._dropped is None and i >= len(self._items) and not self.complete:
+                        if (made := next(self._source, None)) is None:
+                            self.complete = True
+                        else:
+                            self._items.append(made)
+                    over = i >= len(self._items)
+                if self._dropped is not None:
+                    raise self._dropped
+                if over:
                     return
-            yield self._items[i]
+                continue
+            if self._dropped is not None:
+                raise self._dropped
+            yield item
             i += 1
+
+    def finish(self) -> None:
+        with self._lock:
+            if self._dropped is None:
+                self._items.extend(self._source)
+            self.complete = True
+
+    def drop(self, error: Exception) -> None:
+        with self._lock:
+            self._dropped, self._items, self.complete = error, [], True
 
 
 class DeltaStream:
@@ -91,6 +119,133 @@ class DeltaStream:
         return pb.ResultTrailer(checksum=self.checksum, run_finished=self.run_finished)
 
 
+@dataclass(frozen=True, slots=True)
+class ValueMessage:
+    """One serialized ResultMessage(chunk=...) of published fp32 values: elements [offset, offset + numel) of name."""
+
+    name: str
+    offset: int
+    numel: int
+    data: bytes
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.numel
+
+
+def value_messages_of(params: Mapping[str, torch.Tensor], chunk_bytes: int) -> Iterator[ValueMessage]:
+    """frames.serialized_values, each message with the elements it holds (cut where chunk_spans cuts, as it does)."""
+    fp32 = get_codec("fp32")
+    spans = ((name, lo, hi) for name, t in params.items() for lo, hi in chunk_spans(t.numel(), fp32, chunk_bytes))
+    for (name, lo, hi), data in zip(spans, serialized_values(params, chunk_bytes)):
+        yield ValueMessage(name, lo, hi - lo, data)
+
+
+class PublishedValues:
+    """One version of the published parameters as value messages: serialized once, lazily (the first reader's first
+    message goes out before the rest is made), shared by every reader, and never changed once made.
+
+    A reader registers (open) under the parameters' read lock, holding it only that long, and streams at its own
+    pace without it. The parameters change only at an outer step, and a version still being read is finished
+    (serialized whole) before that (Publication.release_values): its readers then read a copy no step touches.
+    What stalled readers can hold is bounded by Publication (see _supersede).
+    """
+
+    def __init__(self, params: Mapping[str, torch.Tensor], chunk_bytes: int):
+        self.stream = SharedStream(value_messages_of(params, chunk_bytes))
+        self._cuts: dict[int, Callable[[], None]] = {}  # reader -> what ends its call
+        self._lock = threading.Lock()
+        self._opened = 0
+
+    def __iter__(self) -> Iterator[tuple[bytes, int]]:
+        """The messages with their sizes."""
+        return ((m.data, len(m.data)) for m in self.stream)
+
+    def messages(self) -> Iterator[ValueMessage]:
+        return iter(self.stream)
+
+    @property
+    def readers(self) -> int:
+        with self._lock:
+            return len(self._cuts)
+
+    def open(self, cut: Callable[[], None] = lambda: None) -> Callable[[], None]:
+        """Counts a reader until the returned callable is called; cut ends its call should the version be dropped."""
+        with self._lock:
+            self._opened += 1
+            key = self._opened
+            self._cuts[key] = cut
+
+        def done() -> None:
+            with self._lock:
+                self._cuts.pop(key, None)
+
+        return done
+
+    def finish(self) -> None:
+        """Serializes the rest now: the parameters are about to change."""
+        self.stream.finish()
+
+    def drop(self, why: str) -> None:
+        """Frees the messages: a reader gets ROUND_CLOSED at its next one, and its call is ended (one stalled in a send,
+        its client reading nothing, would otherwise hold a server thread and that message for as long as it likes)."""
+        self.stream.drop(Refused(Reason.ROUND_CLOSED, why))
+        with self._lock:
+            cuts, self._cuts = list(self._cuts.values()), {}
+        for cut in cuts:
+            cut()
+
+
+def range_messages(messages: Iterable[ValueMessage], ranges: list[FlatRange]) -> Iterator[bytes]:
+    """The elements of the ranges in value messages: a message inside a range as it is, else its overlap with each
+    range framed anew (fp32, addressed into the whole parameter, as range_values_chunks frames it). The ranges of a
+    parameter must not overlap (the service refuses requests whose ranges do)."""
+    by_name: dict[str, list[FlatRange]] = {}
+    for r in ranges:
+        by_name.setdefault(r.name, []).append(r)
+    ends: dict[str, list[int]] = {}
+    for name, rs in by_name.items():
+        rs.sort(key=lambda r: r.offset)
+        ends[name] = [r.end for r in rs]
+    for m in messages:
+        rs = by_name.get(m.name)
+        if not rs:
+            continue
+        for r in rs[bisect.bisect_right(ends[m.name], m.offset):]:  # the first range that ends after m starts, on
+            if r.offset >= m.end:
+                break
+            lo, hi = max(m.offset, r.offset), min(m.end, r.end)
+            if lo >= hi:
+                continue
+            if (lo, hi) == (m.offset, m.end):
+                yield m.data
+                continue
+            payload = parse_chunk_message(m.data, (2,)).payload  # fp32: 4 bytes an element
+            yield frame_chunk(2, chunk_of(m.name, lo, hi - lo, payload[4 * (lo - m.offset) : 4 * (hi - m.offset)]))
+
+
+@dataclass
+class Reading:
+    """What one read of the published parameters sends: taken under the parameters' read lock, held only that long,
+    and sent without it, at the client's pace. done() once sent (or given up)."""
+
+    header: pb.ResultHeader
+    delta: Iterable[pb.TensorChunk] | None = None  # the update's chunks; None: the values
+    values: list[PublishedValues] = field(default_factory=list)  # the value messages, a version per fragment read
+    mean: list[pb.TensorChunk] = field(default_factory=list)  # the round's mean pseudo-gradient (eager updates)
+    stream: DeltaStream | None = None  # an update streamed as it is made: its trailer completes the header
+    releases: list[Callable[[], None]] = field(default_factory=list)
+
+    def value_messages(self, ranges: list[FlatRange] | None) -> Iterator[bytes]:
+        messages = (m for v in self.values for m in v.messages())
+        return (m.data for m in messages) if ranges is None else range_messages(messages, ranges)
+
+    def done(self) -> None:
+        for release in self.releases:
+            release()
+        self.releases.clear()
+
+
 class Publication:
     def __init__(self, outer_params: Mapping[str, torch.Tensor], codec: Codec, chunk_bytes: int, pool: Executor | None = None):
         self.outer_params = outer_params
@@ -103,26 +258,76 @@ class Publication:
         # The last round's update: it takes params with delta_base to params with checksum.
         self.delta_chunks: list[pb.TensorChunk] = []
         self.delta_base = ""
-        self._values: SharedStream | None = None
+        # The published values as messages (PublishedValues): this round's, made as they are read; and the version
+        # before it while someone still reads it.
+        self._values: PublishedValues | None = None
+        self._superseded: PublishedValues | None = None
+        self._closing = False  # release_values was called: the parameters change at the coming step
         self._values_lock = threading.Lock()
 
-    def value_messages(self) -> SharedStream:
+    def value_messages(self) -> PublishedValues:
         """The published parameters as serialized fp32 value messages (ResultMessage), with their sizes.
 
         Serialized once a round, chunk by chunk as the first pull streams them, and
         shared by every pull after it: one copy of the model however many islands,
         and no island waits for the whole model to be encoded before its first byte.
-        Callers hold the parameters' read lock, so publish() cannot run meanwhile.
+        A reader takes them with open_values.
         """
         with self._values_lock:
             if self._values is None:
-                self._values = SharedStream((b, len(b)) for b in serialized_values(self.params, self.chunk_bytes))
+                self._values = PublishedValues(self.params, self.chunk_bytes)
             return self._values
 
-    def release_values(self) -> None:
-        """The round closed: drop the value messages before the outer step needs memory (pulls under way keep theirs)."""
+    def open_values(self, cut: Callable[[], None] = lambda: None) -> tuple[PublishedValues, Callable[[], None]]:
+        """This round's value messages, counted as read until the returned callable is called (cut: what ends the
+        reader's call, see _supersede). The caller holds the parameters' read lock, only while it calls this."""
         with self._values_lock:
-            self._values = None
+            if self._values is None:
+                self._values = PublishedValues(self.params, self.chunk_bytes)
+            values, closing = self._values, self._closing
+            done = values.open(cut)
+        if closing:  # the step is coming and the reader may be slow: made whole now, under the caller's read lock
+            values.finish()
+        return values, done
+
+    def release_values(self) -> None:
+        """The round closed and its outer step is coming (apply calls this before it takes the write lock and steps).
+
+        Value messages nobody reads are dropped now, so the step has their memory. Ones being read are finished
+        (serialized whole) now, and any opened from now until the step are finished as they are opened: after the
+        step their readers go on from that copy at their own pace, and the step never waits for them.
+        """
+        with self._values_lock:
+            self._closing = True
+            values = self._values
+            if values is not None and not values.readers:
+                self._values = values = None
+        if values is not None:
+            values.finish()
+
+    def _supersede(self) -> None:
+        """The parameters change now (the caller holds the write lock): this round's value messages are superseded.
+
+        Memory: a superseded version is kept only while someone reads it, and only one: the version superseded
+        before it is dropped now and its readers are cut off (ROUND_CLOSED, or their call cancelled while they are
+        stalled in a send), which frees its messages and their server threads. So a reader has at least one whole
+        round (from the publication after the one it started under to the next) to finish, however slow its link,
+        and a stalled reader holds at most one model's serialized values (4 bytes a parameter) for at most two
+        rounds: with the current version, at most two such copies whatever the number of readers. Chosen over
+        keeping every version a reader holds, whose memory would be the attacker's to choose (one model for every
+        round it stalls through), and over cutting readers off at the first publication, which would refuse an
+        honest island on a slow link a model that takes longer to send than what is left of the round.
+        """
+        with self._values_lock:
+            old, older = self._values, self._superseded
+            self._values, self._closing = None, False
+            kept = old is not None and old.readers and old.stream.complete
+            self._superseded = old if kept else None
+        if old is not None and not old.stream.complete:  # never finished (no release_values): not made from new values
+            old.drop("the parameters changed while you read them; fetch again")
+        if older is not None:
+            older.drop("the parameters you were reading were superseded twice while you read them (a slow or stalled "
+                       "read); fetch again")
 
     @torch.no_grad()
     def publish(self, step: Callable[[str, int, int], None] | None = None, into: DeltaStream | None = None) -> float:
@@ -130,7 +335,7 @@ class Publication:
         lo, hi) takes the outer step of each chunk's span just before the chunk is made, on the same thread, while
         the span is in cache; the chunks go to `into` in order as they are made, so pulls stream the update while
         the rest of it is made. Returns the seconds the threads spent making chunks (steps included), summed."""
-        self._values = None  # a fetch during the fold may have serialized the values from before the step
+        self._supersede()
         thread_s = 0.0
         if self.lossless:
             self.delta_chunks, self.delta_base = [], ""
@@ -154,7 +359,7 @@ class Publication:
     def unchanged(self) -> None:
         """A round that took no outer step: the parameters stay, so there is no update to send; a pull of the next
         round gets the values (lossless, the same checksum)."""
-        self._values = None
+        self._supersede()
         self.delta_chunks, self.delta_base = [], ""
 
     @torch.no_grad()
@@ -177,7 +382,8 @@ class Publication:
         if not self.lossless:
             for name, t in state.items():
                 self.params[name].copy_(t)
-        self.delta_chunks, self.delta_base, self._values = [], "", None
+        self._supersede()
+        self.delta_chunks, self.delta_base = [], ""
         self.checksum = checksum(self.params)
 
 

@@ -14,12 +14,11 @@ import grpc
 from coordinator.audit import NoAudit
 from coordinator.ledger import ranges_of
 from coordinator.limits import Limits, idle_bounded
+from coordinator.publish import Reading
 from coordinator.records import Reason, Refused
 from coordinator.state import CoordinatorState
-from diloco.codec import get_codec
 from diloco.credentials import CredentialError, identity_from_auth_context, ranks_from_auth_context
 from diloco.frames import ChunkView, chunk_deserializer, frame_chunk, serialized
-from diloco.params import ranges_checksum
 from diloco.untrusted import CHECKSUM_MAX, ID_MAX, bounded
 from diloco.v1 import diloco_pb2 as pb
 from diloco.v1 import diloco_pb2_grpc as pb_grpc
@@ -28,9 +27,7 @@ from diloco.wire import (
     ChunkError,
     FlatRange,
     overlapping_chunks,
-    range_values_chunks,
     ranges_from_proto,
-    tensor_chunks,
 )
 
 log = logging.getLogger(__name__)
@@ -65,6 +62,19 @@ def _guard(stream: Iterator, context: grpc.ServicerContext, audit) -> Iterator:
     except Refused as e:
         audit(e)
         _abort(context, e)
+
+
+def _refuse_overlaps(ranges: list[FlatRange], total: int) -> None:
+    """Refuses requested ranges that ask for an element twice (two ranges of a parameter that overlap, or start at
+    the same offset) or for more elements than there are: a 141 KiB request once asked for 168 MiB of one model."""
+    asked = sum(r.numel for r in ranges)
+    if asked > total:
+        raise Refused(Reason.BAD_REQUEST, f"the requested ranges ask for {asked} elements, more than the {total} there are")
+    ordered = sorted(ranges, key=lambda r: (r.name, r.offset, r.numel))
+    for a, b in zip(ordered, ordered[1:]):
+        if a.name == b.name and (b.offset < a.end or b.offset == a.offset):
+            raise Refused(Reason.BAD_REQUEST, f"{b.name}: requested elements [{a.offset}, {a.end}) and [{b.offset}, {b.end}) "
+                          "overlap; ask for each element once")
 
 
 class CoordinatorService(pb_grpc.CoordinatorServicer):
@@ -183,90 +193,85 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         return pb.HeartbeatResponse(round=self.state.round, run_finished=self.state.phase.value == "finished")
 
     def _ranges(self, requested, fragment: int | None = None) -> list[FlatRange] | None:
-        """The flat ranges a request names (None: the whole model, or the whole fragment)."""
+        """The flat ranges a request names (None: the whole model, or the whole fragment). Refused: ranges outside
+        a tensor, ranges that overlap, and more elements than there are (a small request asking for many copies)."""
         if not requested:
             return None
         manifest = self.state.manifest if fragment is None else self.state.fragment(fragment).manifest
         try:
-            return ranges_from_proto(requested, manifest)
+            ranges = ranges_from_proto(requested, manifest)
         except ChunkError as e:
             raise Refused(Reason.BAD_REQUEST, str(e)) from e
+        _refuse_overlaps(ranges, manifest.total_numel())
+        return ranges
 
     @contextmanager
-    def _reading(self, fragment: int | None, delta_from_round: int | None, want_mean: bool):
-        """(header, params, their value messages or None, delta chunks or None, mean chunks, the DeltaStream whose
-        trailer completes the header or None) of the whole model or of one fragment (FragmentRounds.reading)."""
+    def _reading(self, fragment: int | None, delta_from_round: int | None, want_mean: bool, ranges: list[FlatRange] | None,
+                 cancel) -> Iterator[Reading]:
+        """What a result of the whole model, or of one fragment, sends (publish.py Reading): taken under the
+        parameters' read lock, which is released before anything is sent (FragmentRounds.reading)."""
         if fragment is None:
-            with self.state.reading() as header:
-                yield header, self.state.params, None, None, [], None
+            with self.state.reading(ranges, cancel) as reading:
+                yield reading
         else:
-            f = self.state.fragment(fragment)
-            with f.reading(delta_from_round, want_mean) as (header, delta, mean, stream):
-                yield header, f.publication.params, f.publication.value_messages, delta, mean, stream
+            with self.state.fragment(fragment).reading(delta_from_round, want_mean, ranges, cancel) as reading:
+                yield reading
 
     def _result(
         self, island_id: str, delta_from_round: int | None, ranges: list[FlatRange] | None = None,
-        fragment: int | None = None, want_mean: bool = False, held_s: float = 0.0,
-    ) -> Iterator[pb.ResultMessage]:
+        fragment: int | None = None, want_mean: bool = False, held_s: float = 0.0, context=None,
+    ) -> Iterator[pb.ResultMessage | bytes]:
         """The global parameters: as fp32 values, or as the last round's delta when the island can take it.
 
         With ranges (one rank of a sharded island), only the chunks for those
         ranges, and the header carries their checksum so the rank can verify
         what it holds. With a fragment, only that fragment's parameters (and,
-        for eager updates, the round's mean pseudo-gradient after them).
+        for eager updates, the round's mean pseudo-gradient after them). Sent at
+        the client's pace holding no lock; context's call is cancelled should the
+        values it reads be dropped (publish.py Publication._supersede).
         """
-        fp32 = get_codec("fp32")
-        chunk_bytes = self.state.cfg.wire.chunk_bytes
-        with self._reading(fragment, delta_from_round, want_mean) as (header, params, values, delta, mean, stream):
+        cancel = context.cancel if context is not None else (lambda: None)
+        with self._reading(fragment, delta_from_round, want_mean, ranges, cancel) as reading:
+            header = reading.header
             header.held_s = held_s
             if fragment is not None and island_id != "observer":  # compression per link: its next push's codec
                 header.push_codec = self.state.advise_codec(island_id, fragment, header.round)
-            if ranges is not None and stream is None:  # streamed: in the trailer, once the update is made
-                header.ranges_checksum = ranges_checksum(
-                    (r.name, r.offset, params[r.name].view(-1)[r.offset : r.end]) for r in ranges
-                )
             sent = 0
-            message = pb.ResultMessage(header=header)
-            sent += message.ByteSize()
-            yield message
-            if delta is not None:
-                chunks = delta if ranges is None else overlapping_chunks(delta, ranges)
-            elif ranges is not None:
-                chunks = range_values_chunks(params, ranges, fp32, chunk_bytes)
-            elif values is None:
-                chunks = tensor_chunks(params, fp32, chunk_bytes)
-            else:
-                chunks = None  # the values, serialized once a round whoever pulls (see add_to_server)
-            # Framed by hand (diloco/frames.py): a ResultMessage around each chunk would copy it through upb.
-            messages = iter(values()) if chunks is None else ((b, len(b)) for b in (frame_chunk(2, c) for c in chunks))
-            for message, size in messages:
-                sent += size
-                yield message
-            for chunk in mean if ranges is None else overlapping_chunks(mean, ranges):
-                message = frame_chunk(3, chunk)  # ResultMessage field 3: mean_chunk
-                sent += len(message)
-                yield message
-            if stream is not None:  # the header went out before the update was whole: what it could not say
-                trailer = stream.trailer()
-                if ranges is not None:
-                    trailer.ranges_checksum = self.state.fragment(fragment).ranges_checksum_after(stream, ranges)
-                message = pb.ResultMessage(trailer=trailer)
-                sent += message.ByteSize()
+            for message in self._messages(reading, ranges, fragment):
+                sent += len(message) if isinstance(message, bytes) else message.ByteSize()
                 yield message
         self.state.count_down(header.round, island_id, sent, fragment or 0)
 
+    def _messages(self, reading: Reading, ranges: list[FlatRange] | None, fragment: int | None) -> Iterator[pb.ResultMessage | bytes]:
+        """A result's messages: its header, the update's or the values' chunks, the mean's, and a streamed update's
+        trailer. Chunks are framed by hand (diloco/frames.py): a ResultMessage around each would copy it through upb."""
+        yield pb.ResultMessage(header=reading.header)
+        if reading.delta is not None:
+            chunks = reading.delta if ranges is None else overlapping_chunks(reading.delta, ranges)
+            yield from (frame_chunk(2, c) for c in chunks)
+        else:  # the values, serialized once a round whoever reads them (publish.py PublishedValues)
+            yield from reading.value_messages(ranges)
+        for chunk in reading.mean if ranges is None else overlapping_chunks(reading.mean, ranges):
+            yield frame_chunk(3, chunk)  # ResultMessage field 3: mean_chunk
+        if reading.stream is not None:  # the header went out before the update was whole: what it could not say
+            trailer = reading.stream.trailer()
+            if ranges is not None:
+                trailer.ranges_checksum = self.state.fragment(fragment).ranges_checksum_after(reading.stream, ranges)
+            yield pb.ResultMessage(trailer=trailer)
+
     @_refusals
     def FetchParameters(self, request: pb.FetchRequest, context) -> Iterator[pb.ResultMessage]:
-        self._caller(context, request.island_id)
+        credential = self._caller(context, request.island_id)
         if request.island_id:
             self.state.touch(request.island_id)
         fragment = request.fragment if request.HasField("fragment") else None
         if fragment is not None:
             self.state.fragment(fragment)  # refuses a fragment that does not exist
+        ranges = self._ranges(request.ranges, fragment)
         # An observer (no island id) counts under its credential, or without TLS its host.
-        holder = request.island_id or (self._who(context).get("credential") or context.peer().rsplit(":", 1)[0])
+        holder = request.island_id or (credential or context.peer().rsplit(":", 1)[0])
         with self.limits.stream("result", holder, self._ranks(request.island_id)):
-            yield from self._result(request.island_id or "observer", None, self._ranges(request.ranges, fragment), fragment)
+            yield from self._result(request.island_id or "observer", None, ranges, fragment, context=context)
 
     @_refusals
     def PushPseudoGradient(self, request_iterator: Iterator[pb.PushMessage], context) -> pb.PushResponse:
@@ -314,9 +319,10 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         # Counted from the wait on: a waiting pull holds one of the server's threads.
         with self.limits.stream("result", request.island_id, self._ranks(request.island_id)):
             held = self.state.wait_for_result(request.island_id, request.round, min(request.timeout_s or 600.0, 3600.0),
-                                                request.fragment, ranges)
+                                              request.fragment, ranges)
             yield from self._result(
                 request.island_id, request.round if request.accept_delta else None, ranges, request.fragment, request.want_mean, held,
+                context,
             )
 
     @_refusals

@@ -29,13 +29,14 @@ from coordinator.fragment import FragmentContext, FragmentRounds
 from coordinator.ledger import DataLedger, account_dict
 from coordinator.links import LinkAdvisor
 from coordinator.membership import Events, Island, Membership, canonical_order
+from coordinator.publish import Reading
 from coordinator.records import Closed, Phase, Reason, Refused
 from coordinator.spool import Spools
 from diloco.config import RunConfig
 from diloco.fragments import layout_for
-from diloco.params import checksum
+from diloco.params import checksum, ranges_checksum
 from diloco.v1 import diloco_pb2 as pb
-from diloco.wire import Manifest, link_codecs, uplink_codec
+from diloco.wire import FlatRange, Manifest, link_codecs, uplink_codec
 
 log = logging.getLogger(__name__)
 
@@ -225,8 +226,10 @@ class CoordinatorState:
                 f.param_lock.release_read()
 
     @contextmanager
-    def reading(self) -> Iterator[pb.ResultHeader]:
-        """The whole model's result header (for values): every fragment's round and checksum in it."""
+    def reading(self, ranges: list[FlatRange] | None = None, cancel: Callable[[], None] = lambda: None) -> Iterator[Reading]:
+        """The whole model's values (publish.py Reading): every fragment's round and checksum in the header (with
+        ranges, their checksum too), and every fragment's value messages. Taken under every fragment's read lock,
+        held only while it is taken; sent without it (FragmentRounds.reading says why, and what cancel is)."""
         with self.reading_all():
             whole = self.whole_checksum_locked()
             with self.cond:
@@ -236,7 +239,18 @@ class CoordinatorState:
                     mode=pb.ResultHeader.VALUES, codec="fp32", tokens=first.last_tokens,
                     fragments=[f.state_proto() for f in self.fragments],
                 )
-            yield header
+            if ranges is not None:
+                header.ranges_checksum = ranges_checksum(
+                    (r.name, r.offset, self.params[r.name].view(-1)[r.offset : r.end]) for r in ranges)
+            reading = Reading(header)
+            for f in self.fragments:
+                values, done = f.publication.open_values(cancel)
+                reading.values.append(values)
+                reading.releases.append(done)
+        try:
+            yield reading
+        finally:
+            reading.done()
 
     # --- calls for one fragment (fragment 0 without streaming) ---------------------------
 
