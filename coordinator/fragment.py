@@ -123,9 +123,11 @@ class FragmentRounds(PushIntake):
 
     # --- reading the parameters ---------------------------------------------------
 
-    def wait_for_result(self, island_id: str, round_: int, timeout_s: float, ranges: list[FlatRange] | None = None) -> float:
+    def wait_for_result(self, island_id: str, round_: int, timeout_s: float, ranges: list[FlatRange] | None = None,
+                        interrupted: Callable[[], bool] = lambda: False) -> float:
         """Blocks until round_ has closed; returns the seconds it waited. Refuses at once if the island's push of
-        these ranges (all of the fragment, when None) is not here: after a restart every rank pushes its own again."""
+        these ranges (all of the fragment, when None) is not here: after a restart every rank pushes its own again.
+        Returns early once interrupted() holds, looked at whenever cond is notified (the caller was revoked)."""
         with self.cond:
             self.max_round_seen = max(self.max_round_seen, round_)
             if round_ > self.round:
@@ -142,7 +144,7 @@ class FragmentRounds(PushIntake):
                     current_round=self.round,
                 )
             started = self.clock()
-            if not self.cond.wait_for(lambda: self.round > round_ or self.phase is Phase.FINISHED or (
+            if not self.cond.wait_for(lambda: interrupted() or self.round > round_ or self.phase is Phase.FINISHED or (
                     self.streaming is not None and self.streaming.round > round_), timeout_s):
                 raise Refused(Reason.STILL_OPEN, f"{self.label}round {round_} still open after {timeout_s:.0f}s", current_round=self.round)
             return self.clock() - started

@@ -17,6 +17,7 @@ from coordinator.limits import Limits, idle_bounded
 from coordinator.publish import Reading
 from coordinator.records import Reason, Refused
 from coordinator.state import CoordinatorState
+from coordinator.streams import OpenStreams, Ticket
 from diloco.credentials import CredentialError, identity_from_auth_context, ranks_from_auth_context
 from diloco.frames import ChunkView, chunk_deserializer, frame_chunk, serialized
 from diloco.untrusted import CHECKSUM_MAX, ID_MAX, bounded
@@ -84,6 +85,11 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         self.mutual_tls = mutual_tls  # callers present a client certificate of the run's CA: their name is who they are
         self.audit = audit or NoAudit()
         self.limits = Limits(state.cfg.limits, state.cfg.rounds.heartbeat_s)
+        self.streams = OpenStreams(state.cfg.limits, state.members.revoked, self._wake, stop)  # watches, fetches, pulls
+
+    def _wake(self) -> None:
+        with self.state.cond:
+            self.state.cond.notify_all()
 
     def _ranks(self, island_id: str) -> int:
         island = self.state.islands.get(island_id)
@@ -219,7 +225,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
 
     def _result(
         self, island_id: str, delta_from_round: int | None, ranges: list[FlatRange] | None = None,
-        fragment: int | None = None, want_mean: bool = False, held_s: float = 0.0, context=None,
+        fragment: int | None = None, want_mean: bool = False, held_s: float = 0.0, context=None, ticket: Ticket | None = None,
     ) -> Iterator[pb.ResultMessage | bytes]:
         """The global parameters: as fp32 values, or as the last round's delta when the island can take it.
 
@@ -227,8 +233,9 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         ranges, and the header carries their checksum so the rank can verify
         what it holds. With a fragment, only that fragment's parameters (and,
         for eager updates, the round's mean pseudo-gradient after them). Sent at
-        the client's pace holding no lock; context's call is cancelled should the
-        values it reads be dropped (publish.py Publication._supersede).
+        the client's pace holding no lock; a revoked caller is refused at its
+        next message (ticket), and context's call is cancelled should the values
+        it reads be dropped (publish.py Publication._supersede).
         """
         cancel = context.cancel if context is not None else (lambda: None)
         with self._reading(fragment, delta_from_round, want_mean, ranges, cancel) as reading:
@@ -238,6 +245,8 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                 header.push_codec = self.state.advise_codec(island_id, fragment, header.round)
             sent = 0
             for message in self._messages(reading, ranges, fragment):
+                if ticket is not None:
+                    ticket.check()
                 sent += len(message) if isinstance(message, bytes) else message.ByteSize()
                 yield message
         self.state.count_down(header.round, island_id, sent, fragment or 0)
@@ -259,6 +268,10 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                 trailer.ranges_checksum = self.state.fragment(fragment).ranges_checksum_after(reading.stream, ranges)
             yield pb.ResultMessage(trailer=trailer)
 
+    def _credential(self, context) -> str | None:
+        """The caller's credential (mutual TLS), None without TLS; refused when revoked or naming no island."""
+        return self._caller(context, "")
+
     @_refusals
     def FetchParameters(self, request: pb.FetchRequest, context) -> Iterator[pb.ResultMessage]:
         credential = self._caller(context, request.island_id)
@@ -270,8 +283,9 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         ranges = self._ranges(request.ranges, fragment)
         # An observer (no island id) counts under its credential, or without TLS its host.
         holder = request.island_id or (credential or context.peer().rsplit(":", 1)[0])
-        with self.limits.stream("result", holder, self._ranks(request.island_id)):
-            yield from self._result(request.island_id or "observer", None, ranges, fragment, context=context)
+        with self.limits.stream("result", holder, self._ranks(request.island_id)), \
+                self.streams.open("fetch", credential, context.cancel) as ticket:
+            yield from self._result(request.island_id or "observer", None, ranges, fragment, context=context, ticket=ticket)
 
     @_refusals
     def PushPseudoGradient(self, request_iterator: Iterator[pb.PushMessage], context) -> pb.PushResponse:
@@ -311,18 +325,20 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
 
     @_refusals
     def PullRoundResult(self, request: pb.PullRequest, context) -> Iterator[pb.ResultMessage]:
-        self._caller(context, request.island_id)
+        credential = self._caller(context, request.island_id)
         self.state.touch(request.island_id)
         ranges = self._ranges(request.ranges, request.fragment)
         if not 0 <= request.timeout_s < math.inf:  # NaN too: a wait that never ends, or ends at once for ever
             raise Refused(Reason.BAD_REQUEST, f"timeout_s must be a finite number of seconds >= 0, got {request.timeout_s}")
         # Counted from the wait on: a waiting pull holds one of the server's threads.
-        with self.limits.stream("result", request.island_id, self._ranks(request.island_id)):
+        with self.limits.stream("result", request.island_id, self._ranks(request.island_id)), \
+                self.streams.open("pull", credential, context.cancel) as ticket:
             held = self.state.wait_for_result(request.island_id, request.round, min(request.timeout_s or 600.0, 3600.0),
-                                              request.fragment, ranges)
+                                              request.fragment, ranges, lambda: ticket.revoked)
+            ticket.check()
             yield from self._result(
                 request.island_id, request.round if request.accept_delta else None, ranges, request.fragment, request.want_mean, held,
-                context,
+                context, ticket,
             )
 
     @_refusals
@@ -350,8 +366,15 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         ranges = ledger.lease(request.island_id, request.index, request.samples, self.state.canonical_members())
         return pb.LeaseResponse(index=request.index, ranges=[pb.SampleRange(start=a, stop=b) for a, b in ranges])
 
+    @_refusals
     def WatchRounds(self, request: pb.WatchRequest, context) -> Iterator[pb.RoundSummary]:
-        yield from self.state.watch(request.from_round, self.stop, context.is_active)  # a caller gone frees its thread
+        """Round summaries as rounds close. Each watch holds a server thread for as long as it lasts: a revoked
+        credential is refused, and watches are bounded per credential and in all (coordinator/streams.py)."""
+        credential = self._credential(context)
+        with self.streams.open("watch", credential, context.cancel) as ticket:
+            # A caller gone frees its thread (is_active); a revoked one is refused within half a second (check).
+            yield from self.state.watch(request.from_round, self.stop, context.is_active, ticket.check)
+
 
 
 def add_to_server(service: CoordinatorService, server: grpc.Server) -> None:

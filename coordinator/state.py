@@ -257,8 +257,9 @@ class CoordinatorState:
     def receive(self, header: pb.PushHeader, chunks: Iterator[pb.TensorChunk]) -> pb.PushResponse:
         return self.fragment(header.fragment).receive(header, chunks)
 
-    def wait_for_result(self, island_id: str, round_: int, timeout_s: float, fragment: int = 0, ranges=None) -> float:
-        return self.fragment(fragment).wait_for_result(island_id, round_, timeout_s, ranges)
+    def wait_for_result(self, island_id: str, round_: int, timeout_s: float, fragment: int = 0, ranges=None,
+                        interrupted: Callable[[], bool] = lambda: False) -> float:
+        return self.fragment(fragment).wait_for_result(island_id, round_, timeout_s, ranges, interrupted)
 
     def count_down(self, round_: int, island_id: str, n: int, fragment: int = 0) -> None:
         self.fragment(fragment).count_down(round_, island_id, n)
@@ -326,10 +327,13 @@ class CoordinatorState:
 
     # --- watching -------------------------------------------------------------------
 
-    def watch(self, from_round: int, stop: threading.Event, active: Callable[[], bool] = lambda: True) -> Iterator[pb.RoundSummary]:
-        """Round summaries from from_round on, until the run finishes, stop is set or the caller is gone (active)."""
+    def watch(self, from_round: int, stop: threading.Event, active: Callable[[], bool] = lambda: True,
+              check: Callable[[], None] = lambda: None) -> Iterator[pb.RoundSummary]:
+        """Round summaries from from_round on, until the run finishes, stop is set or the caller is gone (active).
+        check() runs at least every half second: it raises to end the watch (the caller was revoked)."""
         index = 0
         while not stop.is_set() and active():
+            check()
             with self.cond:
                 self.cond.wait_for(lambda: len(self.summaries) > index or stop.is_set(), 0.5)
                 pending = self.summaries[index:]

@@ -55,7 +55,15 @@ class LimitsConfig:
     # (coordinator/spool.py): kept once allocated, so the coordinator's memory stays a few models whatever the
     # number of islands. 0: every push waits on disk.
     spool_memory_models: float = 1.0
+    # Round watches (WatchRounds) one credential may hold open at once, and all callers together: each holds one
+    # of the coordinator's server threads while it lasts, so the total stays well under the threads kept beyond
+    # the islands' own (coordinator/server.py). Beyond either: TOO_MANY_STREAMS. Without mutual TLS only the
+    # total holds (there is no credential to count by).
+    watch_streams_per_credential: int = 2
+    watch_streams: int = 8
 
     def valid(self) -> bool:
+        if min(self.watch_streams_per_credential, self.watch_streams) <= 0:
+            return False
         return (min(self.push_streams_per_rank, self.push_idle_s, self.heartbeats_per_interval, self.joins_per_minute,
                     self.spool_gb, self.departed_kept) > 0 and self.idle_rounds >= 0 and self.spool_memory_models >= 0)

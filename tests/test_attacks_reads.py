@@ -1,4 +1,4 @@
-"""A stolen island key must not wreck a run through its reads: a stalled fetch or pull, overlapping ranges.
+"""A stolen island key must not wreck a run through its reads: a stalled fetch or pull, overlapping ranges, held watches.
 
 The attacker ("mallory") holds a valid island certificate of the run's CA and talks to the coordinator with the
 generated stubs, as anyone with the .proto can. Its channel turns HTTP/2's window probing off, so that a call it
@@ -16,6 +16,7 @@ from contextlib import contextmanager
 import grpc
 import pytest
 import torch
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from conftest import claim, tiny_config
 from coordinator.server import start_coordinator
@@ -207,3 +208,60 @@ def test_overlapping_ranges_and_more_than_the_model_are_refused(coordinator, cha
                                                     ranges=bad["overlapping"]), timeout=60))
     assert reason_of(e.value) == Reason.BAD_REQUEST
 
+
+def test_held_watches_are_bounded_per_credential_and_rounds_keep_closing(coordinator, channels, run_ca):
+    c = coordinator()
+    cfg = c.state.cfg
+    mallory = pb_grpc.CoordinatorStub(channels(c, "mallory"))
+    watches = [mallory.WatchRounds(pb.WatchRequest(from_round=0), timeout=600) for _ in range(120)]
+    bound = cfg.limits.watch_streams_per_credential
+    deadline = time.monotonic() + 60
+    while sum(w.done() for w in watches) < len(watches) - bound and time.monotonic() < deadline:
+        time.sleep(0.1)
+    refused = [w for w in watches if w.done()]
+    assert len(refused) == len(watches) - bound  # 160 held calls took every server thread: no round, no health check
+    assert {reason_of(w) for w in refused} == {Reason.TOO_MANY_STREAMS}
+    ca, cert, key = credentials.island_files(run_ca, "east").read()
+    with grpc.secure_channel(f"127.0.0.1:{c.port}", grpc.ssl_channel_credentials(ca, key, cert)) as channel:
+        health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""), timeout=10)
+    assert health.status == health_pb2.HealthCheckResponse.SERVING
+    try:
+        with members(Member(channels(c, "east"), cfg), Member(channels(c, "west"), cfg)):
+            assert rounds_close(c, 3) == 3
+            held = [w for w in watches if not w.done()]
+            assert len(held) == bound and all(next(w).round == 0 for w in held)  # the watches it may hold still work
+    finally:
+        for w in watches:
+            w.cancel()
+
+
+def test_a_revoked_credentials_open_streams_end_and_its_new_calls_are_refused(coordinator, channels, run_ca):
+    c = coordinator()
+    cfg = c.state.cfg
+    mallory_channel = channels(c, "mallory")
+    mallory = pb_grpc.CoordinatorStub(mallory_channel)
+    east = Member(channels(c, "east"), cfg)  # joined, never pushes: round 0 stays open
+    member = Member(mallory_channel, cfg)
+    member.push()
+    waiting = mallory.PullRoundResult(pb.PullRequest(island_id=member.island_id, round=0, timeout_s=300), timeout=600)
+    watch = mallory.WatchRounds(pb.WatchRequest(from_round=0), timeout=600)
+    stalled = mallory.FetchParameters(pb.FetchRequest(), timeout=600)
+    assert next(stalled).HasField("header")
+    time.sleep(1.0)  # every call reached its handler
+    assert not any(call.done() for call in (waiting, watch, stalled))
+    assert credentials.revoke(run_ca, "mallory", "key leaked")
+    for call in (waiting, watch):
+        with pytest.raises(grpc.RpcError) as e:
+            next(call)
+        assert reason_of(e.value) == Reason.REVOKED
+    time.sleep(5.0)  # stalled in a send, it would never read a refusal: cancelled a couple of seconds after
+    with pytest.raises(grpc.RpcError) as e:
+        list(stalled)
+    assert e.value.code() == grpc.StatusCode.CANCELLED or reason_of(e.value) == Reason.REVOKED
+    for call in (lambda: next(mallory.WatchRounds(pb.WatchRequest(from_round=0), timeout=30)),
+                 lambda: next(mallory.FetchParameters(pb.FetchRequest(), timeout=30))):
+        with pytest.raises(grpc.RpcError) as e:
+            call()
+        assert reason_of(e.value) == Reason.REVOKED
+    with members(east, Member(channels(c, "west"), cfg)):
+        assert rounds_close(c, 3) == 3
