@@ -376,7 +376,6 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             yield from self.state.watch(request.from_round, self.stop, context.is_active, ticket.check)
 
 
-
 def add_to_server(service: CoordinatorService, server: grpc.Server) -> None:
     """The generated registration, except that result streams also take messages serialized already, and a
     push's chunk messages arrive as ChunkViews (diloco/frames.py)."""
