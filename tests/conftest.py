@@ -123,6 +123,43 @@ def make_coordinator(tmp_path):
 
 
 @pytest.fixture
+def run_ca(tmp_path) -> Path:
+    """A run's CA and certificates: the coordinator's for 127.0.0.1; one-rank islands east, west and mallory (the
+    attacker's: a valid key); a two-rank (FSDP) island, sharded; and legacy, issued before certificates carried ranks."""
+    from diloco import credentials
+
+    d = tmp_path / "tls"
+    credentials.create_ca(d)
+    credentials.issue_coordinator(d, ["127.0.0.1"])
+    for name in ("east", "west", "mallory"):
+        credentials.issue_island(d, name)
+    credentials.issue_island(d, "sharded", ranks=2)
+    credentials.issue_island(d, "legacy", ranks=None)
+    return d
+
+
+@pytest.fixture
+def tls_coordinator(run_ca, tmp_path):
+    """Starts coordinators with mutual TLS (run_ca's certificates, its revoked.json re-read at every check) on
+    127.0.0.1, and stops every one of them after the test."""
+    from diloco import credentials
+
+    started = []
+
+    def start(cfg, audit_url: str = ""):
+        c = start_coordinator(cfg, "127.0.0.1", 0, spool_dir=str(tmp_path / f"tls-spool{len(started)}"),
+                              tls=credentials.coordinator_files(run_ca),
+                              revocations=credentials.RevocationList(run_ca / "revoked.json", check_interval_s=0.0),
+                              audit_url=audit_url)
+        started.append(c)
+        return c
+
+    yield start
+    for c in started:
+        c.stop(0.5)
+
+
+@pytest.fixture
 def channel_to():
     channels = []
 

@@ -38,15 +38,6 @@ from islands import telemetry
 from islands.telemetry import METRICS_HANDLERS, MetricsServer
 
 
-@pytest.fixture
-def run_ca(tmp_path) -> Path:
-    d = tmp_path / "tls"
-    credentials.create_ca(d)
-    credentials.issue_coordinator(d, ["127.0.0.1"])
-    for name in ("east", "west"):
-        credentials.issue_island(d, name)
-    return d
-
 
 def _join(stub, **fields) -> str:
     return stub.Join(pb.JoinRequest(protocol_version=PROTOCOL_VERSION, **fields), timeout=30).island_id

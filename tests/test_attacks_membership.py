@@ -22,7 +22,6 @@ import torch
 
 from conftest import claim, tiny_config, wait_for_round
 from coordinator.membership import Membership
-from coordinator.server import start_coordinator
 from coordinator.web import RunWebServer
 from diloco import credentials
 from diloco.codec import Fp32Codec
@@ -35,33 +34,6 @@ from diloco.wire import PROTOCOL_VERSION, push_messages, tensor_chunks
 MB = 1 << 20
 
 
-@pytest.fixture
-def run_ca(tmp_path):
-    """A run's CA: honest one-rank islands, a two-rank (FSDP) island, the attacker's one-rank certificate, and a
-    certificate issued before certificates carried ranks."""
-    d = tmp_path / "tls"
-    credentials.create_ca(d)
-    credentials.issue_coordinator(d, ["127.0.0.1"])
-    for name in ("east", "west", "mallory"):
-        credentials.issue_island(d, name)
-    credentials.issue_island(d, "sharded", ranks=2)
-    credentials.issue_island(d, "legacy", ranks=None)
-    return d
-
-
-@pytest.fixture
-def tls_coordinator(run_ca, tmp_path):
-    started = []
-
-    def start(cfg):
-        c = start_coordinator(cfg, "127.0.0.1", 0, spool_dir=str(tmp_path / f"spool{len(started)}"),
-                              tls=credentials.coordinator_files(run_ca))
-        started.append(c)
-        return c
-
-    yield start
-    for c in started:
-        c.stop(0.5)
 
 
 @pytest.fixture

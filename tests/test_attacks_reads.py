@@ -19,7 +19,6 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from conftest import claim, tiny_config
-from coordinator.server import start_coordinator
 from diloco import credentials
 from diloco.codec import Fp32Codec
 from diloco.params import ranges_checksum
@@ -33,30 +32,11 @@ SMALL = ("model.d_model=64", "model.n_layers=2", "model.d_ff=256", "model.n_head
          "rounds.lease_s=600")
 
 
-@pytest.fixture
-def run_ca(tmp_path):
-    d = tmp_path / "tls"
-    credentials.create_ca(d)
-    credentials.issue_coordinator(d, ["127.0.0.1"])
-    for name in ("east", "west", "mallory"):
-        credentials.issue_island(d, name)
-    return d
-
 
 @pytest.fixture
-def coordinator(run_ca, tmp_path):
-    started = []
-
-    def start(*overrides: str):
-        c = start_coordinator(tiny_config(*SMALL, *overrides), "127.0.0.1", 0, spool_dir=str(tmp_path / f"spool{len(started)}"),
-                              tls=credentials.coordinator_files(run_ca),
-                              revocations=credentials.RevocationList(run_ca / "revoked.json", check_interval_s=0.0))
-        started.append(c)
-        return c
-
-    yield start
-    for c in started:
-        c.stop(0.5)
+def coordinator(tls_coordinator):
+    """Starts a coordinator of the SMALL model with mutual TLS (conftest's tls_coordinator)."""
+    return lambda *overrides: tls_coordinator(tiny_config(*SMALL, *overrides))
 
 
 @pytest.fixture

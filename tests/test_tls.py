@@ -26,31 +26,6 @@ from islands.island import Island
 from islands.world import IslandWorld
 
 
-@pytest.fixture
-def run_ca(tmp_path):
-    d = tmp_path / "tls"
-    credentials.create_ca(d)
-    credentials.issue_coordinator(d, ["127.0.0.1"])
-    for name in ("east", "west"):
-        credentials.issue_island(d, name)
-    return d
-
-
-@pytest.fixture
-def tls_coordinator(run_ca, tmp_path):
-    started = []
-
-    def start(cfg, audit_url: str = ""):
-        c = start_coordinator(cfg, "127.0.0.1", 0, spool_dir=str(tmp_path / f"spool{len(started)}"),
-                              tls=credentials.coordinator_files(run_ca),
-                              revocations=credentials.RevocationList(run_ca / "revoked.json", check_interval_s=0.0),
-                              audit_url=audit_url)
-        started.append(c)
-        return c
-
-    yield start
-    for c in started:
-        c.stop(0.5)
 
 
 def _stub(run_ca, port: int, name: str) -> tuple[grpc.Channel, pb_grpc.CoordinatorStub]:
