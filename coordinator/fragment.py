@@ -191,9 +191,7 @@ class FragmentRounds(PushIntake):
                     header.ranges_checksum = ranges_checksum(
                         (r.name, r.offset, pub.params[r.name].view(-1)[r.offset : r.end]) for r in ranges)
                 if reading.delta is None:
-                    values, done = pub.open_values(cancel)
-                    reading.values.append(values)
-                    reading.releases.append(done)
+                    reading.add_values(pub, cancel)
         try:
             yield reading
         finally:

@@ -236,6 +236,12 @@ class Reading:
     stream: DeltaStream | None = None  # an update streamed as it is made: its trailer completes the header
     releases: list[Callable[[], None]] = field(default_factory=list)
 
+    def add_values(self, publication: Publication, cancel: Callable[[], None]) -> None:
+        """Takes the publication's current version of the values (caller holds the read lock) and its release."""
+        values, release = publication.open_values(cancel)
+        self.values.append(values)
+        self.releases.append(release)
+
     def value_messages(self, ranges: list[FlatRange] | None) -> Iterator[bytes]:
         messages = (m for v in self.values for m in v.messages())
         return (m.data for m in messages) if ranges is None else range_messages(messages, ranges)

@@ -244,9 +244,7 @@ class CoordinatorState:
                     (r.name, r.offset, self.params[r.name].view(-1)[r.offset : r.end]) for r in ranges)
             reading = Reading(header)
             for f in self.fragments:
-                values, done = f.publication.open_values(cancel)
-                reading.values.append(values)
-                reading.releases.append(done)
+                reading.add_values(f.publication, cancel)
         try:
             yield reading
         finally:
