@@ -10,6 +10,8 @@ or lost.
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from conftest import kill_all_and_resume, tiny_config
@@ -111,4 +113,28 @@ def test_coordinator_restarted_behind_its_islands_replays_rounds_with_their_weig
     # holds 3 more steps than H (diloco/fragments.py start_step): trained and folded, not lost.
     whole = 2 * rounds * 6 * PER_STEP
     assert {f: sum(t) for f, t in tokens.items()} == {0: whole + 2 * 3 * PER_STEP, 1: whole}
+    assert set(report["islands"].values()) == {report["checksum"]}
+
+
+def test_an_island_joining_mid_run_is_taken_with_its_weight(tmp_path):
+    """An island that joins after round 1 closed starts every fragment at the earliest of their round starts
+    (diloco/fragments.py start_step): its first round of fragment 0 holds H + o_1 steps, an honest claim."""
+    cfg = _config(2, 1, "rounds.rounds=20", "rounds.min_islands=1", "rounds.heartbeat_s=0.5", "rounds.lease_s=30")
+    # Island 0 at 0.1 s a step (0.6 s a round): the run is still going when island 1 is up.
+    sim = Simulation(cfg, 2, tmp_path, island_args={0: ["--throttle", "0.1"]})
+    try:
+        sim.started = time.monotonic()
+        sim.start_coordinator()
+        sim.start_island(0)
+        for summary in sim.watch(300):
+            if summary.fragment == 0 and summary.round == 1 and 1 not in sim.island_procs:
+                sim.start_island(1)
+        report = sim.finish(300).report
+    finally:
+        sim.close()
+    assert report["events"]["refusals"] == {}, report["events"]["refusals"]
+    tokens = _fragment_tokens(report)
+    assert all(t > 0 for per_round in tokens.values() for t in per_round), tokens
+    later = [r for r in report["rounds"] if len(r["islands"]) == 2]
+    assert later, "the second island never contributed"
     assert set(report["islands"].values()) == {report["checksum"]}
