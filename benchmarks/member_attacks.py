@@ -42,6 +42,10 @@ class AttackedSimulation(Simulation):
         super().__init__(*args, **kwargs)
         self.mode = mode
 
+    def failed_island(self) -> str | None:
+        # The attacker's process exits with an error when it is refused: the honest islands' run goes on.
+        return None if self.mode != "honest" else super().failed_island()
+
     def _spawn(self, args: list[str], log_name: str) -> subprocess.Popen:
         if log_name != "island-2.log" or self.mode == "honest":
             return super()._spawn(args, log_name)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 
 from conftest import tiny_config
 from islands.sim.simulation import run_sim
@@ -47,3 +48,23 @@ def test_island_metrics_ports_lie_below_the_ephemeral_range_and_apart():
         with socket.socket() as s:
             s.bind(("127.0.0.1", port))  # free when handed out
         chosen.append(port)
+
+
+def test_an_island_that_fails_ends_the_simulation_at_once_naming_it(tmp_path):
+    """An island exiting with an error of its own (here a bad flag) would hold every round until the timeout: the
+    simulation stops as soon as it sees the exit, with the island's last log line."""
+    import pytest
+
+    from islands.sim.simulation import Simulation
+
+    cfg = tiny_config("rounds.rounds=3", "rounds.min_islands=2", "data.shards=2")
+    sim = Simulation(cfg, 2, tmp_path, island_args={1: ["--throttle", "-1"]})
+    try:
+        sim.start()
+        with pytest.raises(RuntimeError) as e:
+            for _ in sim.watch(600):
+                pass
+    finally:
+        sim.close()
+    assert "island 1 exited with status 2" in str(e.value) and "--throttle" in str(e.value)
+    assert time.monotonic() - sim.started < 300  # far from the 600 s it would have waited

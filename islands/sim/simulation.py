@@ -17,8 +17,9 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
-from collections.abc import Collection, Iterator
+from collections.abc import Collection, Generator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -125,6 +126,7 @@ class Simulation:
         self.env = dict(os.environ, PYTHONUNBUFFERED="1")
         self.coordinator: subprocess.Popen | None = None
         self.island_procs: dict[int, subprocess.Popen] = {}
+        self.killed: set[int] = set()  # islands this simulation SIGKILLed (chaos): their exit is not a failure
         self.port = 0
         self.http_port = 0  # the coordinator's dashboard and metrics: any free port, then kept across restarts
         self.metrics_ports: dict[int, int] = {}  # each island's /metrics
@@ -191,6 +193,7 @@ class Simulation:
         if resume:
             args.append("--resume")
         self.island_procs[i] = self._spawn(args + list(self.island_args.get(i, ())), f"island-{i}.log")
+        self.killed.discard(i)
 
     def start(self) -> None:
         self.started = time.monotonic()
@@ -199,35 +202,72 @@ class Simulation:
             self.start_island(i)
 
     def kill_island(self, i: int) -> None:
+        self.killed.add(i)
         self.island_procs[i].send_signal(signal.SIGKILL)
         self.island_procs[i].wait()
+
+    def failed_island(self) -> str | None:
+        """Why the run cannot finish, if an island exited with an error of its own (not killed by us): the rounds
+        would wait for it until the timeout. Its log's last line says why."""
+        for i, proc in sorted(self.island_procs.items()):
+            if proc.poll() not in (None, 0) and i not in self.killed:
+                log = self.workdir / f"island-{i}.log"
+                lines = log.read_text(errors="replace").strip().splitlines() if log.exists() else []
+                return f"island {i} exited with status {proc.returncode}: {lines[-1] if lines else '(no output)'}; see {log}"
+        return None
 
     def kill_coordinator(self) -> None:
         self.coordinator.send_signal(signal.SIGKILL)
         self.coordinator.wait()
 
     def watch(self, timeout_s: float) -> Iterator[pb.RoundSummary]:
-        """Round summaries until the run finishes, across coordinator restarts."""
+        """Round summaries until the run finishes, across coordinator restarts. Raises RuntimeError as soon as an
+        island exits with an error of its own (failed_island), rather than waiting out the timeout for it."""
         deadline = self.started + timeout_s
         next_round: dict[int, int] = {}  # per fragment
-        while time.monotonic() < deadline:
+        current: list[grpc.Future] = []  # the stream being read, for the monitor to cancel
+        done = threading.Event()
+
+        def monitor() -> None:
+            while not done.wait(0.5):
+                if self.failed_island() is not None:
+                    for stream in list(current):
+                        stream.cancel()
+                    return
+
+        threading.Thread(target=monitor, name="sim-island-monitor", daemon=True).start()
+        try:
+            finished = yield from self._summaries(deadline, next_round, current)
+        finally:
+            done.set()
+        if finished:
+            return
+        if (why := self.failed_island()) is not None:
+            raise RuntimeError(why)
+        raise TimeoutError(f"the run did not finish within {timeout_s:.0f}s; see {self.workdir}")
+
+    def _summaries(self, deadline: float, next_round: dict[int, int], current: list) -> Generator[pb.RoundSummary, None, bool]:
+        """The round summaries of watch(); returns True once the run finished, False when the deadline passed or an
+        island failed."""
+        while time.monotonic() < deadline and self.failed_island() is None:
             try:
                 with self._channel() as channel:
                     stub = pb_grpc.CoordinatorStub(channel)
                     stream = stub.WatchRounds(pb.WatchRequest(from_round=0), timeout=deadline - time.monotonic(),
                                               wait_for_ready=True)
+                    current[:] = [stream]
                     for summary in stream:
                         if summary.round < next_round.get(summary.fragment, 0):
                             continue  # already seen before a coordinator restart
                         next_round[summary.fragment] = summary.round + 1
                         yield summary
                         if summary.run_finished:
-                            return
+                            return True
             except grpc.RpcError as e:
-                if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
-                    break
+                if e.code() in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED):
+                    return False
                 time.sleep(0.5)  # the coordinator is down or restarting
-        raise TimeoutError(f"the run did not finish within {timeout_s:.0f}s; see {self.workdir}")
+        return False
 
     def _channel(self) -> grpc.Channel:
         address = f"127.0.0.1:{self.port}"
