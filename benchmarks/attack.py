@@ -167,8 +167,9 @@ def join_flood() -> str:
 
 
 def idle_member(rounds: int = 7) -> str:
+    # first_quorum 1: the worker pushes alone from round 0 (the subject is the idler, not the run's first step).
     cfg = load_config(None, TINY + [f"rounds.rounds={rounds + 1}", "rounds.min_islands=1", "rounds.deadline_s=2",
-                                    "robust.check_claims=false"])
+                                    "robust.check_claims=false", "robust.first_quorum=1"])
     c = start_coordinator(cfg, "127.0.0.1", 0, spool_dir=tempfile.mkdtemp(prefix="diloco-attack-"))
     channel = grpc.insecure_channel(f"127.0.0.1:{c.port}")
     try:

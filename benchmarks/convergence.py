@@ -245,7 +245,8 @@ def run_outer(
         load_params(start, global_params)  # evaluate what the islands hold
         evaluate_at((round_ + 1) * h, start)
     per = rounds * setup.islands
-    log.info("norm guard (robust.enabled=%s): %d of %d contributions clipped or dropped", cfg.robust.enabled, clipped, per)
+    log.info("norm guard (robust.enabled=%s): %d of %d contributions clipped or dropped; the least cosine between two "
+             "islands' pushes of a round: %.3f", cfg.robust.enabled, clipped, per, wire.least_cosine)
     return sum(round_losses) / len(round_losses), wire.bytes_up // per, wire.bytes_down // per
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 
 from coordinator.publish import Publication  # the coordinator's own downlink arithmetic
@@ -14,7 +15,7 @@ from diloco.codec import get_codec
 from diloco.config import ConfigError, RunConfig
 from diloco.feedback import ErrorFeedback
 from diloco.outer import PseudoGradientAccumulator
-from diloco.robust import NormGuard
+from diloco.robust import NormGuard, Sketcher
 from diloco.v1 import diloco_pb2 as pb
 from diloco.wire import Manifest, decode_chunk, downlink_codec, tensor_chunks, uplink_codec
 
@@ -39,25 +40,33 @@ class Wire:
                          for _ in range(islands)]
         self.publication = Publication(outer_params, downlink_codec(cfg.wire), cfg.wire.chunk_bytes)
         self.bytes_up = self.bytes_down = 0
+        self.sketcher = Sketcher(b"convergence")  # the guard's direction check, as the coordinator sketches at intake
+        self.least_cosine = math.inf  # the lowest cosine between two islands' pushes of a round, over the run
 
-    def push(self, island: int, pg: dict[str, torch.Tensor]) -> tuple[list, float]:
-        """The island's pseudo-gradient as the coordinator receives it: (chunk, decoded values) pairs, and the
-        sum of squares of the values (what the norm guard judges)."""
-        received, sumsq = [], 0.0
+    def push(self, island: int, pg: dict[str, torch.Tensor]) -> tuple[list, float, np.ndarray]:
+        """The island's pseudo-gradient as the coordinator receives it: (chunk, decoded values) pairs, the sum of
+        squares of the values and their sketch (what the guard judges)."""
+        received, sumsq, sketch = [], 0.0, self.sketcher.empty()
         for chunk in tensor_chunks(pg, self.codec, self.cfg.wire.chunk_bytes, feedback=self.feedback[island]):
             self.bytes_up += pb.PushMessage(chunk=chunk).ByteSize()
             values = decode_chunk(chunk, self.manifest, self.codec)
             received.append((chunk, values))
             sumsq += float(torch.dot(values.double(), values.double()))
-        return received, sumsq
+            self.sketcher.add(sketch, chunk.name, chunk.offset, values.numpy())
+        return received, sumsq, sketch
 
-    @staticmethod
-    def fold_round(accumulator: PseudoGradientAccumulator, pushed: list[tuple[list, float]], tokens: int,
+    def fold_round(self, accumulator: PseudoGradientAccumulator, pushed: list[tuple[list, float, np.ndarray]], tokens: int,
                    guard: NormGuard, lr_sum: float) -> int:
-        """As coordinator/fold.py folds a round: the guard judges every push's norm per unit of inner lr, then each
-        is folded in island order with its token weight times its factor. Returns how many were clipped or dropped."""
-        verdict = guard.judge({str(i): math.sqrt(sumsq) / lr_sum for i, (_, sumsq) in enumerate(pushed)})
-        for i, (received, _) in enumerate(pushed):
+        """As coordinator/fold.py folds a round: the guard judges every push's norm per unit of inner lr and its
+        direction, then each is folded in island order with its token weight times its factor. Returns how many were
+        clipped or dropped."""
+        verdict = guard.judge({str(i): math.sqrt(sumsq) / lr_sum for i, (_, sumsq, _) in enumerate(pushed)}, "",
+                              {str(i): sketch for i, (_, _, sketch) in enumerate(pushed)})
+        sketches = [sketch / max(np.linalg.norm(sketch), 1e-30) for _, _, sketch in pushed]
+        for i, a in enumerate(sketches):
+            for b in sketches[i + 1:]:
+                self.least_cosine = min(self.least_cosine, float(a @ b))
+        for i, (received, _, _) in enumerate(pushed):
             factor = verdict.factors[str(i)]
             if factor == 0.0:
                 continue

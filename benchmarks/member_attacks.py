@@ -7,7 +7,9 @@ baseline, one row per seed: the seed-to-seed spread) or an attacker whose push i
 changed within the protocol's rules:
 
 - ranks: joins declaring 4096 ranks and claims 4096x its tokens (item 1);
-- round0: pushes 1,000x its pseudo-gradient in round 0 (item 2);
+- round0: pushes 1,000x its pseudo-gradient in round 0, beside the others (item 2);
+- lone: joins first and pushes 1,000x its pseudo-gradient in round 0 before the others have joined, with the
+  default rounds.min_islands (1) (item 2);
 - lrpeak: says its steps sat at the inner lr's peak and pushes 19.8x its
   pseudo-gradient (item 3);
 - direction: pushes -2.7x its pseudo-gradient every round (item 4).
@@ -26,13 +28,15 @@ import re
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 from diloco.config import load_config
 from islands.sim.simulation import Simulation
 
-MODES = ("ranks", "round0", "lrpeak", "direction")
-SCALE = {"round0": 1000.0, "lrpeak": 19.8, "direction": -2.7}
+MODES = ("ranks", "round0", "lone", "lrpeak", "direction")
+SCALE = {"round0": 1000.0, "lone": 1000.0, "lrpeak": 19.8, "direction": -2.7}
+LONE_PUSHED = "attacker pushed round 0"
 
 
 class AttackedSimulation(Simulation):
@@ -41,6 +45,21 @@ class AttackedSimulation(Simulation):
     def __init__(self, *args, mode: str = "honest", **kwargs):
         super().__init__(*args, **kwargs)
         self.mode = mode
+
+    def start(self) -> None:
+        if self.mode != "lone":
+            return super().start()
+        # The attacker joins first and pushes round 0 before the honest islands start (bounded: 300 s).
+        self.started = time.monotonic()
+        self.start_coordinator()
+        self.start_island(2)
+        log, deadline = self.workdir / "island-2.log", time.monotonic() + 300
+        while time.monotonic() < deadline and self.island_procs[2].poll() is None:
+            if log.exists() and LONE_PUSHED in log.read_text(errors="replace"):
+                break
+            time.sleep(0.5)
+        self.start_island(0)
+        self.start_island(1)
 
     def failed_island(self) -> str | None:
         # The attacker's process exits with an error when it is refused: the honest islands' run goes on.
@@ -64,7 +83,7 @@ def attack(mode: str, join_argv: list[str]) -> None:
     push, join = exchange.push, CoordinatorClient.join
 
     def changed_push(shard, ex, wire):
-        scale = SCALE.get(mode, 1.0) if mode != "round0" or ex.round == 0 else 1.0
+        scale = SCALE.get(mode, 1.0) if mode not in ("round0", "lone") or ex.round == 0 else 1.0
         saved = {n: t.detach().clone() for n, t in shard.local.items()}
         with torch.no_grad():  # local' = global - scale x (global - local): the pseudo-gradient scaled
             for n, t in shard.local.items():
@@ -75,7 +94,9 @@ def attack(mode: str, join_argv: list[str]) -> None:
         if mode == "lrpeak":
             ex.first_step = 20  # the tiny preset's warmup ends here: the lr's peak
         try:
-            return push(shard, ex, wire)
+            response = push(shard, ex, wire)
+            print(f"attacker pushed round {ex.round}", flush=True)
+            return response
         finally:
             ex.tokens, ex.first_step = tokens, first
             with torch.no_grad():
@@ -93,8 +114,9 @@ def attack(mode: str, join_argv: list[str]) -> None:
 
 
 def run(mode: str, seed: int, workdir: Path) -> dict:
-    # min_islands 2: an attacker refused at join leaves a run of the two honest islands.
-    cfg = load_config(None, ["wire.codec=e3m0", "wire.zstd=true", "rounds.rounds=12", "rounds.min_islands=2",
+    # min_islands 2: an attacker refused at join leaves a run of the two honest islands; lone runs the default (1).
+    min_islands = 1 if mode == "lone" else 2
+    cfg = load_config(None, ["wire.codec=e3m0", "wire.zstd=true", "rounds.rounds=12", f"rounds.min_islands={min_islands}",
                              "data.shards=3", f"seed={seed}"])
     sim = AttackedSimulation(cfg, 3, workdir, mode=mode)
     try:

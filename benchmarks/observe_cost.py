@@ -80,7 +80,9 @@ def island_hook_share(overrides: list[str], rounds: int = 10) -> tuple[float, fl
     from islands.island import Island
     from islands.world import IslandWorld
 
-    cfg = load_config(None, [*overrides, f"rounds.rounds={rounds}", "rounds.min_islands=1", "data.shards=1"])
+    # One island: its first outer step needs no second (robust.first_quorum, as diloco-sim sets for one island).
+    cfg = load_config(None, [*overrides, f"rounds.rounds={rounds}", "rounds.min_islands=1", "data.shards=1",
+                             "robust.first_quorum=1"])
     tmp = Path(tempfile.mkdtemp(prefix="diloco-observe-"))
     coordinator = start_coordinator(cfg, "127.0.0.1", 0, spool_dir=str(tmp / "spool"))
     world = IslandWorld.init("cpu")

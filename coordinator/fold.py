@@ -36,8 +36,11 @@ log = logging.getLogger(__name__)
 
 def judge(guard: NormGuard, contributions: list[tuple[str, Contribution]], label: str) -> Verdict:
     """The guard's verdict on norms per unit of inner learning rate (comparable across warmup and a
-    fragment's shorter first round); contributions trained on no tokens (zero weight) are not judged."""
-    return guard.judge({fold_key(island, c): math.sqrt(c.sumsq) / c.lr_sum for island, c in contributions if c.tokens}, label)
+    fragment's shorter first round) and on directions (the sketches made at intake); contributions trained on no
+    tokens (zero weight) are not judged."""
+    judged = [(fold_key(island, c), c) for island, c in contributions if c.tokens]
+    return guard.judge({key: math.sqrt(c.sumsq) / c.lr_sum for key, c in judged}, label,
+                       {key: c.sketch for key, c in judged if c.sketched and c.sketch is not None})
 
 
 def fold(accumulator: PseudoGradientAccumulator, codec: Codec, contributions: list[tuple[str, Contribution]],

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -53,7 +54,7 @@ from coordinator.spool import Spools
 from diloco.codec import Codec
 from diloco.config import RunConfig
 from diloco.outer import OuterOptimizer, PseudoGradientAccumulator
-from diloco.robust import NormGuard
+from diloco.robust import NormGuard, Sketcher
 from diloco.v1 import diloco_pb2 as pb
 from diloco.params import ranges_checksum
 from diloco.wire import FlatRange, Manifest, downlink_codec, tensor_chunks
@@ -92,6 +93,7 @@ class FragmentRounds(PushIntake):
         self.accumulator = PseudoGradientAccumulator(self.manifest.shapes)
         self.ahead = FoldAhead()  # what of the open round is folded already (the driver's thread only)
         self.guard = NormGuard(cfg.robust)
+        self.sketcher = Sketcher(os.urandom(16))  # keys only this process knows (diloco/robust.py)
         self.param_lock = ReadWriteLock()
         self.phase, self.round, self.round_opened_at = Phase.OPEN, 0, self.clock()
         self.contributions: dict[str, Contribution] = {}
@@ -214,11 +216,19 @@ class FragmentRounds(PushIntake):
         live = [i for i in self.members.waited_for() if i not in behind]
         overdue = self.clock() - self.round_opened_at > self.cfg.rounds.deadline_s
         done = [i for i, c in self.contributions.items() if c.state == "complete"]
-        reason = close_reason(done, live, self.dropped, overdue, self.cfg.rounds.min_islands, self.cfg.rounds.max_islands)
-        if reason is None and overdue and done and self.clock() - self._last_wait_log > 10:
-            self._last_wait_log = self.clock()
-            log.warning("%sround %d is past its %gs deadline with %d of min_islands=%d contributions; still waiting",
-                        self.label, self.round, self.cfg.rounds.deadline_s, len(done), self.cfg.rounds.min_islands)
+        quorum = min(self.guard.quorum(), self.cfg.rounds.max_islands)  # the first outer step's (diloco/robust.py)
+        least = max(self.cfg.rounds.min_islands, quorum)
+        reason = close_reason(done, live, self.dropped, overdue, least, self.cfg.rounds.max_islands)
+        if reason is None and done and self.clock() - self._last_wait_log > 10:
+            if len(done) < quorum and self.cfg.rounds.min_islands < quorum:
+                self._last_wait_log = self.clock()
+                log.warning("%sround %d has %d contribution(s); the run's first outer step waits for robust.first_quorum=%d "
+                            "(a lone first push has nothing to be judged against; a one-island run sets "
+                            "robust.first_quorum=1)", self.label, self.round, len(done), quorum)
+            elif overdue:
+                self._last_wait_log = self.clock()
+                log.warning("%sround %d is past its %gs deadline with %d of min_islands=%d contributions; still waiting",
+                            self.label, self.round, self.cfg.rounds.deadline_s, len(done), least)
         return reason
 
     def close(self, poll_s: float = 0.2) -> Closing | None:

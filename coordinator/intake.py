@@ -12,6 +12,8 @@ import math
 import time
 from collections.abc import Iterator
 
+import numpy as np
+
 from coordinator.ledger import ranges_of
 from coordinator.records import Contribution, Phase, Reason, Refused, check_claim, lr_sum
 from coordinator.spool import Spool
@@ -87,19 +89,24 @@ class PushIntake:
         # The island's spools hold at most its share: the spool split over the members (coordinator/spool.py).
         spool: Spool | None = self.ctx.spools.open(self.manifest.total_numel(), header.island_id, len(self.members.islands))
         ranges: list[tuple[str, int, int, float]] = []  # each chunk's address and sum of squares (the norm guard)
+        # The guard's direction check needs three contributions (a majority): a run of fewer members pays nothing for it.
+        robust = self.cfg.robust
+        sketch = self.sketcher.empty() if robust.enabled and robust.direction_check and len(self.members.islands) >= 3 else None
         try:
             for chunk in chunks:
                 payload = chunk.payload
                 try:
                     sumsq = self._verify(chunk, payload, codec)
                 except ChunkCorrupt as e:
-                    self._attach(header, spool, ranges, codec)
+                    self._attach(header, spool, ranges, codec, sketch)
                     spool = None  # the contribution owns the chunks kept so far
                     raise Refused(Reason.CORRUPT_CHUNK, f"{e}; resend from chunk {len(ranges)}", resend_from_chunk=len(ranges)) from e
                 except ChunkError as e:
                     raise Refused(Reason.BAD_CHUNK, str(e)) from e
                 if not math.isfinite(sumsq):
                     self._drop_nonfinite(header, chunk)
+                if sketch is not None:  # the guard's direction check (diloco/robust.py), off the close's path
+                    self.sketcher.add(sketch, chunk.name, chunk.offset, codec.decode(payload, chunk.numel).numpy())
                 spool.write(chunk.name, chunk.offset, chunk.numel, chunk.xxh3, payload)
                 ranges.append((chunk.name, chunk.offset, chunk.numel, sumsq))
                 size = framed_size(chunk, len(payload))
@@ -107,7 +114,7 @@ class PushIntake:
                 self._count(header.round, header.island_id, up=size)
             if self.ctx.links is not None:  # what this island's link delivers (compression per link)
                 self.ctx.links.observe(header.island_id, received, time.monotonic() - started)
-            return self._attach(header, spool, ranges, codec)
+            return self._attach(header, spool, ranges, codec, sketch)
         except BaseException:
             if spool is not None:
                 spool.discard()
@@ -127,7 +134,8 @@ class PushIntake:
         raise Refused(Reason.NOT_FINITE, f"pseudo-gradient is not finite in {chunk.name}; dropped from {self.label}round {header.round}: "
                       "resync and go on")
 
-    def _attach(self, header: pb.PushHeader, spool: Spool, ranges: list[tuple[str, int, int, float]], codec) -> pb.PushResponse:
+    def _attach(self, header: pb.PushHeader, spool: Spool, ranges: list[tuple[str, int, int, float]], codec,
+                sketch: np.ndarray | None) -> pb.PushResponse:
         spool.close()
         with self.cond:
             if self.phase is Phase.CLOSING and self.cfg.rounds.late_rounds:
@@ -151,6 +159,10 @@ class PushIntake:
             contribution.spools.append(spool)
             contribution.codecs.append(codec)
             contribution.sumsq += sum(r[3] for r in ranges)
+            if sketch is None:
+                contribution.sketched = False
+            else:
+                contribution.sketch = sketch if contribution.sketch is None else contribution.sketch + sketch
             elements = sum(r[2] for r in ranges)
             response = pb.PushResponse(accepted=True, elements=elements, late=bool(late), folded_into=self.round)
             if trial.problem():  # more streams of this island's contribution are still to come

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass, field
 
-import math
+import numpy as np
 
 from coordinator.spool import Spool
 from diloco.codec import Codec
@@ -38,6 +39,8 @@ class Contribution:
     state: str = "pending"  # pending -> folding -> committed
     samples: list[tuple[int, int]] = field(default_factory=list)  # token corpus: the positions trained on
     sumsq: float = 0.0  # of its values, summed as chunks arrive: the norm guard judges it at the close
+    sketch: np.ndarray | None = None  # its CountSketch, made as chunks arrive: the guard's direction check
+    sketched: bool = True  # every stream of it came with a sketch (a run below three members sketches nothing)
     lr_sum: float = 1.0  # the inner learning rates it was trained with, summed: its norm is judged per unit of it
     origin: int = 0  # the round it was trained for
     codecs: list[Codec] = field(default_factory=list)  # each spool's codec (compression per link: islands' codecs differ)

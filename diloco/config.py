@@ -125,6 +125,8 @@ class RunConfig:
             (self.checkpoint.every_rounds >= 1, "checkpoint.every_rounds must be >= 1"),
             (self.robust.norm_factor > 1 and self.robust.history >= 1 and self.robust.action in ("clip", "drop"),
              "robust.norm_factor must be > 1, robust.history >= 1 and robust.action 'clip' or 'drop'"),
+            (-1 <= self.robust.direction_cosine < 1 and self.robust.first_quorum >= 1,
+             "robust.direction_cosine must be in [-1, 1) and robust.first_quorum >= 1"),
             (self.checkpoint.keep_last >= 1, "checkpoint.keep_last must be >= 1"),
             (self.limits.valid(), "limits.*: every bound must be > 0 (limits.idle_rounds and limits.spool_memory_models >= 0; 0 turns them off)"),
         ]

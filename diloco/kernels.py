@@ -303,3 +303,24 @@ def _rice_bound_r(length: int, k: int) -> int:
     return r
 
 
+
+
+# --- CountSketch (the norm guard's direction check, diloco/robust.py) ------------------
+
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+_MIX1 = np.uint64(0xBF58476D1CE4E5B9)
+
+
+@numba.njit(cache=True, nogil=True)
+def _count_sketch(x, first, key, out):  # pragma: no cover - compiled
+    """Adds float32 values x, at positions first.. of one tensor whose hash key is `key`, into out (fp64, 2**14
+    long): position p goes to the bucket of h's top 14 bits with the sign of its bit 40, h a multiply-xorshift
+    hash of p ^ key. Linear, so a tensor sketched chunk by chunk in any split gives the same buckets. Branch-free
+    (a random sign as a branch costs 3x)."""
+    shift, s29, s40, one = np.uint64(64 - 14), np.uint64(29), np.uint64(40), np.uint64(1)
+    base = np.uint64(first)
+    for k in range(x.shape[0]):
+        h = ((base + np.uint64(k)) ^ key) * _GOLDEN
+        h = (h ^ (h >> s29)) * _MIX1
+        sign = np.float64(np.int64((h >> s40) & one) * 2 - 1)
+        out[np.int64(h >> shift)] += sign * x[k]

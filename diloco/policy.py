@@ -22,6 +22,13 @@ class RobustConfig:
     norm_factor: float = 3.0
     action: str = "clip"  # "clip" or "drop"
     history: int = 10
+    # Direction: a contribution whose cosine with a strict majority of the round's others is below
+    # direction_cosine is dropped (rounds of three or more; estimated from sketches made at intake).
+    direction_check: bool = True
+    direction_cosine: float = -0.1
+    # Until the guard has a reference (no round judged yet), a round closes only with this many contributions:
+    # a lone first push has nothing to be judged against. A one-island run sets 1.
+    first_quorum: int = 2
 
 
 @dataclass

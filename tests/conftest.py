@@ -58,6 +58,13 @@ def tiny_config(*overrides: str):
     return load_config(None, base + list(overrides))
 
 
+def one_island_config(*overrides: str):
+    """tiny_config for a run of one island: robust.first_quorum 1, as diloco-sim sets for one island. By default the
+    run's first outer step waits for a second island to judge the first against (diloco/robust.py); a test whose
+    subject is something else and that runs one island has no second."""
+    return tiny_config("robust.first_quorum=1", *overrides)
+
+
 def per_step(cfg) -> int:
     """The tokens one rank trains in one inner step: inner.batch_size x data.seq_len (128 in tiny_config)."""
     return cfg.inner.batch_size * cfg.data.seq_len

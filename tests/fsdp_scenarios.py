@@ -27,7 +27,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
 import torch  # noqa: E402
 
-from conftest import claim, tiny_config  # noqa: E402
+from conftest import claim, one_island_config, tiny_config  # noqa: E402
 from coordinator.server import start_coordinator  # noqa: E402
 from diloco.codec import Fp32Codec  # noqa: E402
 from diloco.v1 import diloco_pb2 as pb  # noqa: E402
@@ -226,8 +226,8 @@ def faults(workdir: Path, corpus: str = "") -> None:
 def torchrun(workdir: Path) -> None:
     """An island started by a plain torchrun (no launcher): 1 replica group x 2 FSDP ranks, pushing
     top-k with its residual kept in the local shards (wire.feedback_in_model)."""
-    cfg = tiny_config("model.n_layers=2", "rounds.rounds=3", "rounds.heartbeat_s=0.5", "wire.codec='topk'",
-                      "wire.topk_density=0.1", "wire.feedback_in_model=true", "wire.downlink_codec='int8'")
+    cfg = one_island_config("model.n_layers=2", "rounds.rounds=3", "rounds.heartbeat_s=0.5", "wire.codec='topk'",
+                            "wire.topk_density=0.1", "wire.feedback_in_model=true", "wire.downlink_codec='int8'")
     run = Run(workdir, cfg, deadline_s=150)
     try:
         run.island("torchrun", "--device", "cpu", "--threads", "1", "--report-dir", str(workdir / "torchrun"),
@@ -243,7 +243,9 @@ def cuda(workdir: Path, nproc: str = "0", groups: str = "1") -> None:
     sharded = int(nproc) > 0
     cfg = tiny_config(
         "model.d_model=256", "model.n_layers=2", "model.n_heads=4", "model.d_ff=1024", "inner.steps_per_round=3",
-        "rounds.rounds=3", f"rounds.min_islands={2 if sharded else 1}", "data.shards=2", "wire.chunk_bytes=65536",
+        # Without the sharded island the single one runs alone: its first outer step needs no second.
+        "rounds.rounds=3", f"rounds.min_islands={2 if sharded else 1}", f"robust.first_quorum={2 if sharded else 1}",
+        "data.shards=2", "wire.chunk_bytes=65536",
         "rounds.deadline_s=120", "rounds.heartbeat_s=0.5", "rounds.lease_s=30",
     )
     run = Run(workdir, cfg, deadline_s=200)

@@ -22,7 +22,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
-from conftest import tiny_config  # noqa: E402
+from conftest import one_island_config, tiny_config  # noqa: E402
 from coordinator.server import start_coordinator  # noqa: E402
 from diloco.checkpoint import CheckpointStore  # noqa: E402
 from fsdp_scenarios import SHARDED_FLAGS, Puppet, Run, events, wait_until  # noqa: E402
@@ -50,7 +50,8 @@ def protocol(workdir: Path, kind: str) -> None:
     5. plain; the run ends, the island leaves with its stats;
     then a second island of the same kind joins the finished run and exits quietly.
     """
-    cfg = tiny_config(
+    # The puppet closes round 0 alone: the run's first outer step with one contribution (robust.first_quorum 1).
+    cfg = one_island_config(
         "model.n_layers=2", "inner.steps_per_round=3", "rounds.rounds=6", "rounds.min_islands=1", "data.shards=2",
         "rounds.deadline_s=120", "rounds.heartbeat_s=0.5", "rounds.lease_s=30", "wire.downlink_codec='int8'",
         f"checkpoint.url='{workdir / 'coordinator-ckpt'}'", "checkpoint.every_rounds=1",
@@ -118,7 +119,7 @@ def streaming(workdir: Path, kind: str, fault: str = "") -> None:
     group that is then rank 0 of the quorum takes the push over, and group 0 comes back and heals.
     """
     faulty = fault == "kill-pusher"
-    cfg = tiny_config(
+    cfg = (tiny_config if faulty else one_island_config)(  # without the fault the island is alone in the run
         "model.n_layers=2", "inner.steps_per_round=4", "rounds.rounds=4", f"rounds.min_islands={2 if faulty else 1}",
         f"data.shards={2 if faulty else 1}", "streaming.fragments=2", "streaming.tau=1", "streaming.alpha=0.5",
         "rounds.deadline_s=120", "rounds.heartbeat_s=0.5", "rounds.lease_s=30",

@@ -26,7 +26,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
-from conftest import tiny_config  # noqa: E402
+from conftest import one_island_config  # noqa: E402
 from diloco.checkpoint import CheckpointStore  # noqa: E402
 
 log = logging.getLogger("scenario")
@@ -157,7 +157,7 @@ def config(streaming: bool = False, optimizer: str = "adamw"):
     optimizer `optimizer` (muon: its momentum buffers are checkpointed too)."""
     extra = ["inner.steps_per_round=4", "streaming.fragments=2", "streaming.tau=1", "streaming.alpha=0.5",
              "streaming.eager=true"] if streaming else ["inner.steps_per_round=3"]
-    return tiny_config(
+    return one_island_config(
         "model.n_layers=2", "rounds.rounds=6", "rounds.min_islands=1", "data.shards=1",
         "rounds.heartbeat_s=0.5", "rounds.lease_s=60", "rounds.deadline_s=120", "checkpoint.every_rounds=2",
         "wire.codec='int8'", "wire.error_feedback=true", f"inner.optimizer={optimizer!r}", *extra,

@@ -25,7 +25,7 @@ import grpc
 import pytest
 import torch
 
-from conftest import ROOT, claim, tiny_config, trained_from, wait_for_round
+from conftest import ROOT, claim, one_island_config, tiny_config, trained_from, wait_for_round
 from coordinator.server import HANDSHAKE_TIMEOUT_S, initial_parameters, start_coordinator
 from coordinator.spool import FLOOR_PUSHES
 from diloco import credentials
@@ -309,7 +309,7 @@ def test_the_coordinator_speaks_tls_1_3_and_the_readme_says_it_also_accepts_1_2(
 
 def test_a_push_that_names_no_global_checksum_is_refused(make_coordinator, channel_to):
     """An empty global_checksum skipped the check that a push was trained from the coordinator's parameters."""
-    cfg = tiny_config()
+    cfg = one_island_config()
     coordinator = make_coordinator(cfg)
     stub = channel_to(coordinator)
     island = _join(stub)

@@ -154,7 +154,7 @@ def _ranges(*ranges: tuple[str, int, int]) -> list[pb.TensorRange]:
 
 
 def test_overlapping_ranges_and_more_than_the_model_are_refused(coordinator, channels):
-    c = coordinator("rounds.min_islands=1")
+    c = coordinator("rounds.min_islands=1", "robust.first_quorum=1")  # one member pushes: its first outer step alone
     mallory_channel = channels(c, "mallory")
     mallory = pb_grpc.CoordinatorStub(mallory_channel)
     name, numel = max(((n, s.numel()) for n, s in c.state.params.items()), key=lambda p: p[1])

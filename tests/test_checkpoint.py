@@ -9,7 +9,7 @@ import grpc
 import pytest
 import torch
 
-from conftest import claim, ended, random_like, tiny_config, trained_from, wait_for_round
+from conftest import claim, ended, one_island_config, random_like, trained_from, wait_for_round
 from coordinator.server import start_coordinator
 from diloco.checkpoint import CheckpointError, CheckpointStore
 from diloco.codec import Fp32Codec
@@ -81,7 +81,7 @@ def test_unusable_location_is_a_clear_error(tmp_path):
 
 
 def test_coordinator_resumes_from_s3(s3, tmp_path):
-    cfg = tiny_config("rounds.rounds=4", f"checkpoint.url='{s3}/coordinator'", "checkpoint.every_rounds=1")
+    cfg = one_island_config("rounds.rounds=4", f"checkpoint.url='{s3}/coordinator'", "checkpoint.every_rounds=1")
     first = start_coordinator(cfg, "127.0.0.1", 0, spool_dir=str(tmp_path / "spool1"))
     try:
         with grpc.insecure_channel(f"127.0.0.1:{first.port}") as channel:

@@ -103,11 +103,11 @@ def test_island_of_an_older_release_gets_a_one_line_refusal(make_coordinator):
 
 
 def test_joining_a_finished_run_ends_quietly(make_coordinator, channel_to):
-    from conftest import claim, ended, join, random_like, tiny_config, trained_from, wait_for_round
+    from conftest import claim, ended, join, one_island_config, random_like, trained_from, wait_for_round
     from diloco.v1 import diloco_pb2 as pb
     from diloco.wire import Manifest, tensor_chunks, uplink_codec
 
-    cfg = tiny_config("rounds.rounds=1")
+    cfg = one_island_config("rounds.rounds=1")
     coordinator = make_coordinator(cfg)
     stub = channel_to(coordinator)
     joined = join(stub)

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import island_on, tiny_config
+from conftest import island_on, one_island_config, tiny_config
 from coordinator.web import RunWebServer
 from coordinator.snapshot import run_snapshot
 from islands.client import CoordinatorClient
@@ -47,7 +47,7 @@ def _get(server: RunWebServer, path: str) -> tuple[int, bytes, str]:
 
 
 def test_the_api_the_files_the_metrics_and_stop(make_coordinator):
-    cfg = tiny_config("rounds.rounds=2")
+    cfg = one_island_config("rounds.rounds=2")
     coordinator = make_coordinator(cfg)
     with island_on(coordinator, cfg) as island:
         island.run()
@@ -98,7 +98,7 @@ def test_the_api_the_files_the_metrics_and_stop(make_coordinator):
 
 
 def test_a_snapshot_is_plain_json_and_cheap_to_poll(make_coordinator):
-    cfg = tiny_config("rounds.rounds=3", "eval.batches=1", "eval.batch_size=2")
+    cfg = one_island_config("rounds.rounds=3", "eval.batches=1", "eval.batch_size=2")
     coordinator = make_coordinator(cfg)
     with island_on(coordinator, cfg) as island:
         island.run()

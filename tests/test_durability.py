@@ -9,7 +9,7 @@ import time
 import pytest
 import torch
 
-from conftest import claim, ended, random_like, straight_and_resumed, tiny_config, trained_from, wait_for_round
+from conftest import claim, ended, one_island_config, random_like, straight_and_resumed, tiny_config, trained_from, wait_for_round
 from islands.sim.chaos import ChaosPlan, parse_chaos, run_chaos
 from diloco.codec import Fp32Codec
 from islands.sim.simulation import run_sim
@@ -26,7 +26,7 @@ def _sim_config(rounds: int, islands: int, *extra: str):
 
 
 def test_coordinator_resume_restores_parameters_momentum_round_and_members(make_coordinator, channel_to, tmp_path):
-    cfg = tiny_config("rounds.rounds=5", f"checkpoint.url='{tmp_path / 'ckpt'}'", "checkpoint.every_rounds=1")
+    cfg = one_island_config("rounds.rounds=5", f"checkpoint.url='{tmp_path / 'ckpt'}'", "checkpoint.every_rounds=1")
     first = make_coordinator(cfg)
     stub = channel_to(first)
     island = stub.Join(pb.JoinRequest(protocol_version=PROTOCOL_VERSION), timeout=5).island_id

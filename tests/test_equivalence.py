@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from conftest import tiny_config
+from conftest import one_island_config
 from diloco.data import StepIndexedStream
 from diloco.model import Transformer
 from islands.launch import run_island
@@ -24,7 +24,7 @@ LR = 0.05
 
 def test_one_island_one_step_rounds_reproduce_plain_sgd(make_coordinator):
     rounds = 6
-    cfg = tiny_config(
+    cfg = one_island_config(
         "inner.optimizer='sgd'", "inner.schedule='constant'", f"inner.lr={LR}", "inner.grad_clip=0.0",
         "inner.steps_per_round=1", "outer.lr=1.0", "outer.momentum=0.0", f"rounds.rounds={rounds}",
         "data.shards=1",

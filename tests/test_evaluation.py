@@ -19,7 +19,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from conftest import tiny_config
+from conftest import one_island_config, tiny_config
 from coordinator import durable
 from diloco.checkpoint import CheckpointStore
 from diloco.config import ConfigError
@@ -331,7 +331,7 @@ def test_the_coordinator_scores_the_tasks_every_n_rounds_and_logs_them(make_coor
     from conftest import claim, trained_from, wait_for_round
 
     text, hellaswag = write_text(tmp_path / "t.txt"), write_jsonl(tmp_path / "h.jsonl", DOCS)
-    cfg = tiny_config("data.source=text", f"data.path={text!r}", "model.vocab_size=256", "rounds.rounds=4",
+    cfg = one_island_config("data.source=text", f"data.path={text!r}", "model.vocab_size=256", "rounds.rounds=4",
                       f"eval.hellaswag={hellaswag!r}", "eval.tasks_every_rounds=2", "eval.hellaswag_examples=3")
     coordinator = make_coordinator(cfg)
     stub = channel_to(coordinator)

@@ -12,7 +12,7 @@ import fsspec
 import pytest
 import torch
 
-from conftest import claim, ended, random_like, tiny_config, trained_from, wait_for_round
+from conftest import claim, ended, one_island_config, random_like, tiny_config, trained_from, wait_for_round
 from coordinator import durable
 from diloco.checkpoint import CheckpointStore
 from diloco.codec import Fp32Codec
@@ -36,7 +36,7 @@ GQA_UNTIED = ("model.n_layers=2", "model.d_model=64", "model.n_heads=4", "model.
 def coordinator_checkpoint(make_coordinator, url: str, *overrides: str, push: bool = True):
     """A coordinator checkpoint written as a run writes it: after a round closed on a made-up pseudo-gradient
     (checkpoint.every_rounds=1), or, without push, by durable.save at round 0. Returns (cfg, published params)."""
-    cfg = tiny_config("rounds.rounds=3", f"checkpoint.url={url!r}", "checkpoint.every_rounds=1", "eval.batches=2", *overrides)
+    cfg = one_island_config("rounds.rounds=3", f"checkpoint.url={url!r}", "checkpoint.every_rounds=1", "eval.batches=2", *overrides)
     coordinator = make_coordinator(cfg)
     store = CheckpointStore(url)
     if not push:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import tiny_config
+from conftest import one_island_config, tiny_config
 from diloco.config import InnerConfig
 from diloco.inner import build_inner_optimizer, inner_lr
 from diloco.model import Transformer
@@ -34,7 +34,7 @@ def test_weight_decay_applies_to_matrices_only():
 
 
 def test_inner_optimizer_state_survives_rounds_and_island_adopts_global(make_coordinator):
-    cfg = tiny_config("rounds.rounds=3", "inner.steps_per_round=4")
+    cfg = one_island_config("rounds.rounds=3", "inner.steps_per_round=4")
     coordinator = make_coordinator(cfg)
     world = IslandWorld.init("cpu")
     client = CoordinatorClient(f"127.0.0.1:{coordinator.port}", connect_timeout_s=10)
@@ -61,7 +61,7 @@ def test_compiled_island_trains_like_the_eager_one_and_keeps_the_exact_global_pa
     """
     results = {}
     for compiled in (False, True):
-        cfg = tiny_config("rounds.rounds=2", "inner.steps_per_round=3", "rounds.lease_s=600", "rounds.deadline_s=600")
+        cfg = one_island_config("rounds.rounds=2", "inner.steps_per_round=3", "rounds.lease_s=600", "rounds.deadline_s=600")
         coordinator = make_coordinator(cfg)
         world = IslandWorld.init("cpu")
         client = CoordinatorClient(f"127.0.0.1:{coordinator.port}", connect_timeout_s=10)

@@ -10,7 +10,7 @@ import grpc
 import pytest
 import torch
 
-from conftest import tiny_config, trained_from, wait_for_round
+from conftest import one_island_config, tiny_config, trained_from, wait_for_round
 from coordinator.server import start_coordinator
 from coordinator.limits import TokenBucket
 from diloco import credentials
@@ -53,7 +53,7 @@ def test_a_token_bucket_allows_its_burst_then_its_rate():
 
 
 def test_a_push_stream_that_goes_quiet_is_cut_off_and_its_part_dropped(make_coordinator, channel_to):
-    coordinator = make_coordinator(tiny_config("limits.push_idle_s=1"))
+    coordinator = make_coordinator(one_island_config("limits.push_idle_s=1"))
     stub = channel_to(coordinator)
     island = _join(stub)
     chunks = _chunks(coordinator)

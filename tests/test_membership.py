@@ -10,7 +10,7 @@ import grpc
 import torch
 import pytest
 
-from conftest import PER_STEP, claim, ended, join, random_like, tiny_config, trained_from, wait_for_round
+from conftest import PER_STEP, claim, ended, join, one_island_config, random_like, tiny_config, trained_from, wait_for_round
 from diloco.codec import Fp32Codec
 from islands.sim.simulation import Simulation
 from diloco.v1 import diloco_pb2 as pb
@@ -78,7 +78,8 @@ def test_round_below_min_islands_keeps_waiting_and_says_why(make_coordinator, ch
 
 
 def test_island_joining_a_run_under_way_enters_the_current_round(tmp_path):
-    cfg = tiny_config(
+    # The first island runs alone until the second comes online: its first outer step has no second to wait for.
+    cfg = one_island_config(
         "rounds.rounds=5", "rounds.min_islands=1", "data.shards=2", "inner.steps_per_round=5",
         "rounds.heartbeat_s=0.5", "rounds.lease_s=60",
     )

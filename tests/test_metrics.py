@@ -9,7 +9,7 @@ import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 
-from conftest import claim, tiny_config, trained_from, wait_for_round
+from conftest import claim, one_island_config, tiny_config, trained_from, wait_for_round
 from coordinator.metrics import CheckpointStats, coordinator_metrics
 from diloco.codec import Fp32Codec
 from diloco.v1 import diloco_pb2 as pb
@@ -72,7 +72,7 @@ def test_metrics_follow_the_run(make_coordinator, channel_to):
 
 def test_a_failing_checkpoint_is_counted_and_the_run_goes_on(make_coordinator, channel_to, tmp_path):
     target = tmp_path / "ckpt"
-    cfg = tiny_config("rounds.rounds=3", f"checkpoint.url={target}", "checkpoint.every_rounds=1")
+    cfg = one_island_config("rounds.rounds=3", f"checkpoint.url={target}", "checkpoint.every_rounds=1")
     coordinator = make_coordinator(cfg)
     shutil.rmtree(target, ignore_errors=True)
     target.write_text("a file where the checkpoints should go")  # every write under it fails from now on

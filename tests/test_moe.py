@@ -11,7 +11,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from conftest import spawn_gloo_ranks, island_on, run_scenario, tiny_config
+from conftest import island_on, one_island_config, run_scenario, spawn_gloo_ranks, tiny_config
 from coordinator.server import initial_parameters
 from diloco.config import ConfigError, ModelConfig, load_config
 from diloco.data import StepIndexedStream
@@ -301,7 +301,7 @@ def test_a_2x2_sharded_island_and_a_one_rank_island_end_on_the_coordinators_para
 @pytest.mark.parametrize("codec", ["fp32", "bf16", "int8", "e3m0", "topk"])
 def test_an_moe_island_ends_on_the_coordinators_parameters_through_every_codec(make_coordinator, codec):
     # The downlink uses the same codec: a lossy one sends the round's update compressed.
-    cfg = tiny_config(*MOE, "model.d_ff=32", "model.moe_capacity_factor=1.0", f"wire.codec='{codec}'", "rounds.rounds=3",
+    cfg = one_island_config(*MOE, "model.d_ff=32", "model.moe_capacity_factor=1.0", f"wire.codec='{codec}'", "rounds.rounds=3",
                       "inner.steps_per_round=3")
     coordinator = make_coordinator(cfg)
     with island_on(coordinator, cfg) as island:

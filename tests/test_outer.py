@@ -8,7 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from conftest import claim, random_like, tiny_config, trained_from
+from conftest import claim, one_island_config, random_like, tiny_config, trained_from
 from diloco.codec import Fp32Codec
 from diloco.config import OuterConfig
 from diloco.outer import OuterOptimizer, PseudoGradientAccumulator
@@ -229,7 +229,7 @@ def test_a_round_on_no_tokens_takes_no_outer_step(make_coordinator):
     """Every contribution of a round trained on 0 tokens (an island that resynced at its round's end pushes with no
     weight): the round closes and moves on, but a step on momentum alone would move the parameters with no data behind
     it, so parameters, momentum and checksum stay; the next round with weight steps again."""
-    cfg = tiny_config("outer.momentum=0.9", "rounds.rounds=3")
+    cfg = one_island_config("outer.momentum=0.9", "rounds.rounds=3")
     coordinator = make_coordinator(cfg)
     clients, joined = _clients(coordinator, [1])
     client, island = clients[0], joined[0].island_id

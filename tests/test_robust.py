@@ -6,6 +6,7 @@ import math
 import random
 
 import grpc
+import numpy as np
 import pytest
 import torch
 
@@ -13,7 +14,7 @@ from conftest import tiny_config, trained_from, wait_for_round
 from diloco.codec import Fp32Codec
 from diloco.config import RobustConfig
 from diloco.refusal import Reason, reason_of
-from diloco.robust import NormGuard
+from diloco.robust import NormGuard, Sketcher, opposed
 from diloco.v1 import diloco_pb2 as pb
 from diloco.wire import PROTOCOL_VERSION, push_messages, tensor_chunks
 
@@ -42,6 +43,72 @@ def test_drop_instead_of_clip_and_off_means_off_and_the_history_survives_a_check
     again = NormGuard(RobustConfig())
     again.load_state_dict(drop.state_dict())
     assert again.history == drop.history and again.judge({"b": 50.0}).clipped == ["b"]
+
+
+def _sketch(sketcher: Sketcher, x: torch.Tensor, splits: list[int]) -> np.ndarray:
+    """x (one flat tensor named "w") sketched chunk by chunk, cut at splits."""
+    out, bounds = Sketcher.empty(), [0, *splits, x.numel()]
+    for a, b in zip(bounds, bounds[1:]):
+        sketcher.add(out, "w", a, x[a:b].numpy())
+    return out
+
+
+def test_sketches_estimate_cosines_whatever_the_chunks_and_differ_by_secret():
+    g = torch.Generator().manual_seed(0)
+    shared, own = torch.randn(300_000, generator=g), [torch.randn(300_000, generator=g) for _ in range(3)]
+    a, b = shared + own[0], -0.5 * shared + own[1]  # exact cosine -0.5 / sqrt(2 x 1.25) = -0.316
+    exact = float(torch.nn.functional.cosine_similarity(a, b, 0))
+    sketcher = Sketcher(b"secret")
+    sa, sb = _sketch(sketcher, a, [1000, 77_777]), _sketch(sketcher, b, [150_000])
+    estimate = float(sa @ sb) / float((sa @ sa) ** 0.5 * (sb @ sb) ** 0.5)
+    assert abs(estimate - exact) < 0.03, (estimate, exact)
+    # Linear: the same tensor cut elsewhere sketches to the same buckets (up to the order of fp64 additions).
+    assert np.allclose(_sketch(sketcher, a, [5, 299_000]), sa, rtol=0, atol=1e-9)
+    # Another secret puts the elements elsewhere: nobody who lacks the coordinator's can aim at its buckets.
+    assert not np.allclose(_sketch(Sketcher(b"another"), a, []), sa)
+    # Independent noise reads as orthogonal.
+    sc = _sketch(sketcher, own[2], [])
+    assert abs(float(sa @ sc) / float((sa @ sa) ** 0.5 * (sc @ sc) ** 0.5)) < 0.05
+
+
+def test_one_contribution_against_the_majority_is_found_and_a_pair_cannot_tell():
+    rng = np.random.default_rng(0)
+    shared = rng.standard_normal(4096)
+    honest = {f"island-{i}": shared + rng.standard_normal(4096) for i in range(4)}  # pairwise cosines about 0.5
+    assert opposed(honest, -0.1) == {}
+    noise = {f"island-{i}": rng.standard_normal(4096) for i in range(5)}  # independent: cosines near 0
+    assert opposed(noise, -0.1) == {}
+    attacked = dict(list(honest.items())[:2], mallory=-2.7 * (shared + rng.standard_normal(4096)))
+    found = opposed(attacked, -0.1)
+    assert list(found) == ["mallory"] and all(c < -0.3 for c in found["mallory"])
+    # Two colluding against three honest: each of the two opposes three of four others, a strict majority.
+    colluding = dict(list(honest.items())[:3], m1=attacked["mallory"], m2=-2.7 * (shared + rng.standard_normal(4096)))
+    assert sorted(opposed(colluding, -0.1)) == ["m1", "m2"]
+    # Two contributions that oppose each other: no majority to side with, neither is singled out.
+    assert opposed(dict(list(attacked.items())[1:]), -0.1) == {}
+
+
+def test_the_guard_drops_the_opposed_contribution_and_its_norm_stays_out_of_the_history():
+    rng = np.random.default_rng(1)
+    shared = rng.standard_normal(4096)
+    sketches = {"a": shared + rng.standard_normal(4096), "b": shared + rng.standard_normal(4096),
+                "mallory": -2.7 * (shared + rng.standard_normal(4096))}
+    guard = NormGuard(RobustConfig())
+    verdict = guard.judge({"a": 1.0, "b": 1.1, "mallory": 2.7}, sketches=sketches)
+    assert verdict.dropped == ["mallory"] and verdict.factors == {"a": 1.0, "b": 1.0, "mallory": 0.0}
+    assert guard.history == [1.05]
+    # Off: folded as before.
+    off = NormGuard(RobustConfig(direction_check=False)).judge({"a": 1.0, "b": 1.1, "mallory": 2.7}, sketches=sketches)
+    assert off.factors == {"a": 1.0, "b": 1.0, "mallory": 1.0}
+
+
+def test_the_first_outer_step_waits_for_a_quorum_until_the_guard_has_a_reference():
+    guard = NormGuard(RobustConfig())
+    assert guard.quorum() == 2
+    guard.judge({"a": 1.0, "b": 1.0})
+    assert guard.quorum() == 1  # from now on a lone push is judged against the run's history
+    assert NormGuard(RobustConfig(first_quorum=1)).quorum() == 1
+    assert NormGuard(RobustConfig(enabled=False)).quorum() == 1
 
 
 def _push(coordinator, stub, island: str, round_: int, pg: dict, tokens: int, steps: int):

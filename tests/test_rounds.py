@@ -126,7 +126,9 @@ def test_deadline_closes_with_min_islands_and_not_below(tmp_path):
 
 def test_expired_lease_stops_holding_the_round_and_drops_a_half_push(tmp_path):
     clock = Clock()
-    state = make_state(tmp_path, "rounds.min_islands=1", "rounds.lease_s=10", "rounds.deadline_s=1000", clock=clock)
+    # b's lease expires in round 0: a closes it alone, the run's first outer step (robust.first_quorum 1).
+    state = make_state(tmp_path, "rounds.min_islands=1", "robust.first_quorum=1", "rounds.lease_s=10", "rounds.deadline_s=1000",
+                       clock=clock)
     a, b = state.join("a").island_id, state.join("b").island_id
     pg = random_like(state.manifest.shapes, 5)
     codec = uplink_codec(state.cfg.wire)
@@ -159,7 +161,7 @@ def test_max_islands_closes_at_once(tmp_path):
 
 
 def test_pull_refusals_say_what_to_do(tmp_path):
-    state = make_state(tmp_path, "rounds.min_islands=1")
+    state = make_state(tmp_path, "rounds.min_islands=1", "robust.first_quorum=1")  # one island: no second to wait for
     a = state.join("a").island_id
     # Nothing pushed for the open round: the coordinator (restarted, say) asks for the push again.
     r = refusal(lambda: state.wait_for_result(a, 0, timeout_s=0))

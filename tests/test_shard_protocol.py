@@ -7,7 +7,7 @@ import grpc
 import pytest
 import torch
 
-from conftest import claim, random_like, tiny_config, wait_for_round
+from conftest import claim, one_island_config, random_like, tiny_config, wait_for_round
 from diloco.codec import Fp32Codec
 from diloco.params import ranges_checksum
 from diloco.refusal import Reason, reason_of
@@ -80,7 +80,7 @@ def _push_shard(client, island_id, round_, ranges, pg, chunk_bytes, checksum):
 
 @pytest.mark.parametrize("downlink", ["fp32", "int8"])
 def test_two_ranks_push_and_pull_their_shards_and_stay_bit_identical(make_coordinator, clients, downlink, caplog):
-    cfg = tiny_config("rounds.rounds=3", f"wire.downlink_codec='{downlink}'", "wire.chunk_bytes=1024")
+    cfg = one_island_config("rounds.rounds=3", f"wire.downlink_codec='{downlink}'", "wire.chunk_bytes=1024")
     coordinator = make_coordinator(cfg)
     a, b = clients(coordinator)
     for c in (a, b):

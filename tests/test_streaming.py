@@ -190,7 +190,7 @@ def test_a_fragment_closes_its_rounds_while_another_fragment_waits(make_coordina
 
 
 def test_overlap_keeps_training_while_a_slowed_exchange_is_in_flight(make_coordinator):
-    cfg = _cfg("streaming.fragments=2", "streaming.tau=1", "rounds.min_islands=1", "data.shards=1", "rounds.rounds=3")
+    cfg = _cfg("streaming.fragments=2", "streaming.tau=1", "rounds.min_islands=1", "robust.first_quorum=1", "data.shards=1", "rounds.rounds=3")
     coordinator = make_coordinator(cfg)
     link = WanLink(("127.0.0.1", coordinator.port), "20mbit:60ms").start()  # every exchange takes >= 4 x 60 ms
     world = IslandWorld.init("cpu")
@@ -249,7 +249,7 @@ def test_eager_outer_replica_matches_the_coordinators_optimizer_bit_for_bit():
 
 
 def test_eager_estimate_with_one_island_is_the_exact_result(make_coordinator):
-    cfg = _cfg("streaming.tau=2", "streaming.eager=true", "rounds.min_islands=1", "data.shards=1", "rounds.rounds=4")
+    cfg = _cfg("streaming.tau=2", "streaming.eager=true", "rounds.min_islands=1", "robust.first_quorum=1", "data.shards=1", "rounds.rounds=4")
     coordinator = make_coordinator(cfg)
     world = IslandWorld.init("cpu")
     client = CoordinatorClient(f"127.0.0.1:{coordinator.port}", connect_timeout_s=10)
@@ -324,7 +324,8 @@ def test_sim_prints_one_line_per_fragment_round():
 def test_streaming_fragments_keep_their_topk_residual_in_the_model(make_coordinator):
     """feedback_in_model with 2 fragments, tau 1 and alpha 0.5: each landing sets the fragment to
     alpha * local + (1 - alpha) * (global - residual); the island ends on exactly theta_global."""
-    cfg = _cfg("streaming.fragments=2", "streaming.tau=1", "streaming.alpha=0.5", "rounds.min_islands=1", "data.shards=1",
+    cfg = _cfg("streaming.fragments=2", "streaming.tau=1", "streaming.alpha=0.5", "rounds.min_islands=1", "robust.first_quorum=1",
+               "data.shards=1",
                "wire.codec='topk'", "wire.topk_density=0.1", "wire.feedback_in_model=true", "wire.downlink_codec='int8'")
     coordinator = make_coordinator(cfg)
     checked = []

@@ -66,8 +66,10 @@ def main(argv: list[str] | None = None) -> None:
         fail(parser.prog, "--islands must be at least 1")
     if args.rounds is not None:
         args.overrides.append(f"rounds.rounds={args.rounds}")
-    # Every island starts in round 0 and owns its own shard of the data.
-    args.overrides = [f"rounds.min_islands={args.islands}", f"data.shards={args.islands}"] + args.overrides
+    # Every island starts in round 0 and owns its own shard of the data; one island alone takes the first outer step
+    # without a second to judge it against (robust.first_quorum).
+    args.overrides = [f"rounds.min_islands={args.islands}", f"data.shards={args.islands}",
+                      f"robust.first_quorum={min(2, args.islands)}"] + args.overrides
     if args.config is None:  # the demo runs the codec the README recommends (a --set wire.* still wins)
         args.overrides = DEMO_WIRE + args.overrides
     chaos_plan = None
