@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -121,3 +122,32 @@ def test_the_harness_sits_above_what_it_launches(graph):
     # and the harness really does use the layers beneath it, so the rules above have something to hold
     assert any(d.startswith("diloco") for d in graph["islands.sim.simulation"])
     assert "islands.sim.simulation" in graph["islands.sim.chaos"]
+
+
+def _defines(path: Path, symbol: str) -> bool:
+    """Whether path defines symbol: a top-level function or class, or Class.method."""
+    tree = ast.parse(path.read_text(), str(path))
+    owner, _, name = symbol.rpartition(".")
+    scopes = [tree] if not owner else [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == owner]
+    kinds = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
+    return any(isinstance(n, kinds) and n.name == name for scope in scopes for n in scope.body)
+
+
+def test_every_function_the_readme_round_map_names_is_where_it_says():
+    """The README's "One outer round, file by file": each step's `file` and the `functions` named after it."""
+    readme = (ROOT / "README.md").read_text()
+    section = readme[readme.index("One outer round, file by file"):]
+    steps = re.findall(r"^\d+\. (.*?)(?=^\d+\. |^\n)", section[: section.index("\n\n", section.index("\n1. "))] + "\n\n",
+                       re.M | re.S)
+    assert len(steps) >= 8, steps
+    checked = 0
+    for step in steps:
+        path, where = None, None
+        for name in re.findall(r"`([^`]+)`", step.split(":")[0] + " " + " ".join(re.findall(r"\(`[^)]*\)", step))):
+            if name.endswith(".py"):
+                path = ROOT / name
+                assert path.is_file(), f"the round map names {name}, which does not exist"
+            elif re.fullmatch(r"[A-Za-z_][\w.]*", name) and path is not None:
+                assert _defines(path, name), f"the round map says {name} is in {path.relative_to(ROOT)}; it is not"
+                checked += 1
+    assert checked >= len(steps), f"only {checked} functions checked in {len(steps)} steps"
