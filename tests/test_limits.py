@@ -117,7 +117,8 @@ def test_the_spool_is_bounded_and_a_stream_cannot_repeat_its_chunks(make_coordin
 
 
 def test_an_island_that_never_pushes_is_removed_and_on_probation_holds_no_round(make_coordinator, channel_to, caplog):
-    cfg = tiny_config("rounds.rounds=6", "rounds.deadline_s=1", "rounds.lease_s=100000", "limits.idle_rounds=2")
+    # The worker is the only island that pushes: the run's first outer step has no second (robust.first_quorum 1).
+    cfg = one_island_config("rounds.rounds=6", "rounds.deadline_s=1", "rounds.lease_s=100000", "limits.idle_rounds=2")
     coordinator = make_coordinator(cfg)
     stub = channel_to(coordinator)
     worker, idler = _join(stub, island_key="w"), _join(stub, island_key="i")

@@ -26,7 +26,8 @@ def _push(coordinator, stub, island_id, manifest, round_=0, seed=0):
 
 
 def test_island_that_misses_its_lease_leaves_the_round(make_coordinator, channel_to):
-    cfg = tiny_config("rounds.lease_s=1.0", "rounds.deadline_s=60", "rounds.rounds=2")
+    # b's lease expires: a closes round 0 alone, the run's first outer step (robust.first_quorum 1).
+    cfg = one_island_config("rounds.lease_s=1.0", "rounds.deadline_s=60", "rounds.rounds=2")
     coordinator = make_coordinator(cfg)
     stub = channel_to(coordinator)
     a, b = join(stub), join(stub)

@@ -175,7 +175,7 @@ def test_pull_refusals_say_what_to_do(tmp_path):
 
 
 def test_nonfinite_push_drops_the_island_from_the_round(tmp_path):
-    state = make_state(tmp_path, "rounds.min_islands=1")
+    state = make_state(tmp_path, "rounds.min_islands=1", "robust.first_quorum=1")  # the other island closes round 0 alone
     a, b = state.join("a").island_id, state.join("b").island_id
     bad = random_like(state.manifest.shapes, 1)
     bad["norm.weight"][3] = float("nan")
