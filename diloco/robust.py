@@ -38,7 +38,8 @@ norms alone.
 With no reference at all (no earlier round, one contribution) a lone push
 would be folded whole: whoever joins first could move the parameters as far as
 it likes. So until the guard has a reference, a round closes only with at least
-`first_quorum` (2) contributions; a one-island run sets 1 (diloco-sim does).
+`first_quorum` contributions: set 2 for a run across the internet (default 1 for now; diloco-sim sets
+min(2, islands)).
 """
 
 from __future__ import annotations

@@ -103,12 +103,12 @@ def test_the_guard_drops_the_opposed_contribution_and_its_norm_stays_out_of_the_
 
 
 def test_the_first_outer_step_waits_for_a_quorum_until_the_guard_has_a_reference():
-    guard = NormGuard(RobustConfig())
+    guard = NormGuard(RobustConfig(first_quorum=2))
     assert guard.quorum() == 2
     guard.judge({"a": 1.0, "b": 1.0})
     assert guard.quorum() == 1  # from now on a lone push is judged against the run's history
-    assert NormGuard(RobustConfig(first_quorum=1)).quorum() == 1
-    assert NormGuard(RobustConfig(enabled=False)).quorum() == 1
+    assert NormGuard(RobustConfig()).quorum() == 1  # the default, for now (robust.first_quorum)
+    assert NormGuard(RobustConfig(first_quorum=2, enabled=False)).quorum() == 1
 
 
 def _push(coordinator, stub, island: str, round_: int, pg: dict, tokens: int, steps: int):
