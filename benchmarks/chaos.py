@@ -6,7 +6,7 @@ round 4; then the same run undisturbed. Prints the rounds, the kills, how long
 until all islands were back in a round, the end-of-run summary, and the final
 eval loss against the undisturbed run (the issue's bound: within 5%).
 
-    python benchmarks/chaos.py
+    python -m benchmarks.chaos
 """
 
 from __future__ import annotations

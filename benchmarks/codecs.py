@@ -11,7 +11,7 @@
    rounds) is pushed through `diloco.wire.tensor_chunks` with each codec, and
    the protobuf messages are measured, as the coordinator counts them.
 
-Run from the repository root:  python benchmarks/codecs.py
+Run from the repository root:  python -m benchmarks.codecs
 (about 3 minutes on one core; --sizes 1 for a quick look).
 """
 

@@ -35,7 +35,7 @@ run over gRPC: the same modules, no networking (the pseudo-gradients go through
 exactly as deployed). Independent (method, seed) jobs
 run in a spawn-context process pool, one torch thread each.
 
-Run from the repository root:  python benchmarks/convergence.py
+Run from the repository root:  python -m benchmarks.convergence
 (about 20-25 minutes on 2 idle CPU cores; --quick is a smoke test of under a minute).
 """
 
@@ -63,11 +63,10 @@ from diloco.robust import NormGuard
 from diloco.params import fp32_copy
 from diloco.shards import DataError
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 # Beside this file (split from it to keep each file short).
-from convergence_data import corpus_vocab, data_overrides, island_streams  # noqa: E402
-from convergence_report import markdown, summarize  # noqa: E402
-from convergence_wire import CODEC_FLAGS, Wire, apply_codec_spec  # noqa: E402, F401  (CODEC_FLAGS: re-exported)
+from benchmarks.convergence_data import corpus_vocab, data_overrides, island_streams
+from benchmarks.convergence_report import markdown, summarize
+from benchmarks.convergence_wire import CODEC_FLAGS, Wire, apply_codec_spec  # noqa: F401  (CODEC_FLAGS: re-exported)
 
 log = logging.getLogger("convergence")
 

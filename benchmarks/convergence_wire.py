@@ -15,7 +15,7 @@ from diloco.codec import get_codec
 from diloco.config import ConfigError, RunConfig
 from diloco.feedback import ErrorFeedback
 from diloco.outer import PseudoGradientAccumulator
-from diloco.robust import NormGuard, Sketcher
+from diloco.robust import NormGuard, Sketcher, cosines
 from diloco.v1 import diloco_pb2 as pb
 from diloco.wire import Manifest, decode_chunk, downlink_codec, tensor_chunks, uplink_codec
 
@@ -57,15 +57,12 @@ class Wire:
 
     def fold_round(self, accumulator: PseudoGradientAccumulator, pushed: list[tuple[list, float, np.ndarray]], tokens: int,
                    guard: NormGuard, lr_sum: float) -> int:
-        """As coordinator/fold.py folds a round: the guard judges every push's norm per unit of inner lr and its
+        """As coordinator/rounds.py folds a round: the guard judges every push's norm per unit of inner lr and its
         direction, then each is folded in island order with its token weight times its factor. Returns how many were
         clipped or dropped."""
         verdict = guard.judge({str(i): math.sqrt(sumsq) / lr_sum for i, (_, sumsq, _) in enumerate(pushed)}, "",
                               {str(i): sketch for i, (_, _, sketch) in enumerate(pushed)})
-        sketches = [sketch / max(np.linalg.norm(sketch), 1e-30) for _, _, sketch in pushed]
-        for i, a in enumerate(sketches):
-            for b in sketches[i + 1:]:
-                self.least_cosine = min(self.least_cosine, float(a @ b))
+        self.least_cosine = min([self.least_cosine, *cosines({str(i): sketch for i, (_, _, sketch) in enumerate(pushed)}).values()])
         for i, (received, _, _) in enumerate(pushed):
             factor = verdict.factors[str(i)]
             if factor == 0.0:

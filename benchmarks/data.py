@@ -17,7 +17,7 @@
    --loader-steps steps. "first step" is the wait from opening the corpus with an empty cache to
    the first batch in hand (what a cold start adds to the first step); then steps/s and tokens/s.
 
-Run from the repository root:  python benchmarks/data.py   (about half a minute on 2 cores)
+Run from the repository root:  python -m benchmarks.data   (about half a minute on 2 cores)
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ the moment every island starts pushing until the last one holds the result.
 
 Processes: the real coordinator (`python -m coordinator serve`, eval off) in a
 process of its own; N islands as threads of this process, each with its own
-connection, running the islands' own exchange code (`islands.exchange.push`
+connection, running the islands' own exchange code (`islands.round.push`
 and `pull`, with the real codec). They share one pseudo-gradient (memory) but
 each encodes, sends, receives, decodes and verifies its own copy.
 
@@ -19,17 +19,17 @@ the coordinator sends. Nothing is encoded, decoded, stored or summed.
 
 Both run on the same machine, over loopback or (--wan) each island behind an
 emulated link of its own; each figure is the median of --repeat exchanges
-after one warm-up. Peak memory is the coordinator's VmHWM. README: "What a
-round costs".
+after one warm-up. Peak memory is the coordinator's VmHWM. docs/benchmarks.md:
+"What a round costs".
 
 With --stagger S island k starts pushing k x S seconds after the first, as
 islands that finish their inner steps at different times do; what is measured
 then is the close: from the last push's end until every island holds the
 result, and how many contributions the coordinator folded while the round was
-still open (coordinator/fold.py FoldAhead).
+still open (coordinator/rounds.py FoldAhead).
 
-    python benchmarks/exchange.py --sizes 1m,25m,125m,350m --islands 1,2,4,8 --codecs fp32,int8,e3m0
-    python benchmarks/exchange.py --sizes 125m --islands 4 --codecs fp32,e3m0 --stagger 2
+    python -m benchmarks.exchange --sizes 1m,25m,125m,350m --islands 1,2,4,8 --codecs fp32,int8,e3m0
+    python -m benchmarks.exchange --sizes 125m --islands 4 --codecs fp32,e3m0 --stagger 2
 """
 
 from __future__ import annotations
@@ -43,22 +43,19 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO_ROOT))
+import grpc
+import torch
 
-import grpc  # noqa: E402
-import torch  # noqa: E402
-
-from diloco.cli import ArgumentParser, fail  # noqa: E402
-from diloco.config import RunConfig, load_config  # noqa: E402
-from diloco.v1 import diloco_pb2 as pb  # noqa: E402
-from diloco.v1 import diloco_pb2_grpc as pb_grpc  # noqa: E402
-from diloco.frames import push_frames  # noqa: E402
-from diloco.wire import FlatRange, Manifest, downlink_codec, tensor_chunks, uplink_codec  # noqa: E402
-from islands.client import CoordinatorClient  # noqa: E402
-from islands.exchange import Exchange, FragmentShard, Wire, pg_chunks, pull, push  # noqa: E402
-from islands.sim.wan import LinkSpec, WanSpecError, parse_link  # noqa: E402
-from benchmarks.transfer import addresses, measure_bare, peak_rss, release_memory, spawn, stop, timed_cpu  # noqa: E402
+from diloco.cli import ArgumentParser, fail
+from diloco.config import RunConfig, load_config
+from diloco.v1 import diloco_pb2 as pb
+from diloco.v1 import diloco_pb2_grpc as pb_grpc
+from diloco.frames import push_frames
+from diloco.wire import FlatRange, Manifest, downlink_codec, tensor_chunks, uplink_codec
+from islands.client import CoordinatorClient
+from islands.round import Exchange, FragmentShard, Wire, pg_chunks, pull, push
+from islands.sim.wan import LinkSpec, WanSpecError, parse_link
+from benchmarks.transfer import addresses, measure_bare, peak_rss, release_memory, spawn, stop, timed_cpu
 
 PROG = "exchange"
 # name -> (vocab_size, d_model, n_layers, d_ff); parameters counted from the model the coordinator builds
@@ -108,7 +105,7 @@ class Island:
         sent, received = self.client.bytes_sent, self.client.bytes_received
         ex = Exchange(0, round_, 0, 0, self.tokens, 1, 1.0, self.checksum, pusher=True, pg=self.pg)
         started = time.perf_counter()
-        if push(self.shard, ex, self.wire) != 1:  # PUSHED
+        if push(self.shard, ex, self.wire) != 1:  # Next.DELIVERED
             raise RuntimeError(f"{self.id}: push of round {round_} refused")
         pushed = time.perf_counter()
         self.checksum = pull(self.shard, ex, self.wire).checksum

@@ -19,7 +19,7 @@ For each run it prints the pushes refused (by reason), the rounds that closed on
 a kill cost in work the coordinator never folded (the work since the last
 checkpoint, and the rounds an island was down for).
 
-    python benchmarks/faults.py [--rounds 8] [--launcher]
+    python -m benchmarks.faults [--rounds 8] [--launcher]
 
 --launcher starts torchrun, whose store binds every interface: run it in a
 network namespace with only loopback, as the tests do (README, results table).

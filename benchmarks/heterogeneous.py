@@ -33,7 +33,7 @@ global parameters at equal wall time (the shortest run's duration, from the
 coordinator's start), the wall time to reach a target eval loss (default: the
 fixed-H run's final one), bytes through each island's link, and the late folds.
 
-Run from the repository root:  python benchmarks/heterogeneous.py   (--quick: a smoke test)
+Run from the repository root:  python -m benchmarks.heterogeneous   (--quick: a smoke test)
 """
 
 from __future__ import annotations
@@ -49,15 +49,12 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO_ROOT))
-
-from diloco.config import RunConfig, load_config  # noqa: E402
-from diloco.data import StepIndexedStream  # noqa: E402
-from diloco.inner import build_inner_optimizer, train_step  # noqa: E402
-from diloco.model import Transformer  # noqa: E402
-from islands.sim.simulation import Simulation  # noqa: E402
-from islands.sim.wan import parse_link  # noqa: E402
+from diloco.config import RunConfig, load_config
+from diloco.data import StepIndexedStream
+from diloco.inner import build_inner_optimizer, train_step
+from diloco.model import Transformer
+from islands.sim.simulation import Simulation
+from islands.sim.wan import parse_link
 
 log = logging.getLogger("heterogeneous-bench")
 
@@ -266,7 +263,7 @@ def main(argv: list[str] | None = None) -> None:
     started = time.monotonic()
     results = [run_one(method, args, workdir) for method in args.methods]
     wall = time.monotonic() - started
-    print(markdown(results, args, "python benchmarks/heterogeneous.py" + (" " + " ".join(argv) if argv else ""), wall))
+    print(markdown(results, args, "python -m benchmarks.heterogeneous" + (" " + " ".join(argv) if argv else ""), wall))
     if args.json:
         Path(args.json).write_text(json.dumps({"args": vars(args), "wall_s": wall, "runs": [asdict(r) for r in results]}, indent=2))
 

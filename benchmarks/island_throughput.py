@@ -28,7 +28,7 @@ bf16 autocast over fp32 master weights (diloco/inner.py compute_precision);
 --compile adds torch.compile (the warm-up round pays the compilation).
 
 Run from the repository root on a GPU machine:
-    python benchmarks/island_throughput.py --device cuda --rounds 5 --steps-per-round 20 --json out.json
+    python -m benchmarks.island_throughput --device cuda --rounds 5 --steps-per-round 20 --json out.json
 """
 
 from __future__ import annotations
@@ -46,15 +46,14 @@ import tempfile
 import time
 from pathlib import Path
 
+import torch
+
+from coordinator.server import Coordinator, start_coordinator
+from diloco.cli import ArgumentParser, add_config_flags, fail, setup_logging
+from diloco.config import ConfigError, RunConfig, load_config
+from diloco.model import Transformer
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO_ROOT))
-
-import torch  # noqa: E402
-
-from coordinator.server import Coordinator, start_coordinator  # noqa: E402
-from diloco.cli import ArgumentParser, add_config_flags, fail, setup_logging  # noqa: E402
-from diloco.config import ConfigError, RunConfig, load_config  # noqa: E402
-from diloco.model import Transformer  # noqa: E402
 
 PROG = "island_throughput"
 log = logging.getLogger(PROG)
@@ -204,7 +203,7 @@ def main(argv: list[str] | None = None) -> None:
     device = resolve_device(args.device)
     name = device_name(device)
     peak = peak_flops(name, device, args.peak_tflops)
-    command = shlex.join(["python", *sys.argv] if argv is None else ["python", __file__, *argv])
+    command = shlex.join(["python", "-m", "benchmarks.island_throughput", *(sys.argv[1:] if argv is None else argv)])
     deadline = time.monotonic() + args.timeout
     workdir = Path(tempfile.mkdtemp(prefix="island-throughput-"))
     coordinator = None

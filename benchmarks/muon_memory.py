@@ -1,6 +1,6 @@
 """What Muon's whole-matrix step costs a sharded island rank in memory (diloco/muon.py), on CPU.
 
-    python benchmarks/muon_memory.py [--config configs/125m.toml] [--vocab 50304] [--ranks 1,2]
+    python -m benchmarks.muon_memory [--config configs/125m.toml] [--vocab 50304] [--ranks 1,2]
 
 For each rank count N it starts N gloo ranks holding the preset's model (FSDP2 over N ranks; N = 1 is
 a one-rank island, where torch.optim.Muon steps whole tensors itself), gives every parameter a random
@@ -17,23 +17,21 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import tempfile
 import time
 from pathlib import Path
 
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from diloco.config import load_config
+from diloco.inner import build_inner_optimizer
+from diloco.muon import split_parameters
+from islands.fsdp import build_island_model
+from islands.memwatch import PeakRss
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
-
-from diloco.config import load_config  # noqa: E402
-from diloco.inner import build_inner_optimizer  # noqa: E402
-from diloco.muon import split_parameters  # noqa: E402
-from islands.fsdp import build_island_model  # noqa: E402
-from islands.memwatch import PeakRss  # noqa: E402
 
 MB = 1e6
 

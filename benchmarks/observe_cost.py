@@ -14,7 +14,7 @@ per window of inner steps. Then measures, per round:
 
 Each as a share of the demo's mean round time (coordinator) or island round time.
 
-Run from the repository root:  python benchmarks/observe_cost.py [--rounds 8]   (about a minute)
+Run from the repository root:  python -m benchmarks.observe_cost [--rounds 8]   (about a minute)
 """
 
 from __future__ import annotations
@@ -22,19 +22,17 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import tempfile
 import threading
 import time
 import urllib.request
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from coordinator.runlog import RunLog  # noqa: E402
-from diloco.config import load_config  # noqa: E402
-from islands.sim.cli import DEMO_WIRE  # noqa: E402
-from islands.sim.simulation import Simulation  # noqa: E402
-from islands.telemetry import IslandTelemetry, TelemetryOptions  # noqa: E402
+from coordinator.runlog import RunLog
+from diloco.config import load_config
+from islands.sim.cli import DEMO_WIRE
+from islands.sim.simulation import Simulation
+from islands.telemetry import IslandTelemetry, TelemetryOptions
 
 
 def _poll(urls: dict[str, str], every_s: float, stop: threading.Event, latencies: dict[str, list[float]]) -> None:

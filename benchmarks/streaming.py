@@ -36,7 +36,7 @@ diloco and streaming rows show it: their losses agree across links).
 Each island process is pinned to a CPU core of its own (--no-pin leaves them to
 the scheduler); the coordinator and the link proxies run wherever there is room.
 
-Run from the repository root:  python benchmarks/streaming.py
+Run from the repository root:  python -m benchmarks.streaming
 (22-28 minutes on 2 CPU cores shared with other work; --quick is a smoke test
 of about 2 minutes).
 """
@@ -54,13 +54,12 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO_ROOT))
+from diloco.config import RunConfig, load_config
+from diloco.model import Transformer
+from islands.sim.simulation import SimResult, Simulation
+from islands.sim.wan import WanSpecError, parse_link
 
-from diloco.config import RunConfig, load_config  # noqa: E402
-from diloco.model import Transformer  # noqa: E402
-from islands.sim.simulation import SimResult, Simulation  # noqa: E402
-from islands.sim.wan import WanSpecError, parse_link  # noqa: E402
+REPO_ROOT = Path(__file__).resolve().parent.parent
 
 log = logging.getLogger("streaming-bench")
 
@@ -304,7 +303,7 @@ def main(argv: list[str] | None = None) -> None:
             steps = args.steps if method != "ddp" or i == 0 else args.ddp_steps
             results.append(run_one(method, link, steps, args, workdir))
     wall = time.monotonic() - started
-    command = "python benchmarks/streaming.py" + (" " + " ".join(argv) if argv else "")
+    command = "python -m benchmarks.streaming" + (" " + " ".join(argv) if argv else "")
     print(markdown(results, args, links, wall, command))
     if args.json:
         Path(args.json).write_text(json.dumps({"args": vars(args), "wall_s": wall, "runs": [asdict(r) for r in results]}, indent=2))

@@ -21,13 +21,12 @@ import time
 from concurrent import futures
 from pathlib import Path
 
+import grpc
+
+from diloco.v1 import diloco_pb2 as pb
+from islands.sim.wan import LinkSpec, WanLink
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO_ROOT))
-
-import grpc  # noqa: E402
-
-from diloco.v1 import diloco_pb2 as pb  # noqa: E402
-from islands.sim.wan import LinkSpec, WanLink  # noqa: E402
 
 BARE_SERVICE = "diloco.bench.Bare"
 
@@ -163,7 +162,7 @@ def bare_server(port_file: str) -> None:
 
 def measure_bare(pushed: list[pb.PushMessage], pulled: list[pb.ResultMessage], islands: int, repeat: int,
                  workdir: Path, link: LinkSpec | None) -> dict:
-    proc, port = spawn([__file__, "--bare-server"], workdir, "bare")
+    proc, port = spawn(["-m", "benchmarks.transfer", "--bare-server"], workdir, "bare")
     where, links = addresses(port, islands, link)
     channels = [grpc.insecure_channel(a) for a in where]
     spec = [pulled[0].ByteSize()] + [m.ByteSize() for m in pulled[1:]]

@@ -28,7 +28,7 @@ from __future__ import annotations
 import bisect
 import threading
 
-from coordinator.records import Reason, Refused
+from diloco.refusal import Reason, Refused
 from diloco.v1 import diloco_pb2 as pb
 
 Range = tuple[int, int]  # positions [start, stop)

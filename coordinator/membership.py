@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from coordinator.records import Reason, Refused
+from diloco.refusal import Reason, Refused
 from diloco.policy import LimitsConfig
 from diloco.untrusted import HOSTNAME_MAX, KEY_MAX, bounded
 

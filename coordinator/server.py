@@ -21,6 +21,7 @@ from coordinator import durable
 from coordinator.audit import AuditLog, NoAudit
 from coordinator.ledger import DataLedger, account_dict
 from coordinator.metrics import CheckpointStats, coordinator_metrics
+from coordinator.rounds import Closed, RoundDriver
 from coordinator.runlog import RunLog
 from coordinator.service import CoordinatorService, add_to_server
 from coordinator.state import CoordinatorState
@@ -78,7 +79,7 @@ class Coordinator:
     server: grpc.Server
     port: int
     stop_event: threading.Event
-    drivers: list[threading.Thread]  # one round driver per fragment
+    driver: RoundDriver  # one round-driver thread per fragment
     health: health.HealthServicer
     audit: AuditLog | NoAudit = field(default_factory=NoAudit)
     checkpoints: CheckpointStats = field(default_factory=CheckpointStats)
@@ -86,18 +87,14 @@ class Coordinator:
     runlog: RunLog | None = None
 
     def wait(self, timeout: float | None = None) -> bool:
-        deadline = None if timeout is None else time.monotonic() + timeout
-        for driver in self.drivers:
-            driver.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
-        return not any(d.is_alive() for d in self.drivers)
+        return self.driver.wait(timeout)
 
     def stop(self, grace_s: float = 1.0) -> None:
         self.stop_event.set()
         self.health.enter_graceful_shutdown()
         if not self.server.stop(grace_s).wait(grace_s + 30):  # gRPC can leave a call unfinished; stop anyway
             log.warning("the gRPC server had not stopped %gs after stop(); going on", grace_s + 30)
-        for driver in self.drivers:
-            driver.join(5.0)
+        self.driver.wait(5.0)
         self.audit.close()
         if self.web is not None:
             self.web.stop()
@@ -206,6 +203,40 @@ def server_options(cfg: RunConfig) -> list[tuple[str, int]]:
     ]
 
 
+def open_ledger(cfg: RunConfig) -> tuple[DataLedger | None, str]:
+    """With a token corpus: who trains on which samples (coordinator/ledger.py) and the corpus's digest."""
+    if cfg.data.source != "tokens":
+        return None, ""
+    resolve_vocab(cfg)
+    corpus = open_corpus(cfg.data, cfg.seed, cfg.model.vocab_size)
+    ledger = DataLedger(corpus.samples.epoch_size, cfg.data.seq_len, cfg.streaming.fragments)
+    corpus.samples.store.close()
+    log.info("token corpus %s: %d samples of %d tokens an epoch, vocabulary %d", cfg.data.url,
+             corpus.samples.epoch_size, cfg.data.seq_len, corpus.vocab_size)
+    return ledger, corpus.digest
+
+
+def start_grpc(cfg: RunConfig, service: CoordinatorService, host: str, port: int,
+               credentials: grpc.ServerCredentials | None) -> tuple[grpc.Server, int, health.HealthServicer]:
+    """The gRPC server with the service and health checks, serving on host:port; returns it and the bound port."""
+    # Every island holds a thread while it waits for a round to close.
+    # No message an island sends is larger than a chunk and its framing: bigger ones are refused by gRPC
+    # itself (RESOURCE_EXHAUSTED) before they are read into memory.
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2 * cfg.rounds.max_islands + 16),
+                         options=server_options(cfg))
+    add_to_server(service, server)
+    health_servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    bound = (server.add_secure_port(f"{host}:{port}", credentials) if credentials is not None
+             else server.add_insecure_port(f"{host}:{port}"))
+    if bound == 0:
+        raise OSError(f"could not bind {host}:{port}; is the port in use?")
+    server.start()
+    for name in (SERVICE_NAME, ""):
+        health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    return server, bound, health_servicer
+
+
 def start_coordinator(
     cfg: RunConfig, host: str = "127.0.0.1", port: int = 0, spool_dir: str | None = None, resume: bool = False,
     tls: TlsFiles | None = None, insecure: bool = False, revocations: RevocationList | None = None, audit_url: str = "",
@@ -230,14 +261,7 @@ def start_coordinator(
         credentials = grpc.ssl_server_credentials([(key, cert)], root_certificates=ca, require_client_auth=True)
     spool = Path(spool_dir or tempfile.mkdtemp(prefix="diloco-spool-"))
     spool.mkdir(parents=True, exist_ok=True)
-    ledger, data_digest = None, ""
-    if cfg.data.source == "tokens":
-        resolve_vocab(cfg)
-        corpus = open_corpus(cfg.data, cfg.seed, cfg.model.vocab_size)
-        ledger, data_digest = DataLedger(corpus.samples.epoch_size, cfg.data.seq_len, cfg.streaming.fragments), corpus.digest
-        corpus.samples.store.close()
-        log.info("token corpus %s: %d samples of %d tokens an epoch, vocabulary %d", cfg.data.url,
-                 corpus.samples.epoch_size, cfg.data.seq_len, corpus.vocab_size)
+    ledger, data_digest = open_ledger(cfg)
     audit = AuditLog(audit_url) if audit_url else NoAudit()
     state = CoordinatorState(cfg, initial_parameters(cfg), spool, make_evaluator(cfg), make_task_evaluator(cfg), ledger=ledger,
                              data_digest=data_digest,
@@ -257,21 +281,8 @@ def start_coordinator(
     # Before the port opens: a log location that cannot be written is an error at start, not mid-run.
     runlog = RunLog(observe.log_url, observe.tensorboard, cfg) if observe.log_url or observe.tensorboard else None
     stop = threading.Event()
-    # Every island holds a thread while it waits for a round to close.
-    # No message an island sends is larger than a chunk and its framing: bigger ones are refused by gRPC
-    # itself (RESOURCE_EXHAUSTED) before they are read into memory.
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2 * cfg.rounds.max_islands + 16),
-                         options=server_options(cfg))
-    add_to_server(CoordinatorService(state, stop, mutual_tls=tls is not None, audit=audit), server)
-    health_servicer = health.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    bound = (server.add_secure_port(f"{host}:{port}", credentials) if credentials is not None
-             else server.add_insecure_port(f"{host}:{port}"))
-    if bound == 0:
-        raise OSError(f"could not bind {host}:{port}; is the port in use?")
-    server.start()
-    for name in (SERVICE_NAME, ""):
-        health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    service = CoordinatorService(state, stop, mutual_tls=tls is not None, audit=audit)
+    server, bound, health_servicer = start_grpc(cfg, service, host, port, credentials)
 
     saving = threading.Lock()
     checkpoints = CheckpointStats()
@@ -285,29 +296,18 @@ def start_coordinator(
     # Every fragment closing checkpoint.every_rounds rounds (without streaming: every every_rounds rounds).
     save_every = cfg.checkpoint.every_rounds * len(state.fragments)
 
-    def drive(fragment: int) -> None:
-        while not stop.is_set():
-            closed = state.step_round(fragment=fragment)
-            if closed is None:
-                if state.fragments[fragment].phase.value == "finished":
-                    return  # this fragment is done; the others' drivers go on
-                continue
-            if runlog is not None:
-                runlog.record(closed.summary)
-            if store is not None and (closed.run_finished or closed.total_rounds % save_every == 0):
-                with saving:
-                    save(state, store, checkpoints)
-            if closed.run_finished:
-                health_servicer.set(SERVICE_NAME, health_pb2.HealthCheckResponse.NOT_SERVING)
-                return
+    def after_close(closed: Closed) -> None:
+        if runlog is not None:
+            runlog.record(closed.summary)
+        if store is not None and (closed.run_finished or closed.total_rounds % save_every == 0):
+            with saving:
+                save(state, store, checkpoints)
+        if closed.run_finished:
+            health_servicer.set(SERVICE_NAME, health_pb2.HealthCheckResponse.NOT_SERVING)
 
-    drivers = [
-        threading.Thread(target=drive, args=(f,), name=f"round-driver-{f}", daemon=True) for f in range(len(state.fragments))
-    ]
-    for driver in drivers:
-        driver.start()
+    driver = RoundDriver(state.fragments, lambda f: state.step_round(fragment=f), after_close, stop).start()
     log.info("coordinator serving on %s:%d (%s)", host, bound, "mutual TLS" if tls is not None else "plaintext")
-    return Coordinator(state, server, bound, stop, drivers, health_servicer, audit, checkpoints, web, runlog)
+    return Coordinator(state, server, bound, stop, driver, health_servicer, audit, checkpoints, web, runlog)
 
 
 def serve(

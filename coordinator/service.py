@@ -15,7 +15,7 @@ from coordinator.audit import NoAudit
 from coordinator.ledger import ranges_of
 from coordinator.limits import Limits, idle_bounded
 from coordinator.publish import Reading
-from coordinator.records import Reason, Refused
+from diloco.refusal import Reason, Refused
 from coordinator.state import CoordinatorState
 from coordinator.streams import OpenStreams, Ticket
 from diloco.credentials import CredentialError, identity_from_auth_context, ranks_from_auth_context

@@ -1,11 +1,11 @@
 """The coordinator's state: membership, the fragments' round machines, the run's history.
 
 Networking lives in service.py; this module takes calls and raises Refused with
-a typed reason (coordinator/records.py).
+a typed reason (diloco/refusal.py).
 
 The model's parameters are split into fragments (diloco/fragments.py; one
 fragment holding everything without streaming), each with its own round
-sequence in coordinator/fragment.py. What is shared lives here: membership
+sequence in coordinator/rounds.py. What is shared lives here: membership
 (coordinator/membership.py), the condition variable every wait uses, the round
 summaries and the evaluation of the global parameters. The run is FINISHED when
 every fragment is.
@@ -25,16 +25,16 @@ from pathlib import Path
 
 import torch
 
-from coordinator.fragment import FragmentContext, FragmentRounds
 from coordinator.ledger import DataLedger, account_dict
 from coordinator.links import LinkAdvisor
 from coordinator.membership import Events, Island, Membership, canonical_order
 from coordinator.publish import Reading
-from coordinator.records import Closed, Phase, Reason, Refused
+from coordinator.rounds import Closed, FragmentContext, FragmentRounds, Phase
 from coordinator.spool import Spools
 from diloco.config import RunConfig
 from diloco.fragments import layout_for
 from diloco.params import checksum, ranges_checksum
+from diloco.refusal import Reason, Refused
 from diloco.v1 import diloco_pb2 as pb
 from diloco.wire import FlatRange, Manifest, link_codecs, uplink_codec
 

@@ -85,6 +85,10 @@ class Codec(Protocol):
         not: finite() and the norm in one pass. Raises ValueError on a malformed payload."""
         ...
 
+    def decode_sumsq(self, payload: bytes, numel: int) -> tuple[torch.Tensor, float]:
+        """decode() and sumsq() (its bits) with one decode: for a caller that reads the values as they arrive."""
+        ...
+
 
 class _Decoder:
     """decode() in terms of decode_into(); finite() by decoding."""
@@ -99,6 +103,10 @@ class _Decoder:
 
     def sumsq(self, payload: bytes, numel: int) -> float:
         return float(_sumsq(self.decode(payload, numel).numpy()))
+
+    def decode_sumsq(self, payload: bytes, numel: int) -> tuple[torch.Tensor, float]:
+        values = self.decode(payload, numel)
+        return values, float(_sumsq(values.numpy()))
 
     def decode_view(self, payload: bytes | memoryview, numel: int) -> torch.Tensor:
         return self.decode(payload, numel)
@@ -241,6 +249,9 @@ class Int8Codec(_BlockScaledCodec):
         scales, codes = self._split(payload, numel)
         return float(_int8_sumsq(codes.view(np.int8), scales, self.block))
 
+    def decode_sumsq(self, payload: bytes, numel: int) -> tuple[torch.Tensor, float]:
+        return self.decode(payload, numel), self.sumsq(payload, numel)  # its own sum, from the codes: no second decode
+
 
 class E3M0Codec(_BlockScaledCodec):
     name = "e3m0"
@@ -265,6 +276,9 @@ class E3M0Codec(_BlockScaledCodec):
     def sumsq(self, payload: bytes, numel: int) -> float:
         scales, codes = self._split(payload, numel)
         return float(_e3m0_sumsq(codes, scales, self.block, numel))
+
+    def decode_sumsq(self, payload: bytes, numel: int) -> tuple[torch.Tensor, float]:
+        return self.decode(payload, numel), self.sumsq(payload, numel)  # its own sum, from the codes: no second decode
 
 
 class TopKCodec(_Decoder, TopK):

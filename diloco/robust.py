@@ -86,24 +86,32 @@ class Sketcher:
     def add(self, sketch: np.ndarray, name: str, offset: int, values: np.ndarray) -> None:
         """Adds float32 values, elements offset.. of tensor `name`, into sketch."""
         key = self._keys.get(name)
-        if key is None:
+        if key is None:  # two pushes' threads may both derive it: the same key, so the race is harmless
             digest = hashlib.blake2b(name.encode(), key=self.secret, digest_size=8).digest()
             key = self._keys[name] = np.uint64(int.from_bytes(digest, "little"))
         _count_sketch(values, offset, key, sketch)
 
 
+def cosines(sketches: dict[str, np.ndarray]) -> dict[tuple[str, str], float]:
+    """The estimated cosine of every two contributions (names in sorted order, each pair once); a zero sketch has
+    none."""
+    norms = {i: float(np.linalg.norm(s)) for i, s in sketches.items()}
+    names = sorted(i for i in sketches if norms[i] > 0)
+    return {(i, j): float(sketches[i] @ sketches[j]) / (norms[i] * norms[j]) for k, i in enumerate(names) for j in names[k + 1:]}
+
+
 def opposed(sketches: dict[str, np.ndarray], cosine: float) -> dict[str, list[float]]:
     """The contributions whose cosine with a strict majority of the others is below `cosine`, each with its
     cosines to the others; none with fewer than three (no majority to side with)."""
-    norms = {i: float(np.linalg.norm(s)) for i, s in sketches.items()}
-    names = sorted(i for i in sketches if norms[i] > 0)
+    pairs = cosines(sketches)
+    names = sorted({i for pair in pairs for i in pair})
     if len(names) < 3:
         return {}
     found = {}
     for i in names:
-        cosines = [float(sketches[i] @ sketches[j]) / (norms[i] * norms[j]) for j in names if j != i]
-        if 2 * sum(c < cosine for c in cosines) > len(cosines):
-            found[i] = cosines
+        others = [pairs[(i, j) if i < j else (j, i)] for j in names if j != i]
+        if 2 * sum(c < cosine for c in others) > len(others):
+            found[i] = others
     return found
 
 

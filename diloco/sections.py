@@ -159,7 +159,7 @@ class WireConfig:
     topk_error_feedback: bool = True
     # e <- decay * e + pseudo_gradient before encoding (1.0: classic error feedback).
     # -1 (auto): 0.25 for topk, 1.0 for the others and with feedback_in_model (as measured).
-    # Top-k's residual is mostly noise here (README: Codec loss cost: at 15% density decay 1
+    # Top-k's residual is mostly noise here (docs/benchmarks.md, Codec loss cost: at 15% density decay 1
     # cost +6.1%, 0.25 +1.8%).
     feedback_decay: float = -1.0
     # Keep the residual in the island's local parameters instead of adding it to the next

@@ -208,6 +208,18 @@ def verify_chunk(chunk: pb.TensorChunk, manifest: Manifest, codec: Codec, payloa
         raise ChunkError(f"{chunk.name}@{chunk.offset}: {e}") from e
 
 
+def verify_and_decode(chunk: pb.TensorChunk, manifest: Manifest, codec: Codec,
+                      payload: bytes | None = None) -> tuple[float, torch.Tensor]:
+    """verify_chunk with sumsq, keeping the decoded values: one decode for a caller that reads them as they arrive
+    (the coordinator's direction sketch, diloco/robust.py). The sum of squares has codec.sumsq's bits."""
+    payload = _checked_payload(chunk, manifest, payload)
+    try:
+        values, sumsq = codec.decode_sumsq(payload, chunk.numel)
+    except ValueError as e:
+        raise ChunkError(f"{chunk.name}@{chunk.offset}: {e}") from e
+    return sumsq, values
+
+
 def decode_chunk(chunk: pb.TensorChunk, manifest: Manifest, codec: Codec, out: torch.Tensor | None = None,
                  add: bool = False) -> torch.Tensor:
     """Checks address and checksum, then decodes to a flat fp32 tensor (into out, when given; added to it, with add:

@@ -8,9 +8,9 @@ either boundary work or an inner step:
 
 - boundary: a fragment's exchange that is due lands (the groups agree on the
   push outcome, every rank pulls its ranges, the result is mixed in), or a
-  fragment whose round ends starts its exchange (islands/exchange.py):
-  blocking with tau = 0 (plain DiLoCo), overlapped with tau > 0 (Streaming
-  DiLoCo: it lands tau inner steps later while training goes on);
+  fragment whose round ends begins its exchange: blocking with tau = 0 (plain
+  DiLoCo), overlapped with tau > 0 (Streaming DiLoCo: it lands tau inner steps
+  later while training goes on);
 - inner step: the batch of inner step c (a pure function of island, rank and
   c), gradients averaged across the groups, the optimizer steps only if the
   step commits, else the same step is redone.
@@ -19,11 +19,14 @@ Fragments (diloco/fragments.py) split the model; without streaming there is one,
 which syncs every H inner steps. The island's position (IslandState) is what a
 checkpoint writes and a healing group receives, with the model shard, inner
 optimizer state, theta_global shard, error feedback, eager state and the
-exchanges in flight. Landing, resync and finishing: islands/landing.py.
+exchanges in flight. The island's side of the round (when one ends, the
+exchange, the landing, a resync, the finish) is one object it owns, `self.sync`:
+islands/round.py's IslandRound; the loop below is the schedule that calls it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import time
@@ -38,20 +41,18 @@ from diloco.feedback import ErrorFeedback
 from diloco.config import RunConfig
 from diloco.inner import build_inner_optimizer, inner_lr, train_step
 from diloco.params import checksum
-from diloco.streaming import EagerState, eager_gradient, mix_
+from diloco.streaming import EagerState
 from diloco.v1 import diloco_pb2 as pb
 from diloco.wire import Manifest, downlink_codec, link_codecs, uplink_codec
-from islands import exchange
-from islands.client import CoordinatorClient, MeanBuffer
-from islands.evidence import Evidence, maybe_fault
-from islands.exchange import Exchange, FragmentShard, Wire
+from islands.client import CoordinatorClient
+from islands.evidence import Evidence, digest
 from islands.feed import make_feed
 from islands.fsdp import ShardLayout, build_island_model, local_views
 from islands.joining import check_join_reply
-from islands.landing import Landing
 from islands.memwatch import PeakRss
-from islands.pace import Pacing, RoundPace
+from islands.outcome import Next
 from islands.replicas import Replicas, Solo
+from islands.round import FragmentShard, IslandRound, Wire
 from islands.state import IslandState, ReplicaSpec
 from islands.telemetry import IslandTelemetry
 from islands.world import IslandWorld
@@ -80,7 +81,7 @@ class IslandResult:
         return self.compute_s / self.wall_s if self.wall_s else math.nan
 
 
-class Island(Landing, Pacing):
+class Island:
     def __init__(self, cfg: RunConfig, world: IslandWorld, client: CoordinatorClient, joined: pb.JoinResponse,
                  spec: ReplicaSpec | None = None, compile_model: bool = False):
         self.cfg, self.world, self.client = cfg, world, client
@@ -104,16 +105,10 @@ class Island(Landing, Pacing):
         p = len(self.fragments)
         self.state = IslandState(joined.island_id, list(joined.fragment_rounds) or [joined.round] * p, joined.total_rounds)
         self.feed = make_feed(cfg, joined, world, self.spec, client, lambda: self.state.island_id)
-        self.tau, self.alpha = cfg.streaming.overlap, cfg.streaming.alpha
-        # When a round ends (islands/pace.py); a time box does not count the time blocked on a result.
-        self.pace = RoundPace(cfg, self.spec.steps_per_round, blocked=lambda: self.timing["wait_s"])
-        self.agreed_clock: tuple[int, list[float]] = (-1, [])  # (step, fragment clocks) every rank and group agreed on
-        self.late_folds = 0
         self.eager = [EagerState(cfg.outer) for _ in range(p)] if cfg.streaming.eager else None
-        self.inflight: dict[int, Exchange] = {}
         self.replicas: Solo | Replicas = Solo()
-        self.wire = Wire(client, self.codec, joined.max_chunk_bytes, self.feedback, cfg.rounds.deadline_s + 60,
-                         lambda: self.state.island_id, link_codecs(cfg.wire))  # compression per link: what it may push with
+        wire = Wire(client, self.codec, joined.max_chunk_bytes, self.feedback, cfg.rounds.deadline_s + 60,
+                    lambda: self.state.island_id, link_codecs(cfg.wire))  # compression per link: what it may push with
         self.restored = False
         self.checkpoint = None  # islands.checkpoint.IslandCheckpoint with --checkpoint
         # Inner steps; blocked waiting for results (of which: for other islands' pushes); everything.
@@ -122,9 +117,16 @@ class Island(Landing, Pacing):
         self.exchanges: list[dict] = []  # one record per landed exchange
         self.step_spans: list[tuple[float, float]] | None = None  # set to [] to record each inner step's span
         self.memory: list[dict] = []
-        self.takeovers = 0
         self.evidence = Evidence(self.spec.report_dir, self.spec.group, world.rank)
         self.telemetry = IslandTelemetry()  # what it writes: islands/launch.py's run_island (--metrics-port, --log-url)
+        # The island's side of the round: when one ends, the exchange, the landing, a resync, the finish.
+        self.sync = IslandRound(
+            cfg, self.spec, world, client, self.state, self.layout, self.total_rounds,
+            params=FragmentShard(-1, self.manifest, self.shard.ranges, self.whole, self.local, self.global_shard),
+            fragments=self.fragments, wire=wire, down=self.down, feedback=self.feedback, eager=self.eager,
+            replicas=self.replicas, group_reduce=self.group_reduce, reset_training=self.reset_training,
+            leased=self.feed.leased, evidence=self.evidence, timing=self.timing, records=self.exchanges,
+        )
 
     def _fragment_shard(self, index: int, names: tuple[str, ...]) -> FragmentShard:
         return FragmentShard(
@@ -169,7 +171,7 @@ class Island(Landing, Pacing):
 
             grads = list(local_grads(model))
             r = self._rounds_tag()
-            clock = self._clock_extra()  # time-boxed rounds: the groups agree on the round's clock (islands/pace.py)
+            clock = self.sync.clock_extra()  # time-boxed rounds: the groups agree on the round's clock
             extra = torch.tensor([loss, r, r * r, *clock], dtype=grads[0].dtype, device=grads[0].device)
             expected = extra[1:3].tolist()  # as the collective's dtype holds them
             flat = torch.cat(grads + [extra])
@@ -187,11 +189,17 @@ class Island(Landing, Pacing):
             log.warning("group %d: inner step %d did not commit; redoing it", self.spec.group, self.state.step)
             if disagree:
                 for f in range(len(self.fragments)):
-                    self.resync(f, exchange.LOST)
+                    self.sync.resync(f, Next.RESYNC)
             return None
         if self.spec.groups > 1:
-            self._agree_clock(clock)
+            self.sync.agree_clock(clock)
         return loss
+
+    def reset_training(self) -> None:
+        """Our training diverged (a push refused as not finite): a fresh inner optimizer and error feedback."""
+        self.optimizer = build_inner_optimizer(self.model, self.cfg.inner)
+        if self.feedback is not None:
+            self.feedback.reset()
 
     # --- one inner step ---------------------------------------------------------------------------
 
@@ -205,8 +213,8 @@ class Island(Landing, Pacing):
         t0 = time.monotonic()
         for f in range(len(self.fragments)):
             if s.step == s.last_sync[f]:
-                self.pace.begin_round(f)  # the time box counts from the round's first inner step
-        loss = train_step(self.model, self.optimizer, batch, inner_lr(self._lr_step(), total_steps, cfg), cfg.grad_clip,
+                self.sync.pace.begin_round(f)  # the time box counts from the round's first inner step
+        loss = train_step(self.model, self.optimizer, batch, inner_lr(self.sync.lr_step(), total_steps, cfg), cfg.grad_clip,
                           self._reduce_gradients, self.world.device, autocast=self.whole)
         if self.spec.throttle_s:
             time.sleep(self.spec.throttle_s)  # a slower device, emulated: counted as compute
@@ -225,7 +233,7 @@ class Island(Landing, Pacing):
         s.consume(self.feed.samples_per_step(self._participants))
         self.telemetry.inner_step(loss, tokens, t1 - t0)
         self._window.append(loss)
-        if not self.pace.custom and s.step % cfg.steps_per_round == 0:
+        if not self.sync.pace.custom and s.step % cfg.steps_per_round == 0:
             self._close_window()
 
     def _close_window(self) -> None:
@@ -238,73 +246,32 @@ class Island(Landing, Pacing):
         log.info("%s step %d: train loss %.4f, fragment rounds %s; %.1fs in inner steps, %.1fs waiting so far",
                  s.island_id, s.step, self.losses[-1], s.rounds, self.timing["compute_s"], self.timing["wait_s"])
 
-    # --- a fragment's sync: the push now, the landing tau inner steps later ---------------------
-
-    @torch.no_grad()
-    def _sync(self, f: int) -> None:
-        s, shard = self.state, self.fragments[f]
-        c, h = s.step, self.cfg.inner.steps_per_round
-        last = s.rounds[f] >= self.total_rounds - 1 if self.pace.custom else c >= self.total_rounds * h
-        background = self.tau > 0 and not last
-        if self.pace.custom:
-            self._close_window()
-        steps = c - s.last_sync[f]
-        if steps <= 0:
-            log.warning("%s: fragment %d is due with no inner step trained for it; pushing it with no weight", s.island_id, f)
-        loss_sum, n = self.group_reduce([s.loss[f][0], s.loss[f][1]])
-        ex = Exchange(
-            f, s.rounds[f], c, c + self.tau if background else c, tokens=s.tokens[f],
-            inner_steps=max(steps, 1), train_loss=loss_sum / n if n else 0.0, checksum=s.checksums[f],
-            pusher=self.replicas.participating_rank() == 0, samples=s.positions(s.data_marks[f], s.data_cursor),
-            first_step=s.rounds[f] * h if self.pace.custom else -1,  # where its lr positions start (diloco/pace.py)
-            codec=s.codecs[f],  # compression per link: as last advised, fixed for this push
-        )
-        if background:
-            ex.pg = {r.name: shard.flat_global(r.name) - shard.local[r.name].to("cpu", torch.float32) for r in shard.ranges}
-            ex.staging = {n_: g.clone() for n_, g in shard.global_.items()}
-        eager = self.eager[f] if self.eager is not None else None
-        if eager is not None and background:
-            ex.mean = MeanBuffer({n_: torch.zeros_like(t) for n_, t in ex.pg.items()}, shard.manifest, self.down, shard.wire_ranges)
-            if eager.prev_mean is not None:
-                ex.estimate = eager.replica.step(shard.flat, eager_gradient(eager.prev_mean, eager.prev_own, ex.pg, eager.share))
-                mix_(shard.local, ex.estimate, self.alpha)
-        log.debug("%s: fragment %d round %d pushes %d tokens of %d inner steps", s.island_id, f, ex.round, ex.tokens, ex.inner_steps)
-        s.restart_fragment(f)
-        self.pace.synced(f)  # its next time box is a whole round_s (islands/pace.py)
-        self.inflight[f] = ex
-        if ex.pusher:  # tests: a pusher dying mid-push, or pushing late
-            maybe_fault("die-before-push", self.spec.group, self.world.rank, ex.round)
-            maybe_fault("hold-before-push", self.spec.group, self.world.rank, ex.round)
-        exchange.start(shard, ex, self.wire)
+    # --- a boundary step: the schedule of the fragments' exchanges -----------------------------------
 
     def _boundary(self) -> bool:
-        """Lands an exchange that is due, or starts the syncs that are due. True when this step's commit was used.
-        Time-boxed with fragments, a due push goes first: it never waits behind a landing (islands/pace.py)."""
-        s = self.state
-        sync_first = self.pace.time_boxed and len(self.fragments) > 1
-        if not sync_first and self._land_due():
+        """Lands an exchange that is due, or begins the syncs that are due. True when this step's commit was used.
+        Time-boxed with fragments, a due push goes first: it never waits behind a landing."""
+        s, sync = self.state, self.sync
+        sync_first = sync.pace.time_boxed and len(self.fragments) > 1
+        if not sync_first and sync.land_due():
             return True
-        for f, shard in enumerate(self.fragments):
-            if f in self.inflight or s.rounds[f] >= s.stop_round or s.finished:
+        for f in range(len(self.fragments)):
+            if f in sync.inflight or s.rounds[f] >= s.stop_round or s.finished:
                 continue
-            if self._round_over(f):
+            if sync.round_over(f):
                 meter = PeakRss() if self.spec.measure_memory else nullcontext()
                 with meter:
                     round_ = s.rounds[f]
-                    self._sync(f)
-                    if self.inflight[f].due > s.step:
+                    if sync.pace.custom:
+                        self._close_window()
+                    sync.begin(f)
+                    if sync.inflight[f].due > s.step:
                         return False
-                    self.land(f)
+                    sync.land(f)
                 if isinstance(meter, PeakRss) and meter.peak_bytes is not None:
                     self.memory.append({"round": round_, "fragment": f, "peak_rss_bytes": meter.peak_bytes, "phases": meter.phases})
                 return True
-        return sync_first and self._land_due()
-
-    def _land_due(self) -> bool:
-        for f in sorted(self.inflight):
-            if self.inflight[f].due <= self.state.step or self.state.done():
-                return self.land(f) or True
-        return False
+        return sync_first and sync.land_due()
 
     def _close_timing(self, marks: dict, started: float) -> None:
         self.timing["wall_s"] = time.monotonic() - started
@@ -318,19 +285,19 @@ class Island(Landing, Pacing):
     def run(self, max_rounds: int | None = None) -> IslandResult:
         started = time.monotonic()
         self.telemetry.attach(self)
-        self.start()
+        self.sync.start(self.restored)
         s, h = self.state, self.cfg.inner.steps_per_round
         if max_rounds is not None:
             s.stop_round = min(s.stop_round, min(s.rounds) + max_rounds)
         if self.spec.groups > 1:
-            self.replicas = Replicas(
+            self.replicas = self.sync.replicas = Replicas(
                 self.spec.ft, self.spec.group, self.world.rank, self.world.world_size, self.world.device,
                 f"{self.spec.key}.group{self.spec.group}", self.heal_state_dict, self.load_heal_state_dict,
             )
         self._participants, self._window = 1, []
         total_steps = self.total_rounds * h
         # Steady state (LeaveRequest): between fixed steps of the fixed schedule; none with a pace of the island's own.
-        marks = {h: None, total_steps - h: None} if self.total_rounds >= 3 and not self.pace.custom else {}
+        marks = {h: None, total_steps - h: None} if self.total_rounds >= 3 and not self.sync.pace.custom else {}
         self.evidence.event("up", round=s.round)
         matches, finishing = None, 0
         assemble_until = time.monotonic() + self.spec.ft.startup_wait_s
@@ -345,12 +312,12 @@ class Island(Landing, Pacing):
                     time.sleep(0.1)
                     continue
                 assemble_until = 0.0
-                if self.checkpoint is not None and not self.inflight:
+                if self.checkpoint is not None and not self.sync.inflight:
                     self.checkpoint.maybe_save(self)
-                if s.done() and not self.inflight:
+                if s.done() and not self.sync.inflight:
                     self._close_timing(marks, started)
                     finishing += 1
-                    matches = self.finish(last_try=finishing >= 5)
+                    matches = self.sync.finish(last_try=finishing >= 5)
                     if matches is not None:
                         break
                     continue
@@ -364,8 +331,66 @@ class Island(Landing, Pacing):
             self.telemetry.finish()
             self.write_evidence()
             self.replicas.shutdown()
-        whole = checksum(dict(self.model.named_parameters())) if self.whole else self.final_checksum
+        whole = checksum(dict(self.model.named_parameters())) if self.whole else self.sync.final_checksum
         return IslandResult(
             s.island_id, s.rounds_done, s.round, whole, bool(matches), self.losses, self.timing["compute_s"],
-            self.timing["wait_s"], self.timing["wall_s"], s.step, self.timing["straggler_s"], self.late_folds,
+            self.timing["wait_s"], self.timing["wall_s"], s.step, self.timing["straggler_s"], self.sync.late_folds,
         )
+
+    # --- healing: what a restarted group receives from a live peer -----------------------------------
+
+    def heal_state_dict(self) -> dict:
+        from islands.fsdp import optimizer_state_to_local
+
+        return {
+            "model": {n: t.detach() for n, t in self.local.items()},
+            "optimizer": optimizer_state_to_local(self.optimizer),
+            "global": self.global_shard,
+            "feedback": self.feedback.state_dict() if self.feedback is not None else {},
+            "eager": [e.state_dict() for e in self.eager] if self.eager is not None else [],
+            "position": self.state.state_dict(),
+            **self.sync.heal_state_dict(),  # the exchanges in flight and the round's clock
+        }
+
+    @torch.no_grad()
+    def load_heal_state_dict(self, sd: dict) -> None:
+        from islands.fsdp import optimizer_state_from_local
+
+        for name, t in sd["model"].items():
+            self.local[name].copy_(t)
+        for name, t in sd["global"].items():
+            self.global_shard[name].copy_(t)
+        if self.feedback is not None:
+            self.feedback.load_state_dict(sd["feedback"])
+        for e, saved in zip(self.eager or [], sd["eager"]):
+            e.load_state_dict(saved)
+        optimizer_state_from_local(self.optimizer, sd["optimizer"])
+        self.state.load_state_dict(sd["position"])
+        self.sync.load_heal_state_dict(sd)
+        self.evidence.event("healed", round=self.state.round, step=self.state.step)
+        log.info("group %d rank %d healed from a peer: fragment rounds %s, inner step %d", self.spec.group, self.world.rank,
+                 self.state.rounds, self.state.step)
+
+    # --- evidence for tests and debugging (only with a report dir) ----------------------------------
+
+    def record_step(self, healed: bool) -> None:
+        if not self.evidence.enabled:
+            return
+        s = self.state
+        opt = [v.to_local() if hasattr(v, "to_local") else v for st in self.optimizer.state.values() for k, v in sorted(st.items()) if k != "step"]
+        # An event, not just the summary: a SIGKILLed rank leaves its events behind.
+        self.evidence.event(
+            "step", step=self.replicas.step(), round=s.round, pos=s.step, healed=healed,
+            model=digest(self.local.values()), globals=digest(self.global_shard.values()), optimizer=digest(opt),
+        )
+
+    def write_evidence(self) -> None:
+        summary = {
+            "group": self.spec.group, "rank": self.world.rank, "world_size": self.world.world_size,
+            "state": dataclasses.asdict(self.state), "healed_steps": self.replicas.healed_steps, "takeovers": self.sync.takeovers,
+            "ranges": [dataclasses.astuple(r) for r in self.shard.ranges], "full_model_fp32_bytes": 4 * self.manifest.total_numel(),
+            "shard_fp32_bytes": 4 * self.shard.numel(), "memory": self.memory, "losses": [x for x in self.losses if math.isfinite(x)],
+        }
+        tensors = {"model": {n: t.detach().cpu().clone() for n, t in self.local.items()},
+                   "global": {n: t.view(-1) for n, t in self.global_shard.items()}}
+        self.evidence.write(summary, tensors)

@@ -1,7 +1,10 @@
-"""What an island does next when the coordinator refuses a call: one table, read by every island loop.
+"""What an island does next: one vocabulary, from the coordinator's refusal to what every rank agrees on.
 
-Decided on the refusal's typed reason (diloco/refusal.py), never on the text
-of a message.
+`Next` is the one outcome type of the island. A refusal's typed reason
+(diloco/refusal.py, never the text of a message) maps to it in one table
+below; a push reports it; at a landing the ranks of a group and the replica
+groups agree on it by reducing its integer values with MAX, so the values are
+ordered by severity and `Next(int(reduced))` reads the agreement back.
 """
 
 from __future__ import annotations
@@ -14,16 +17,24 @@ from diloco.refusal import Reason, reason_of
 from diloco.v1 import diloco_pb2 as pb
 
 
-class Next(enum.Enum):
-    RESYNC = "resync"  # fetch the current global parameters and train for the coordinator's round
-    REJOIN = "rejoin"  # the coordinator forgot us: join again under our id, then resync
-    RESET = "reset"  # our pseudo-gradient was not finite: fresh inner optimizer and error feedback, then resync
-    RELEASE = "release"  # our samples are not ours (the coordinator forgot our leases): drop them, take new ones, resync
-    PUSH_AGAIN = "push again"  # the coordinator holds no contribution from us (it restarted): resend the same chunks
-    DELIVERED = "delivered"  # a duplicate: what we pushed is there already (another replica group's copy)
-    WAIT = "wait"  # the round is still open, waiting for other islands: wait on
-    FINISHED = "finished"  # the run is over
-    FAIL = "fail"  # nothing to retry: misconfiguration or another release; raise to the user
+class Next(enum.IntEnum):
+    """What to do next, least severe first (the order is what a MAX across ranks and groups picks by).
+
+    At a landing, everything above DELIVERED ends in a resync of the fragment; REJOIN, RESET and RELEASE do
+    their part first, so they rank above the plain ones. NOBODY is 0 so that the replica groups' SUM of the
+    pushing group's report (the others add 0) is that report.
+    """
+
+    NOBODY = 0  # no push reported: a rank of a group that does not push; agreed by every group, a takeover
+    DELIVERED = 1  # the push is there: ours, or a duplicate of what another replica group pushed
+    WAIT = 2  # the round is still open, waiting for other islands: wait on
+    PUSH_AGAIN = 3  # the coordinator holds no contribution from us (it restarted): resend the same chunks
+    FINISHED = 4  # the run is over
+    RESYNC = 5  # fetch the current global parameters and train for the coordinator's round
+    REJOIN = 6  # the coordinator forgot us: join again under our id, then resync
+    RESET = 7  # our pseudo-gradient was not finite: fresh inner optimizer and error feedback, then resync
+    RELEASE = 8  # our samples are not ours (the coordinator forgot our leases): drop them, take new ones, resync
+    FAIL = 9  # nothing to retry: misconfiguration or another release; raised to the user, never agreed on
 
 
 _NEXT: dict[int, Next] = {

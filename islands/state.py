@@ -23,7 +23,7 @@ class ReplicaSpec:
     report_dir: str = ""  # per-rank JSON reports and final shards (tests, debugging)
     measure_memory: bool = False
     receive_window_bytes: int = 0  # see islands.client.channel_options
-    # This island's own H (0: the run's inner.steps_per_round), islands/pace.py; the same on every rank.
+    # This island's own H (0: the run's inner.steps_per_round), islands/round.py's RoundPace; the same on every rank.
     steps_per_round: int = 0
     # Seconds slept in every inner step, as if on a slower device (tests and benchmarks of unequal islands).
     throttle_s: float = 0.0

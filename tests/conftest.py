@@ -1,4 +1,5 @@
-"""Shared fixtures: a tiny run config and an in-process coordinator on 127.0.0.1."""
+"""Shared fixtures: a tiny run config and an in-process coordinator on 127.0.0.1; and the check that every test is
+marked unit or integration. Helpers that are not fixtures and that several test modules share: tests/kit.py."""
 
 from __future__ import annotations
 
@@ -24,6 +25,20 @@ from diloco.config import load_config
 from diloco.v1 import diloco_pb2 as pb
 from diloco.v1 import diloco_pb2_grpc as pb_grpc
 from diloco.wire import PROTOCOL_VERSION
+
+KINDS = ("unit", "integration")  # pyproject.toml's markers: `-m unit` and `-m integration` select each half
+
+
+def pytest_collection_modifyitems(config, items):
+    """Every test is marked unit or integration, exactly one of them (a module's pytestmark, the test's own mark, or
+    a parameter's): a test marked neither or both stops the collection, so that a new test says which it is."""
+    wrong = sorted({item.nodeid.split("[")[0] for item in items
+                    if sum(item.get_closest_marker(kind) is not None for kind in KINDS) != 1})
+    if wrong:
+        raise pytest.UsageError(
+            f"{len(wrong)} test(s) marked neither or both of @pytest.mark.unit and @pytest.mark.integration (unit: in "
+            "this process alone, no processes, gRPC servers or sockets, a fake clock; integration: everything else; "
+            "a module of one kind says pytestmark = pytest.mark.unit or .integration):\n  " + "\n  ".join(wrong))
 
 
 @contextmanager

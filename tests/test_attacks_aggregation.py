@@ -6,12 +6,15 @@ push pseudo-gradients of one scale, and asserts the coordinator's refusal or bou
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from conftest import claim, tiny_config, wait_for_round
 from diloco.codec import Fp32Codec
 from diloco.v1 import diloco_pb2 as pb
 from diloco.wire import PROTOCOL_VERSION, push_messages, tensor_chunks
+
+pytestmark = pytest.mark.integration
 
 
 def _join(stub, key: str) -> str:

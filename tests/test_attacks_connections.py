@@ -122,6 +122,7 @@ def _honest_round(stubs: dict[str, pb_grpc.CoordinatorStub], ids: dict[str, str]
     return result[0].header.checksum
 
 
+@pytest.mark.integration
 @pytest.mark.skipif(not Path("/proc/self/limits").exists(), reason="reads the coordinator's open-file limit in /proc (Linux)")
 def test_idle_connections_without_a_certificate_are_closed_and_rounds_go_on(run_ca, tmp_path):
     """400 TCP connections that never handshake, to a coordinator started with a soft limit of 256 open files,
@@ -190,6 +191,7 @@ def test_idle_connections_without_a_certificate_are_closed_and_rounds_go_on(run_
 # --- item 9: the spool, per island ------------------------------------------------------------------------------
 
 
+@pytest.mark.integration
 def test_a_member_that_never_finishes_its_pushes_fills_only_its_share_of_the_spool(make_coordinator, channel_to):
     """The attacker (a member declaring 8 ranks: 18 push streams) opens 12 streams that each send a whole model's
     chunks and never end. With one pool for everyone they took all of limits.spool_gb and every honest push was
@@ -259,6 +261,7 @@ def test_a_member_that_never_finishes_its_pushes_fills_only_its_share_of_the_spo
     assert not spools.held.get(mallory, 0)
 
 
+@pytest.mark.unit
 def test_an_island_takes_at_most_its_share_of_the_memory_pool(tmp_path):
     """Blocks of the memory pool per island: the rest of a greedy island's pushes wait on disk, the others' in memory."""
     from coordinator.spool import BLOCK_PAYLOAD, Spools
@@ -281,6 +284,7 @@ def test_an_island_takes_at_most_its_share_of_the_memory_pool(tmp_path):
 # --- item 11 ----------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.integration
 def test_the_coordinator_speaks_tls_1_3_and_the_readme_says_it_also_accepts_1_2(run_ca, tmp_path):
     """grpcio 1.85 gives a Python server no minimum TLS version (ssl_server_credentials has no such argument, and
     GRPC_SSL_CIPHER_SUITES without a TLS 1.2 suite makes the port fail to bind): a client offering TLS 1.3 gets it, one
@@ -307,6 +311,7 @@ def test_the_coordinator_speaks_tls_1_3_and_the_readme_says_it_also_accepts_1_2(
     assert "also accepts a client that offers only TLS 1.2" in readme
 
 
+@pytest.mark.integration
 def test_a_push_that_names_no_global_checksum_is_refused(make_coordinator, channel_to):
     """An empty global_checksum skipped the check that a push was trained from the coordinator's parameters."""
     cfg = one_island_config()
@@ -337,6 +342,7 @@ def _closed_by_peer(s: socket.socket, deadline: float) -> bool:
             return False
 
 
+@pytest.mark.integration
 def test_half_sent_metrics_requests_hold_a_bounded_number_of_threads_for_a_bounded_time(monkeypatch):
     """300 requests that send their first lines and stop held 300 threads of the island for as long as their clients
     liked; now at most METRICS_HANDLERS, each dropped after a silence of the handler's timeout."""

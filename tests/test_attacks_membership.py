@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from conftest import claim, tiny_config, wait_for_round
+from kit import Clock
 from coordinator.membership import Membership
 from coordinator.web import RunWebServer
 from diloco import credentials
@@ -74,6 +75,7 @@ def _push(stub, coordinator, island_id: str, round_: int, tokens_and_steps: dict
 # -- 1. ranks come from the run, not from the island's word -------------------------------------------
 
 
+@pytest.mark.integration
 def test_an_island_declares_at_most_the_ranks_its_certificate_carries(tls_coordinator, stub_as):
     cfg = tiny_config("rounds.rounds=2", "rounds.min_islands=2")
     coordinator = tls_coordinator(cfg)
@@ -100,6 +102,7 @@ def test_an_island_declares_at_most_the_ranks_its_certificate_carries(tls_coordi
     assert weights[attacker] == weights[honest] == claim(cfg)["tokens"], weights
 
 
+@pytest.mark.integration
 def test_a_multi_rank_island_declares_what_it_was_issued_and_an_old_certificate_the_configs_cap(tls_coordinator, stub_as):
     coordinator = tls_coordinator(tiny_config("rounds.max_island_ranks=4"))
     sharded, legacy = stub_as(coordinator, "sharded"), stub_as(coordinator, "legacy")
@@ -112,6 +115,7 @@ def test_a_multi_rank_island_declares_what_it_was_issued_and_an_old_certificate_
     assert coordinator.state.islands[_join(legacy, ranks=4).island_id].ranks == 4
 
 
+@pytest.mark.integration
 def test_without_mutual_tls_the_config_caps_ranks(make_coordinator, channel_to):
     cfg = tiny_config()
     coordinator = make_coordinator(cfg)
@@ -127,6 +131,7 @@ def test_without_mutual_tls_the_config_caps_ranks(make_coordinator, channel_to):
 # -- 7. leaving and rejoining does not reset the idle count -----------------------------------------------
 
 
+@pytest.mark.integration
 def test_an_island_that_leaves_and_rejoins_after_every_round_holds_no_round(tls_coordinator, stub_as, caplog):
     cfg = tiny_config("rounds.rounds=3", "rounds.min_islands=2", "rounds.deadline_s=60", "rounds.lease_s=600")
     coordinator = tls_coordinator(cfg)
@@ -150,25 +155,26 @@ def test_an_island_that_leaves_and_rejoins_after_every_round_holds_no_round(tls_
     assert [i.island_id for i in coordinator.state.departed].count(attacker) <= 1
 
 
+@pytest.mark.unit
 def test_a_fresh_credential_holds_one_round_at_most_however_it_leaves_and_rejoins():
     """The membership alone, on a fake clock: a first join is waited for (an honest island's first round is too),
     and no leave, rejoin or lease expiry gets it waited for again until it contributes."""
-    now = [0.0]
-    members = Membership(max_islands=8, shards=1, lease_s=10.0, cond=threading.Condition(), clock=lambda: now[0],
+    clock = Clock(0.0)
+    members = Membership(max_islands=8, shards=1, lease_s=10.0, cond=threading.Condition(), clock=clock,
                          idle_rounds=3)
     honest = members.join("h", owner="east").island_id
     attacker = members.join("m", owner="mallory").island_id
     held = 0
     for round_ in range(12):
-        opened = now[0]
+        opened = clock.now
         with members.cond:
             held += attacker in members.waited_for()
             members.after_round(opened, [honest])
-        now[0] += 1.0
+        clock.now += 1.0
         if round_ % 2:  # leave and rejoin
             members.leave(attacker, "", {}, False)
         else:  # fall silent until its lease runs out, then rejoin
-            now[0] += 11.0
+            clock.now += 11.0
             members.touch(honest)
             with members.cond:
                 members.live()
@@ -176,13 +182,14 @@ def test_a_fresh_credential_holds_one_round_at_most_however_it_leaves_and_rejoin
         members.touch(honest)
     assert held == 1
     with members.cond:  # once it contributes it is waited for like any island
-        members.after_round(now[0], [honest, attacker])
+        members.after_round(clock.now, [honest, attacker])
         assert attacker in members.waited_for()
 
 
 # -- 10. what a client sends is bounded where it is kept and escaped where it is logged ---------------------
 
 
+@pytest.mark.integration
 def test_a_newline_in_what_a_client_sends_cannot_forge_a_log_line(tls_coordinator, stub_as, caplog):
     coordinator = tls_coordinator(tiny_config())
     caplog.set_level(logging.DEBUG, logger="coordinator")
@@ -217,6 +224,7 @@ def _log_bytes(caplog) -> int:
     return len(caplog.text.encode())
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("tls", [True, False], ids=["one-credential", "plaintext-fresh-ids"])
 def test_join_leave_cycles_with_megabyte_hostnames_leave_bounded_records(tls, tls_coordinator, stub_as, make_coordinator,
                                                                          channel_to, caplog):

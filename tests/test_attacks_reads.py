@@ -27,6 +27,8 @@ from diloco.v1 import diloco_pb2 as pb
 from diloco.v1 import diloco_pb2_grpc as pb_grpc
 from diloco.wire import PROTOCOL_VERSION, Manifest, push_messages, tensor_chunks
 
+pytestmark = pytest.mark.integration
+
 # ~135k parameters (540 KB of values): far more than a stalled reader's window takes, and rounds still take milliseconds.
 SMALL = ("model.d_model=64", "model.n_layers=2", "model.d_ff=256", "model.n_heads=2", "rounds.rounds=100000",
          "rounds.lease_s=600")

@@ -1,4 +1,5 @@
-"""The benchmarks' command lines: a bad codec spec is a one-line error before any run starts."""
+"""The command lines of the benchmarks (`python -m benchmarks.NAME`) and of the attack probe (`python -m tests.probes.attack`):
+a bad argument is a one-line error before any run starts, and the smallest run of each prints what the docs cite."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+pytestmark = pytest.mark.integration
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -23,7 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
     ],
 )
 def test_convergence_refuses_a_bad_codec_spec(spec, message):
-    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "convergence.py"), "--methods", "", "--codecs", spec],
+    run = subprocess.run([sys.executable, "-m", "benchmarks.convergence", "--methods", "", "--codecs", spec],
                          capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert run.returncode != 0
     last = run.stderr.strip().splitlines()[-1]
@@ -42,7 +45,7 @@ def test_convergence_refuses_a_bad_codec_spec(spec, message):
     ],
 )
 def test_exchange_benchmark_refuses_bad_input_in_one_line(args, message):
-    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "exchange.py"), *args],
+    run = subprocess.run([sys.executable, "-m", "benchmarks.exchange", *args],
                          capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert run.returncode == 2
     lines = run.stderr.strip().splitlines()
@@ -53,7 +56,7 @@ def test_exchange_benchmark_moves_the_same_bytes_as_its_bare_transfer(tmp_path):
     """The smallest point, end to end: islands end on the coordinator's parameters, and the bare
     transfer it is compared with moves the bytes the exchange moved (up to the push header)."""
     out = tmp_path / "exchange.json"
-    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "exchange.py"), "--sizes", "1m", "--islands", "2",
+    run = subprocess.run([sys.executable, "-m", "benchmarks.exchange", "--sizes", "1m", "--islands", "2",
                           "--codecs", "int8", "--repeat", "1", "--set", "limits.spool_memory_models=0", "--json", str(out)],
                          capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert run.returncode == 0, run.stderr[-2000:]
@@ -77,7 +80,7 @@ def test_data_benchmark_prepares_reads_and_feeds_from_disk_and_s3():
     if not (shared / "wikitext2-valid.txt").exists():
         pytest.skip(f"needs the shared data folder ({shared})")
     pytest.importorskip("moto.server", reason="install the test extras: pip install -e '.[test]'")
-    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "data.py"), "--vocab-size", "1024", "--workers", "1",
+    run = subprocess.run([sys.executable, "-m", "benchmarks.data", "--vocab-size", "1024", "--workers", "1",
                           "--loader-steps", "5", "--batch", "4"], capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert run.returncode == 0, run.stderr[-2000:]
     lines = run.stdout.splitlines()
@@ -89,7 +92,7 @@ def test_data_benchmark_prepares_reads_and_feeds_from_disk_and_s3():
 
 
 def test_attack_benchmark_shows_each_attack_of_issue_15_refused():
-    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "attack.py")], capture_output=True, text=True,
+    run = subprocess.run([sys.executable, "-m", "tests.probes.attack"], capture_output=True, text=True,
                          timeout=300, cwd=ROOT)
     assert run.returncode == 0, run.stderr[-2000:]
     imposter, off, on, flood, idle, public = run.stdout.strip().splitlines()
@@ -104,7 +107,7 @@ def test_attack_benchmark_shows_each_attack_of_issue_15_refused():
 
 
 def test_observe_cost_benchmark_reports_each_shares():
-    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "observe_cost.py"), "--rounds", "2", "--islands", "2",
+    run = subprocess.run([sys.executable, "-m", "benchmarks.observe_cost", "--rounds", "2", "--islands", "2",
                           "--every", "0.5", "--island-rounds", "2"], capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert run.returncode == 0, run.stderr[-2000:]
     lines = run.stdout.splitlines()

@@ -18,7 +18,8 @@ from diloco.v1 import diloco_pb2_grpc as pb_grpc
 from diloco.wire import PROTOCOL_VERSION, tensor_chunks
 
 
-@pytest.fixture(params=["local", "s3"])
+@pytest.fixture(params=[pytest.param("local", marks=pytest.mark.unit),
+                        pytest.param("s3", marks=pytest.mark.integration)])  # s3: a moto server on 127.0.0.1
 def base_url(request, tmp_path):
     return str(tmp_path / "ckpt") if request.param == "local" else request.getfixturevalue("s3")
 
@@ -73,6 +74,7 @@ def test_resaving_a_step_replaces_it(base_url):
     assert store.steps() == [3] and store.load()[1] == {"v": 2}
 
 
+@pytest.mark.unit
 def test_unusable_location_is_a_clear_error(tmp_path):
     with pytest.raises(CheckpointError, match="no usable checkpoint"):
         CheckpointStore(str(tmp_path / "empty")).load()
@@ -80,6 +82,7 @@ def test_unusable_location_is_a_clear_error(tmp_path):
         CheckpointStore("")
 
 
+@pytest.mark.integration
 def test_coordinator_resumes_from_s3(s3, tmp_path):
     cfg = one_island_config("rounds.rounds=4", f"checkpoint.url='{s3}/coordinator'", "checkpoint.every_rounds=1")
     first = start_coordinator(cfg, "127.0.0.1", 0, spool_dir=str(tmp_path / "spool1"))

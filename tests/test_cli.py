@@ -18,6 +18,7 @@ def _run(argv, timeout=120):
     return subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize(
     "argv, flags",
     [
@@ -34,6 +35,7 @@ def test_help_explains_flags(argv, flags):
         assert flag in out.stdout
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize(
     "argv, message",
     [
@@ -56,6 +58,7 @@ def test_bad_input_gives_one_line_error_and_status_2(argv, message):
     assert message in lines[0] and "Traceback" not in out.stderr
 
 
+@pytest.mark.integration
 def test_invalid_toml_is_a_one_line_error(tmp_path):
     bad = tmp_path / "bad.toml"
     bad.write_text("[model\nd_model = 3")
@@ -64,6 +67,7 @@ def test_invalid_toml_is_a_one_line_error(tmp_path):
     assert "is not valid TOML" in out.stderr
 
 
+@pytest.mark.integration
 def test_unreachable_coordinator_is_a_clear_error():
     # Port 9 on loopback: nothing listens there.
     out = _run(SCRIPTS["diloco-island"] + ["join", "--coordinator", "127.0.0.1:9", "--connect-timeout", "1"])
@@ -71,6 +75,7 @@ def test_unreachable_coordinator_is_a_clear_error():
     assert "cannot reach the coordinator at 127.0.0.1:9" in out.stderr
 
 
+@pytest.mark.unit
 def test_installed_console_scripts_exist():
     import shutil
 
@@ -88,6 +93,7 @@ def _old_release_island(port: int) -> list[str]:
     return [sys.executable, "-c", code]
 
 
+@pytest.mark.integration
 def test_island_of_an_older_release_gets_a_one_line_refusal(make_coordinator):
     from conftest import tiny_config
 
@@ -102,6 +108,7 @@ def test_island_of_an_older_release_gets_a_one_line_refusal(make_coordinator):
     assert "PROTOCOL_MISMATCH" in lines[0] and expected in lines[0], lines[0]
 
 
+@pytest.mark.integration
 def test_joining_a_finished_run_ends_quietly(make_coordinator, channel_to):
     from conftest import claim, ended, join, one_island_config, random_like, trained_from, wait_for_round
     from diloco.v1 import diloco_pb2 as pb
@@ -123,6 +130,7 @@ def test_joining_a_finished_run_ends_quietly(make_coordinator, channel_to):
     assert "the run has finished; nothing to do" in out.stderr
 
 
+@pytest.mark.integration
 def test_commands_touching_s3_fail_in_one_line_without_the_s3_librarys_chatter(s3):
     # botocore and aiobotocore log at INFO on every S3 command ("Found credentials in environment variables.", "Found
     # endpoint for s3 via: environment_global."), which made a one-line error three; --log-level debug shows them.

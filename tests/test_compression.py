@@ -39,6 +39,7 @@ def _push(coordinator, client, island_id, round_, pg, codec, chunk_bytes):
     return client.push(header, ReplayableChunks(tensor_chunks(pg, codec, chunk_bytes)))
 
 
+@pytest.mark.integration
 def test_codec_mismatch_is_refused_at_join(make_coordinator):
     coordinator = make_coordinator(tiny_config("wire.codec='int8'"))
     client = CoordinatorClient(f"127.0.0.1:{coordinator.port}", connect_timeout_s=10)
@@ -52,6 +53,7 @@ def test_codec_mismatch_is_refused_at_join(make_coordinator):
         client.close()
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("down", ["int8", "e3m0+zstd", "topk"])
 def test_lossy_downlink_keeps_island_and_coordinator_bit_identical(make_coordinator, down):
     cfg = one_island_config("wire.codec='int8'", f"wire.downlink_codec='{down}'", "outer.lr=0.7", "rounds.rounds=5")
@@ -83,6 +85,7 @@ def test_lossy_downlink_keeps_island_and_coordinator_bit_identical(make_coordina
         client.close()
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("damage", ["flip-a-bit", "truncate"])
 def test_corrupt_chunk_in_transit_is_refused_and_resent(make_coordinator, damage):
     cfg = one_island_config("outer.lr=1.0", "outer.momentum=0.0", "rounds.rounds=1")
@@ -123,6 +126,7 @@ def test_corrupt_chunk_in_transit_is_refused_and_resent(make_coordinator, damage
         client.close()
 
 
+@pytest.mark.integration
 def test_non_finite_pseudo_gradient_drops_its_island_and_never_reaches_the_aggregate(make_coordinator, caplog):
     # One island of the two is dropped for NaN: the other closes round 0 alone (its first outer step: quorum 1).
     cfg = one_island_config("outer.lr=1.0", "outer.momentum=0.0", "rounds.rounds=2", "wire.codec='int8'")
@@ -153,6 +157,7 @@ def test_non_finite_pseudo_gradient_drops_its_island_and_never_reaches_the_aggre
         good.close()
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("uplink", [["wire.codec='int8'"], ["wire.codec='topk'", "wire.feedback_in_model=true"]],
                          ids=["int8", "topk-residual-in-model"])
 def test_checksum_mismatch_resyncs_the_island_with_a_warning(make_coordinator, caplog, uplink):
@@ -164,14 +169,14 @@ def test_checksum_mismatch_resyncs_the_island_with_a_warning(make_coordinator, c
     client, joined = _client(coordinator, cfg)
     try:
         island = Island(cfg, world, client, joined)
-        sync = island._sync
+        sync = island.sync.begin
 
         def corrupt_in_round_1(f):
             if island.round == 1:  # as if memory or a decoder had gone wrong
                 island.global_params["norm.weight"][0] += 0.5
             return sync(f)
 
-        island._sync = corrupt_in_round_1
+        island.sync.begin = corrupt_in_round_1
         with caplog.at_level(logging.WARNING):
             result = island.run()
     finally:
@@ -184,6 +189,7 @@ def test_checksum_mismatch_resyncs_the_island_with_a_warning(make_coordinator, c
     assert checksum(dict(island.model.named_parameters())) == coordinator.state.checksum
 
 
+@pytest.mark.integration
 def test_sim_with_4bit_uplink_and_compressed_downlink(tmp_path):
     cfg = tiny_config(
         "rounds.rounds=4", "rounds.min_islands=2", "data.shards=2", "inner.steps_per_round=5", "inner.lr=1e-2",
@@ -217,6 +223,7 @@ def _shapes(cfg):
     return {n: t.shape for n, t in initial_parameters(cfg).items()}
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize(
     "overrides, expected",
     [
@@ -243,6 +250,7 @@ def test_islands_keep_error_feedback_for_topk_however_it_is_spelled(make_coordin
         world.shutdown()
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("payload", [0, 100, 20_000, 3_000_000])
 def test_framed_size_is_the_wrapping_messages_byte_size(payload):
     from diloco.wire import framed_size
@@ -257,6 +265,7 @@ def test_framed_size_is_the_wrapping_messages_byte_size(payload):
         assert framed_size(chunk, len(chunk.payload)) == expected
 
 
+@pytest.mark.integration
 def test_island_keeps_the_topk_residual_in_its_parameters_and_ends_on_the_global_ones(make_coordinator):
     """wire.feedback_in_model: after every landed round but the last, theta_local = theta_global - residual;
     after the last, exactly theta_global; the global copies stay bit-identical throughout."""
@@ -266,7 +275,7 @@ def test_island_keeps_the_topk_residual_in_its_parameters_and_ends_on_the_global
     seen: list[float] = []
     with island_on(coordinator, cfg) as island:
         assert island.feedback is not None and island.feedback.in_model
-        land = island.land
+        land = island.sync.land
 
         def check_after_landing(f):
             land(f)
@@ -278,13 +287,14 @@ def test_island_keeps_the_topk_residual_in_its_parameters_and_ends_on_the_global
                 assert gap < 1e-6 and carried > 0, (island.rounds_done, gap, carried)
             seen.append(carried)
 
-        island.land = check_after_landing
+        island.sync.land = check_after_landing
         result = island.run()
     assert len(seen) == 3 and result.rounds == 3 and result.checksum_matches
     assert checksum(island.global_params) == coordinator.state.checksum
     assert checksum(dict(island.model.named_parameters())) == coordinator.state.checksum
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("sharded", [False, True], ids=["whole", "ranges"])
 def test_a_pull_waiting_at_the_close_streams_the_update_while_it_is_made_and_ends_bit_identical(make_coordinator, monkeypatch, sharded):
     """The coordinator steps and publishes a lossy update chunk by chunk, and a waiting pull streams the chunks as
@@ -349,6 +359,7 @@ def test_a_pull_waiting_at_the_close_streams_the_update_while_it_is_made_and_end
         client.close()
 
 
+@pytest.mark.integration
 def test_a_result_without_its_checksum_or_with_chunks_after_its_trailer_is_refused_before_anything_is_applied():
     from islands.client import CoordinatorClient, LocalRefusal
 
@@ -368,6 +379,7 @@ def test_a_result_without_its_checksum_or_with_chunks_after_its_trailer_is_refus
         assert torch.equal(target["w"], torch.zeros(64))  # nothing of the delta was added
 
 
+@pytest.mark.integration
 def test_an_island_that_vanishes_mid_stream_leaves_the_update_whole_and_pulls_it_again(make_coordinator, monkeypatch):
     """A pull streaming an update while it is made is cut off after its first chunk (the island's connection drops).
     The publication goes on to the end; the island's next pull gets the whole update and ends on the coordinator's

@@ -6,6 +6,8 @@ import pytest
 
 from diloco.config import ConfigError, RunConfig, config_from_toml, load_config
 
+pytestmark = pytest.mark.unit
+
 ROOT = Path(__file__).resolve().parents[1]
 
 

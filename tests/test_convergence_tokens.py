@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from diloco.config import load_config
@@ -18,9 +19,11 @@ from diloco.inner import evaluate
 from diloco.model import Transformer
 from diloco.prepare import PrepareConfig, prepare
 
+from benchmarks.convergence_data import LeasedStream
+
+pytestmark = pytest.mark.integration
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks"))
-from convergence_data import LeasedStream  # noqa: E402
 
 WORDS = ("the river north stone city ran over a quiet bridge where old ships came in winter and left "
          "with grain salt iron wool for markets of the south coast under grey skies").split()
@@ -54,7 +57,7 @@ def test_convergence_benchmark_trains_every_method_on_a_token_corpus(tmp_path):
     url = make_corpus(tmp_path)
     out = tmp_path / "convergence.json"
     run = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "convergence.py"), "--quick", "--tokens", str(url), "--seeds", "0",
+        [sys.executable, "-m", "benchmarks.convergence", "--quick", "--tokens", str(url), "--seeds", "0",
          "--methods", "ddp,diloco,single", "--codecs", "e3m0+zstd", "--workers", "1", "--quiet",
          "--set", f"data.cache_dir={tmp_path / 'cache'}", "--json", str(out)],
         capture_output=True, text=True, timeout=300, cwd=ROOT)
@@ -79,7 +82,7 @@ def test_convergence_benchmark_trains_every_method_on_a_token_corpus(tmp_path):
 
 
 def test_convergence_refuses_a_missing_token_corpus_in_one_line(tmp_path):
-    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "convergence.py"), "--quick",
+    run = subprocess.run([sys.executable, "-m", "benchmarks.convergence", "--quick",
                           "--tokens", str(tmp_path / "nothing")], capture_output=True, text=True, timeout=120, cwd=ROOT)
     lines = run.stderr.strip().splitlines()
     assert run.returncode == 2 and len(lines) == 1, run.stderr[-1000:]

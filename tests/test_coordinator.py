@@ -62,6 +62,7 @@ def _finish_round_and_check(cfg, coordinator, stub, ids, manifest, theta0):
         torch.testing.assert_close(t, expected[n], rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize(
     "bad_chunk, expect",
     [
@@ -89,6 +90,7 @@ def test_bad_chunk_is_invalid_argument_and_aggregate_unaffected(run, bad_chunk, 
     _finish_round_and_check(cfg, coordinator, stub, [a, b], manifest, theta0)
 
 
+@pytest.mark.integration
 def test_payload_that_does_not_match_numel_is_refused(run):
     cfg, coordinator, stub, a, b, manifest, theta0 = run
     payload = Fp32Codec().encode(torch.ones(3))
@@ -99,6 +101,7 @@ def test_payload_that_does_not_match_numel_is_refused(run):
     assert reason_of(err.value) == Reason.BAD_CHUNK
 
 
+@pytest.mark.integration
 def test_corrupt_chunk_is_data_loss(run):
     cfg, coordinator, stub, a, b, manifest, theta0 = run
     good = _chunk("norm.weight", 0, torch.ones(32))
@@ -110,6 +113,7 @@ def test_corrupt_chunk_is_data_loss(run):
     assert refusal.reason == Reason.CORRUPT_CHUNK and refusal.resend_from_chunk == 1
 
 
+@pytest.mark.integration
 def test_disconnect_mid_push_leaves_no_partial_contribution(run):
     cfg, coordinator, stub, a, b, manifest, theta0 = run
     messages = list(_messages(coordinator, a, random_like(manifest.shapes, seed=7, scale=100.0), cfg.wire.chunk_bytes))
@@ -138,6 +142,7 @@ def test_disconnect_mid_push_leaves_no_partial_contribution(run):
     _finish_round_and_check(cfg, coordinator, stub, [a, b], manifest, theta0)
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("end", [None, 1], ids=["no-push-end", "push-end-miscounts"])
 def test_stream_that_ends_without_its_push_end_keeps_nothing(run, end):
     """A cancelled call can reach the server as a clean end of its stream (gRPC races the two):
@@ -155,6 +160,7 @@ def test_stream_that_ends_without_its_push_end_keeps_nothing(run, end):
     _finish_round_and_check(cfg, coordinator, stub, [a, b], manifest, theta0)
 
 
+@pytest.mark.integration
 def test_push_that_ends_early_is_not_aggregated(run):
     cfg, coordinator, stub, a, b, manifest, theta0 = run
     messages = list(_messages(coordinator, a, random_like(manifest.shapes, seed=5, scale=100.0), cfg.wire.chunk_bytes))
@@ -171,6 +177,7 @@ def test_push_that_ends_early_is_not_aggregated(run):
     assert coordinator.state.fragments[0].contributions[a].state == "complete"
 
 
+@pytest.mark.integration
 def test_push_for_a_closed_round_is_failed_precondition(run):
     cfg, coordinator, stub, a, b, manifest, theta0 = run
     _finish_round_and_check(cfg, coordinator, stub, [a, b], manifest, theta0)
@@ -181,6 +188,7 @@ def test_push_for_a_closed_round_is_failed_precondition(run):
     assert refusal.reason == Reason.ROUND_CLOSED and refusal.current_round == 1
 
 
+@pytest.mark.integration
 def test_second_contribution_in_a_round_is_already_exists(run):
     cfg, coordinator, stub, a, b, manifest, theta0 = run
     pg = random_like(manifest.shapes, seed=1)
@@ -190,6 +198,7 @@ def test_second_contribution_in_a_round_is_already_exists(run):
     assert err.value.code() == grpc.StatusCode.ALREADY_EXISTS and reason_of(err.value) == Reason.DUPLICATE
 
 
+@pytest.mark.integration
 def test_unknown_island_and_config_mismatch_are_refused(run, channel_to):
     cfg, coordinator, stub, a, b, manifest, theta0 = run
     with pytest.raises(grpc.RpcError) as err:
@@ -201,6 +210,7 @@ def test_unknown_island_and_config_mismatch_are_refused(run, channel_to):
     assert reason_of(err.value) == Reason.CONFIG_MISMATCH
 
 
+@pytest.mark.integration
 def test_health_service_reports_serving(run, channel_to):
     cfg, coordinator, stub, *_ = run
     channel = grpc.insecure_channel(f"127.0.0.1:{coordinator.port}")
@@ -212,6 +222,7 @@ def test_health_service_reports_serving(run, channel_to):
         channel.close()
 
 
+@pytest.mark.unit
 def test_chunks_stay_under_grpc_default_limit_for_large_tensors():
     big = {"w": torch.zeros(8_000_000)}  # 32 MB of fp32
     sizes = [pb.PushMessage(chunk=c).ByteSize() for c in tensor_chunks(big, Fp32Codec(), 1 << 20)]

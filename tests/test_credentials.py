@@ -53,6 +53,7 @@ def issue_at(d: Path, name: str, start: dt.datetime, days: int, out: str) -> Tls
 # -- issuing -------------------------------------------------------------------------------------
 
 
+@pytest.mark.unit
 def test_a_run_dir_holds_the_ca_the_coordinator_and_each_island(run_dir: Path):
     names = sorted(p.name for p in run_dir.iterdir())
     assert names == ["ca.key", "ca.pem", "coordinator.key", "coordinator.pem",
@@ -73,6 +74,7 @@ def test_a_run_dir_holds_the_ca_the_coordinator_and_each_island(run_dir: Path):
     assert island.signature_hash_algorithm.name == "sha256"
 
 
+@pytest.mark.unit
 def test_the_ca_is_never_replaced(run_dir: Path):
     before = (run_dir / "ca.pem").read_bytes()
     with pytest.raises(CredentialError) as e:
@@ -81,6 +83,7 @@ def test_the_ca_is_never_replaced(run_dir: Path):
     assert (run_dir / "ca.pem").read_bytes() == before
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("name", ["", "-east", ".east", "east west", "a/b", "x" * 64, "östra", "e\n"])
 def test_island_names_outside_the_alphabet_are_refused(run_dir: Path, name: str):
     with pytest.raises(CredentialError) as e:
@@ -88,12 +91,14 @@ def test_island_names_outside_the_alphabet_are_refused(run_dir: Path, name: str)
     assert "island name" in one_line(e)
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("name", ["a", "9", "east-1.dc_2", "x" * 63])
 def test_island_names_in_the_alphabet_are_issued(run_dir: Path, name: str):
     files = cr.issue_island(run_dir, name)
     assert cr.identity_of(files.read()[1]) == name
 
 
+@pytest.mark.unit
 def test_an_island_is_reissued_only_with_force(run_dir: Path):
     before = cr.island_files(run_dir, "east").read()
     with pytest.raises(CredentialError) as e:
@@ -102,6 +107,7 @@ def test_an_island_is_reissued_only_with_force(run_dir: Path):
     assert cr.issue_island(run_dir, "east", force=True).read()[2] != before[2]
 
 
+@pytest.mark.unit
 def test_bad_hosts_days_and_a_missing_ca_are_one_line_errors(run_dir: Path, tmp_path: Path):
     for hosts, expected in ([], "no hosts"), (["bad host"], "not a DNS name"), (["a..b"], "not a DNS name"):
         with pytest.raises(CredentialError) as e:
@@ -118,6 +124,7 @@ def test_bad_hosts_days_and_a_missing_ca_are_one_line_errors(run_dir: Path, tmp_
 # -- checking what a side loads ------------------------------------------------------------------
 
 
+@pytest.mark.unit
 def test_every_unusable_file_is_a_one_line_error_naming_it(run_dir: Path, tmp_path: Path):
     east = cr.island_files(run_dir, "east")
     other = tmp_path / "other"
@@ -145,6 +152,7 @@ def test_every_unusable_file_is_a_one_line_error_naming_it(run_dir: Path, tmp_pa
         assert expected in one_line(e), case
 
 
+@pytest.mark.unit
 def test_identity_of_a_certificate(run_dir: Path):
     assert cr.identity_of(cr.island_files(run_dir, "west").read()[1]) == "west"
     with pytest.raises(CredentialError) as e:  # the coordinator's CN is outside the island alphabet
@@ -161,6 +169,7 @@ def test_identity_of_a_certificate(run_dir: Path):
     assert cr.identity_of(plain.public_bytes(serialization.Encoding.PEM)) == "south"
 
 
+@pytest.mark.unit
 def test_identity_from_auth_context_shapes():
     mtls = {"transport_security_type": [b"ssl"], "x509_common_name": [b"east"], "x509_pem_cert": [b"-----"],
             "x509_subject_alternative_name": [b"diloco://island/east"], "peer_uri": [b"diloco://island/east"]}
@@ -178,6 +187,7 @@ def test_identity_from_auth_context_shapes():
 # -- revocation ----------------------------------------------------------------------------------
 
 
+@pytest.mark.unit
 def test_revoke_appends_idempotently_and_atomically(run_dir: Path):
     assert cr.revoke(run_dir, "east", reason="key leaked") is True
     assert cr.revoke(run_dir, "east", reason="again") is False
@@ -194,6 +204,7 @@ def test_revoke_appends_idempotently_and_atomically(run_dir: Path):
     assert "revoked" in one_line(e)
 
 
+@pytest.mark.unit
 def test_concurrent_revokes_keep_every_name(tmp_path: Path):
     threads = [threading.Thread(target=cr.revoke, args=(tmp_path, f"island-{i}")) for i in range(16)]
     for t in threads:
@@ -203,6 +214,7 @@ def test_concurrent_revokes_keep_every_name(tmp_path: Path):
     assert RevocationList(tmp_path / "revoked.json").names() == {f"island-{i}" for i in range(16)}
 
 
+@pytest.mark.unit
 def test_the_revocation_list_rereads_a_changed_file(tmp_path: Path):
     path = tmp_path / "revoked.json"
     live = RevocationList(path, check_interval_s=0)
@@ -219,6 +231,7 @@ def test_the_revocation_list_rereads_a_changed_file(tmp_path: Path):
     assert not live.is_revoked("west")
 
 
+@pytest.mark.unit
 def test_the_revocation_list_stats_at_most_once_per_interval(tmp_path: Path, monkeypatch):
     cr.revoke(tmp_path, "east")
     slow = RevocationList(tmp_path / "revoked.json", check_interval_s=3600)
@@ -232,6 +245,7 @@ def test_the_revocation_list_stats_at_most_once_per_interval(tmp_path: Path, mon
     assert slow.is_revoked("west") and len(stats) == 1
 
 
+@pytest.mark.unit
 def test_a_broken_revocation_file_is_an_error_at_load(tmp_path: Path):
     for text in ("{", "[]", '{"revoked": [{"reason": "x"}]}'):
         (tmp_path / "revoked.json").write_text(text)
@@ -247,6 +261,7 @@ def certs(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "diloco.certcli", *args], capture_output=True, text=True, timeout=60)
 
 
+@pytest.mark.integration
 def test_the_command_issues_revokes_and_shows(tmp_path: Path):
     d = tmp_path / "run"
     r = certs("init", str(d), "--hosts", "coord.example.com,10.0.0.5", "--islands", "east,west", "--days", "30")
@@ -267,6 +282,7 @@ def test_the_command_issues_revokes_and_shows(tmp_path: Path):
     assert certs("coordinator", str(d), "--hosts", "127.0.0.1").returncode == 0
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("args, expected", [
     (["init", "{d}", "--hosts", "a"], "a CA already exists"),
     (["init", "{d}2", "--hosts", "a", "--islands", "ok,bad name"], "island name 'bad name'"),
@@ -330,6 +346,7 @@ def server(run_dir: Path):
         s.server.stop(grace=None)
 
 
+@pytest.mark.integration
 def test_an_island_is_known_by_its_certificate(server: Server, run_dir: Path):
     ca, cert, key = cr.island_files(run_dir, "east").read()
     assert server.call(ca, key, cert) == b"east"
@@ -344,6 +361,7 @@ def test_an_island_is_known_by_its_certificate(server: Server, run_dir: Path):
     assert auth["x509_pem_cert"][0].strip() == cert.strip()
 
 
+@pytest.mark.integration
 def test_clients_without_a_good_certificate_are_refused_at_the_handshake(server: Server, run_dir: Path,
                                                                         tmp_path: Path):
     ca = (run_dir / "ca.pem").read_bytes()
@@ -361,6 +379,7 @@ def test_clients_without_a_good_certificate_are_refused_at_the_handshake(server:
                           (run_dir / "coordinator.pem").read_bytes()) == grpc.StatusCode.UNAVAILABLE
 
 
+@pytest.mark.integration
 def test_an_island_refuses_a_coordinator_it_cannot_verify(server: Server, run_dir: Path, tmp_path: Path):
     ca, cert, key = cr.island_files(run_dir, "east").read()
     other = tmp_path / "other"

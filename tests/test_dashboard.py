@@ -32,6 +32,8 @@ from islands.client import CoordinatorClient
 from islands.island import Island, IslandResult
 from islands.world import IslandWorld
 
+pytestmark = pytest.mark.integration
+
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 
 

@@ -10,6 +10,8 @@ import torch
 from diloco.config import ConfigError, DataConfig
 from diloco.data import MarkovLanguage, eval_batches, train_stream
 
+pytestmark = pytest.mark.unit
+
 SHAKESPEARE = Path(__file__).resolve().parents[2] / "shared" / "data" / "tinyshakespeare.txt"
 
 

@@ -25,6 +25,7 @@ def _sim_config(rounds: int, islands: int, *extra: str):
     )
 
 
+@pytest.mark.integration
 def test_coordinator_resume_restores_parameters_momentum_round_and_members(make_coordinator, channel_to, tmp_path):
     cfg = one_island_config("rounds.rounds=5", f"checkpoint.url='{tmp_path / 'ckpt'}'", "checkpoint.every_rounds=1")
     first = make_coordinator(cfg)
@@ -59,6 +60,7 @@ def test_coordinator_resume_restores_parameters_momentum_round_and_members(make_
         second.stop(0.5)
 
 
+@pytest.mark.integration
 def test_stopped_and_resumed_run_ends_bit_identical(tmp_path):
     cfg = _sim_config(6, 2, "inner.steps_per_round=25")
     # Pull the plug on everything in the middle of round 2, once its checkpoints are in.
@@ -68,6 +70,7 @@ def test_stopped_and_resumed_run_ends_bit_identical(tmp_path):
     assert set(resumed.report["islands"].values()) == {resumed.report["checksum"]}
 
 
+@pytest.mark.integration
 def test_chaos_run_finishes_consistent_and_close_to_undisturbed(tmp_path):
     # Kills land right after a round's summary: with min_islands = every island no round closes while one
     # is down, so the schedule is in rounds, not seconds (a delay drawn in seconds let a fast run end first).
@@ -95,6 +98,7 @@ def test_chaos_run_finishes_consistent_and_close_to_undisturbed(tmp_path):
     assert chaos.recovery_s, "no recovery was measured"
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize(
     "text, message",
     [("0", "EVERY must be at least 1"), ("3:x", "is not EVERY[:COORDINATOR_AT] with whole numbers"), ("", "is not EVERY")],
@@ -106,6 +110,7 @@ def test_sim_with_a_bad_chaos_spec_exits_2_with_one_line(text, message):
     assert len(lines) == 1 and lines[0].startswith("diloco-sim: error: --chaos: ") and message in lines[0], lines
 
 
+@pytest.mark.unit
 def test_parse_chaos():
     assert (parse_chaos("3:4").island_every, parse_chaos("3:4").coordinator_at) == (3, 4)
     assert parse_chaos("2").coordinator_at == -1  # the coordinator is left alone

@@ -10,6 +10,7 @@ and bounds how far that is from plain SGD itself.
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from conftest import one_island_config
@@ -18,6 +19,8 @@ from diloco.model import Transformer
 from islands.launch import run_island
 from islands.state import ReplicaSpec
 from islands.world import IslandWorld
+
+pytestmark = pytest.mark.integration
 
 LR = 0.05
 

@@ -70,11 +70,13 @@ def write_text(path: Path, n_words: int = 1500, seed: int = 0) -> str:
     return str(path)
 
 
+@pytest.mark.unit
 def test_load_hellaswag_applies_lm_evals_preprocessing(tmp_path):
     assert load_hellaswag(write_jsonl(tmp_path / "h.jsonl", DOCS)) == EXPECTED
     assert load_hellaswag(write_jsonl(tmp_path / "h.jsonl", DOCS), limit=2) == EXPECTED[:2]
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("line, message", [
     ("{not json", "not JSON"),
     ('["a list"]', "not a JSON object"),
@@ -104,6 +106,7 @@ class Bigram(nn.Module):
         return self.table[tokens]
 
 
+@pytest.mark.unit
 def test_a_choice_scores_the_log_probs_of_space_and_ending_after_the_query():
     table = torch.randn(256, 256, generator=torch.Generator().manual_seed(0)) * 3
     logp = torch.log_softmax(table.double(), -1)
@@ -116,6 +119,7 @@ def test_a_choice_scores_the_log_probs_of_space_and_ending_after_the_query():
             assert score == pytest.approx(want, abs=1e-4)
 
 
+@pytest.mark.unit
 def test_acc_picks_the_highest_sum_and_acc_norm_the_highest_per_character():
     # Every byte costs ln 256 under a uniform model: the raw sum prefers the shortest ending, the sum per
     # character the longest (-(n+1)/n grows with n), so the two disagree and each example's outcome is known.
@@ -134,6 +138,7 @@ def test_acc_picks_the_highest_sum_and_acc_norm_the_highest_per_character():
     assert multiple_choice(uniform, ByteTokenizer(), examples[2:3]) == {"acc": 0.0, "acc_norm": 1.0, "n": 1}
 
 
+@pytest.mark.unit
 def test_encode_pair_moves_trailing_spaces_to_the_continuation_and_scores_an_empty_context_after_the_prefix():
     tok = ByteTokenizer()
     assert encode_pair(tok, "ab ", "c") == ([97, 98], [32, 99])
@@ -146,6 +151,7 @@ def tiny_model(seed: int = 0, *overrides: str):
     return cfg, Transformer(cfg.model)
 
 
+@pytest.mark.unit
 def test_long_contexts_lose_their_oldest_tokens_and_batching_changes_nothing():
     cfg, model = tiny_model()
     ctx, cont = list(range(40)), [50, 51, 52]
@@ -162,6 +168,7 @@ def test_long_contexts_lose_their_oldest_tokens_and_batching_changes_nothing():
     assert got[0] != pytest.approx(got[1], abs=1e-3)  # the context is seen
 
 
+@pytest.mark.unit
 def test_heldout_loss_is_the_mean_cross_entropy_and_perplexity_its_exp():
     cfg = tiny_config()
     torch.manual_seed(0)
@@ -225,6 +232,7 @@ def text_run(make_coordinator, tmp_path):
     return SimpleNamespace(cfg=cfg, url=url, params=params, text=text, hellaswag=hellaswag, tmp=tmp_path)
 
 
+@pytest.mark.integration
 def test_the_command_on_a_text_run_checkpoint_and_on_its_export(text_run, capsys):
     r = text_run
     want = library_figures(r.cfg, r.params, ByteTokenizer(), r.hellaswag)
@@ -243,6 +251,7 @@ def test_the_command_on_a_text_run_checkpoint_and_on_its_export(text_run, capsys
     assert report["kind"] == "folder"
 
 
+@pytest.mark.integration
 def test_a_checkpoint_without_its_config_needs_the_runs_and_refuses_another(make_coordinator, tmp_path, capsys):
     from diloco.datacli import main as datacli
 
@@ -272,6 +281,7 @@ def test_a_checkpoint_without_its_config_needs_the_runs_and_refuses_another(make
     check(run_cli(url, "--config", run_toml, "--tokens", tokens, "--hellaswag", hellaswag, capsys=capsys)[0], want)
 
 
+@pytest.mark.integration
 def test_bad_input_exits_2_with_one_line(text_run, capsys):
     r, tmp = text_run, text_run.tmp
     (tmp / "empty").mkdir()
@@ -306,6 +316,7 @@ def test_bad_input_exits_2_with_one_line(text_run, capsys):
     assert done.returncode == 2 and done.stderr.count("\n") == 1 and "no checkpoint at" in done.stderr
 
 
+@pytest.mark.unit
 def test_the_coordinators_task_evaluator(tmp_path):
     text, hellaswag = write_text(tmp_path / "t.txt"), write_jsonl(tmp_path / "h.jsonl", DOCS)
     run = ("data.source=text", f"data.path={text!r}", "model.vocab_size=256")
@@ -323,6 +334,7 @@ def test_the_coordinators_task_evaluator(tmp_path):
         make_task_evaluator(tiny_config(*run, f"eval.hellaswag={str(tmp_path / 'no.jsonl')!r}", "eval.tasks_every_rounds=1"))
 
 
+@pytest.mark.integration
 def test_the_coordinator_scores_the_tasks_every_n_rounds_and_logs_them(make_coordinator, channel_to, tmp_path):
     from diloco.codec import Fp32Codec
     from diloco.v1 import diloco_pb2 as pb
@@ -421,6 +433,7 @@ def tokenized_heldout_loss(b, seq_len: int, n_batches: int, batch_size: int) -> 
     return loss, tokens
 
 
+@pytest.mark.integration
 def test_text_on_an_exported_bpe_model_is_read_with_its_tokenizer(bpe_folder, capsys):
     b = bpe_folder
     loss, tokens = tokenized_heldout_loss(b, b.model_cfg.max_seq_len, 2, 4)
@@ -442,6 +455,7 @@ def test_text_on_an_exported_bpe_model_is_read_with_its_tokenizer(bpe_folder, ca
     assert given["heldout"]["loss"] == pytest.approx(loss, rel=1e-6)
 
 
+@pytest.mark.integration
 def test_text_on_a_model_without_a_tokenizer_is_refused_unless_it_is_byte_level(bpe_folder, text_run, capsys):
     bare = bpe_folder.tmp / "bare"
     shutil.copytree(bpe_folder.folder, bare)

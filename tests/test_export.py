@@ -6,23 +6,19 @@ import json
 import logging
 import subprocess
 import sys
-import time
 
 import fsspec
 import pytest
 import torch
 
-from conftest import claim, ended, one_island_config, random_like, tiny_config, trained_from, wait_for_round
-from coordinator import durable
+from conftest import claim, tiny_config
+from kit import coordinator_checkpoint, export_cli, one_error_line
 from diloco.checkpoint import CheckpointStore
-from diloco.codec import Fp32Codec
-from diloco.exportcli import main
 from diloco.hf import from_hf_folder
 from diloco.model import Transformer
 from diloco.prepare import PrepareConfig, prepare
-from diloco.v1 import diloco_pb2 as pb
-from diloco.v1 import diloco_pb2_grpc as pb_grpc
-from diloco.wire import PROTOCOL_VERSION, tensor_chunks
+
+pytestmark = pytest.mark.integration
 
 log = logging.getLogger(__name__)
 
@@ -31,38 +27,6 @@ GQA_UNTIED = ("model.n_layers=2", "model.d_model=64", "model.n_heads=4", "model.
               "model.tie_embeddings=false", "model.rope_theta=500000.0", "model.norm_eps=1e-6",
               # A lossy downlink: the export is the published copy islands hold (and eval measured), not the outer one.
               "wire.downlink_codec='int8'")
-
-
-def coordinator_checkpoint(make_coordinator, url: str, *overrides: str, push: bool = True):
-    """A coordinator checkpoint written as a run writes it: after a round closed on a made-up pseudo-gradient
-    (checkpoint.every_rounds=1), or, without push, by durable.save at round 0. Returns (cfg, published params)."""
-    cfg = one_island_config("rounds.rounds=3", f"checkpoint.url={url!r}", "checkpoint.every_rounds=1", "eval.batches=2", *overrides)
-    coordinator = make_coordinator(cfg)
-    store = CheckpointStore(url)
-    if not push:
-        durable.save(coordinator.state, store)
-    else:
-        import grpc
-
-        with grpc.insecure_channel(f"127.0.0.1:{coordinator.port}") as channel:
-            stub = pb_grpc.CoordinatorStub(channel)
-            island = stub.Join(pb.JoinRequest(protocol_version=PROTOCOL_VERSION), timeout=5).island_id
-            pg = random_like(coordinator.state.manifest.shapes, seed=1, scale=0.05)
-            header = pb.PushHeader(island_id=island, round=0, codec="fp32", **claim(cfg), global_checksum=trained_from(coordinator))
-            messages = [pb.PushMessage(header=header)]
-            messages += [pb.PushMessage(chunk=c) for c in tensor_chunks(pg, Fp32Codec(), cfg.wire.chunk_bytes)]
-            stub.PushPseudoGradient(ended(messages), timeout=10)
-            wait_for_round(coordinator, 0)
-        deadline = time.monotonic() + 20
-        while store.latest() != 1:
-            assert time.monotonic() < deadline, "the coordinator wrote no checkpoint after round 0"
-            time.sleep(0.05)
-    published = {n: t.clone() for n, t in coordinator.state.params.items()}
-    return cfg, published
-
-
-def export_cli(*args: str) -> int:
-    return main([*map(str, args)])
 
 
 def compare_with_transformers(folder, cfg, params) -> float:
@@ -131,27 +95,20 @@ def test_a_token_run_exports_its_tokenizer(make_coordinator, tmp_path):
     assert model(torch.tensor([ids])).logits.shape == (1, len(ids), 300)
 
 
-def _one_error_line(capsys, code: int) -> str:
-    assert code == 2
-    lines = capsys.readouterr().err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("diloco-export: error: "), lines
-    return lines[0]
-
-
 def test_uncommitted_missing_or_corrupt_checkpoints_are_refused_with_one_line(make_coordinator, tmp_path, capsys):
     url = str(tmp_path / "ckpt")
-    assert "no committed checkpoint" in _one_error_line(capsys, export_cli(url, tmp_path / "a"))
+    assert "no committed checkpoint" in one_error_line(capsys, export_cli(url, tmp_path / "a"))
     coordinator_checkpoint(make_coordinator, url, push=False)
     store = CheckpointStore(url)
     # A step torn by a crash: data, no commit marker.
     store.fs.makedirs(f"{store.root}/step-0000000004", exist_ok=True)
     store.fs.pipe_file(f"{store.root}/step-0000000004/state.pt", b"half a checkpoint")
-    assert "checkpoint 4 " in (line := _one_error_line(capsys, export_cli(url, tmp_path / "a", "--step", 4))) and "not committed" in line
+    assert "checkpoint 4 " in (line := one_error_line(capsys, export_cli(url, tmp_path / "a", "--step", 4))) and "not committed" in line
     assert export_cli(url, tmp_path / "a") == 0 and "checkpoint 0 " in capsys.readouterr().out  # the newest committed one
     with open(f"{store.root}/step-0000000000/state.pt", "r+b") as f:  # bit rot
         f.seek(100)
         f.write(b"\x00\xff" * 8)
-    line = _one_error_line(capsys, export_cli(url, tmp_path / "b"))
+    line = one_error_line(capsys, export_cli(url, tmp_path / "b"))
     assert "corrupt" in line and not (tmp_path / "b").exists()
     # The console script says the same, as one line, exit status 2.
     out = subprocess.run([sys.executable, "-m", "diloco.exportcli", url, str(tmp_path / "c")], capture_output=True, text=True, timeout=120)
@@ -164,7 +121,7 @@ def test_a_non_empty_folder_needs_force_and_an_old_checkpoint_needs_its_config(m
     out = tmp_path / "hf"
     out.mkdir()
     (out / "keep.txt").write_text("someone's")
-    assert "--force" in _one_error_line(capsys, export_cli(url, out))
+    assert "--force" in one_error_line(capsys, export_cli(url, out))
     assert (out / "keep.txt").exists()
     assert export_cli(url, out, "--force") == 0 and not (out / "keep.txt").exists() and (out / "config.json").exists()
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".hf.")]  # no temporary folder left behind
@@ -173,9 +130,9 @@ def test_a_non_empty_folder_needs_force_and_an_old_checkpoint_needs_its_config(m
     meta = json.loads(meta_path.read_text())
     del meta["config_toml"]
     meta_path.write_text(json.dumps(meta))
-    assert "--config" in _one_error_line(capsys, export_cli(url, tmp_path / "x"))
+    assert "--config" in one_error_line(capsys, export_cli(url, tmp_path / "x"))
     (tmp_path / "other.toml").write_text(tiny_config("model.d_ff=32").to_toml())
-    assert "is not the config" in _one_error_line(capsys, export_cli(url, tmp_path / "x", "--config", tmp_path / "other.toml"))
+    assert "is not the config" in one_error_line(capsys, export_cli(url, tmp_path / "x", "--config", tmp_path / "other.toml"))
     (tmp_path / "run.toml").write_text(cfg.to_toml())
     assert export_cli(url, tmp_path / "x", "--config", tmp_path / "run.toml") == 0
 

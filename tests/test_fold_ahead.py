@@ -1,4 +1,4 @@
-"""Folding ahead of the close (coordinator/fold.py FoldAhead) on the round state machine, with an injected clock.
+"""Folding ahead of the close (coordinator/rounds.py FoldAhead) on the round state machine, with an injected clock.
 
 The driver folds each complete contribution that comes next in canonical order
 while the round is still open; the close keeps those folds only when its
@@ -15,7 +15,9 @@ import pytest
 import torch
 
 from conftest import random_like
-from test_rounds import SHARES, Clock, join_shares, make_state, push_share, share_tokens
+from kit import SHARES, Clock, join_shares, make_state, push_share, share_tokens
+
+pytestmark = pytest.mark.unit
 
 
 def _run(tmp_path, order, step_between: bool, codec: str = "fp32", scale: dict[str, float] | None = None, *overrides: str):

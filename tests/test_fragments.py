@@ -8,6 +8,8 @@ from diloco.config import ConfigError, load_config
 from diloco.fragments import layout_for
 from diloco.model import Transformer
 
+pytestmark = pytest.mark.unit
+
 
 def _layout(*overrides: str):
     cfg = load_config(None, ["model.n_layers=6", "inner.steps_per_round=12", *overrides])

@@ -14,6 +14,8 @@ from diloco.frames import ChunkView, chunk_of, fp32_payload, frame_chunk, parse_
 from diloco.v1 import diloco_pb2 as pb
 from diloco.wire import make_chunk, push_messages, tensor_chunks
 
+pytestmark = pytest.mark.unit
+
 
 def test_serialized_values_are_the_messages_bytes():
     torch.manual_seed(0)
@@ -136,7 +138,7 @@ def test_only_the_chunk_fields_asked_for_are_views():
 
 
 def test_an_fp32_payload_framed_from_the_tensors_memory_is_the_fp32_codecs_bytes():
-    """islands/exchange.py pg_chunks frames an fp32 push from the pseudo-gradient's own memory: the same bytes as the
+    """islands/round.py pg_chunks frames an fp32 push from the pseudo-gradient's own memory: the same bytes as the
     codec's encoding, for views, strided pieces, other dtypes and empty pieces alike."""
     fp32, base = get_codec("fp32"), torch.randn(64, 33)
     pieces = [base.view(-1)[5:900], base[:, 3], base.to(torch.bfloat16).view(-1)[:100], base.view(-1)[:0], -base.view(-1)]

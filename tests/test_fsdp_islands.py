@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from conftest import PER_STEP as PUPPET, run_scenario  # the puppet island pushes one honest step a round
+from kit import assemble_shards, assert_equals_coordinator, assert_every_round_whole
 from islands.cli import build_parser
 from islands.launch import LaunchError, LaunchOptions, adopt_slurm_env, replica_spec, worker_command
 
@@ -33,30 +34,6 @@ def _events(reports: Path, tag: str) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
-def _assemble(reports: Path, group: int, attempt: int, world_size: int, key: str = "model") -> dict[str, torch.Tensor]:
-    """One group's full parameters, put together from its ranks' final shards (only here, in the test)."""
-    parts: dict[str, list[tuple[int, torch.Tensor]]] = {}
-    for rank in range(world_size):
-        tag = f"g{group}-r{rank}-a{attempt}"
-        shards = torch.load(reports / f"{tag}.pt")[key]
-        for name, offset, numel in json.loads((reports / f"{tag}.json").read_text())["ranges"]:
-            parts.setdefault(name, []).append((offset, shards[name]))
-            assert shards[name].numel() == numel
-    return {name: torch.cat([t for _, t in sorted(pieces, key=lambda p: p[0])]) for name, pieces in parts.items()}
-
-
-def _assert_equals_coordinator(full: dict[str, torch.Tensor], coordinator: dict[str, torch.Tensor], what: str) -> None:
-    assert set(full) == set(coordinator), what
-    for name, t in coordinator.items():
-        assert torch.equal(full[name], t.reshape(-1)), f"{what}: {name} differs from the coordinator's global parameters"
-
-
-def _assert_every_round_whole(result: dict, islands: int) -> None:
-    for r in result["rounds"]:
-        assert len(r["islands"]) == islands, r
-        assert r["elements_folded"] == r["elements_expected"] > 0, r
-
-
 # --- a 2 x 2 island and a 1-rank island in one run --------------------------------------------
 
 
@@ -66,21 +43,23 @@ def two_islands(tmp_path_factory):
     return workdir, _scenario("two_islands", workdir, timeout_s=240)
 
 
+@pytest.mark.integration
 @pytest.mark.timeout(300)
 def test_sharded_and_single_islands_end_holding_the_coordinators_parameters(two_islands):
     workdir, result = two_islands
     assert result["notes"]["exit_codes"] == {"sharded": 0, "single": 0}
     assert result["final_round"] == 4
-    _assert_every_round_whole(result, islands=2)
+    assert_every_round_whole(result, islands=2)
     # Both islands left reporting exactly the coordinator's checksum (the sharded one after every
     # rank of every group verified its ranges against the coordinator's checksum of them).
     assert set(result["islands"].values()) == {result["checksum"]}
     coordinator = torch.load(workdir / "coordinator.pt")
     for group in (0, 1):
         for key in ("model", "global"):
-            _assert_equals_coordinator(_assemble(workdir / "sharded", group, 0, 2, key), coordinator, f"group {group} {key}")
+            assert_equals_coordinator(assemble_shards(workdir / "sharded", group, 0, 2, key), coordinator, f"group {group} {key}")
 
 
+@pytest.mark.integration
 @pytest.mark.timeout(300)
 def test_outer_step_memory_per_rank_stays_far_below_the_full_model(two_islands):
     workdir, _ = two_islands
@@ -97,6 +76,7 @@ def test_outer_step_memory_per_rank_stays_far_below_the_full_model(two_islands):
     print("\nouter-step peak RSS growth per rank (bytes): " + ", ".join(f"{t}={p} (shard {s}, model {f})" for t, p, s, f in figures))
 
 
+@pytest.mark.integration
 @pytest.mark.timeout(300)
 def test_time_boxed_streaming_rounds_keep_every_group_and_rank_on_one_step(tmp_path):
     """rounds.mode = "time" with P = 2, tau = 1: the groups agree on the round's clock through their gradient
@@ -105,12 +85,12 @@ def test_time_boxed_streaming_rounds_keep_every_group_and_rank_on_one_step(tmp_p
     result = _scenario("time_boxed", tmp_path, timeout_s=240)
     assert result["notes"]["exit_codes"] == {"sharded": 0, "single": 0}
     assert result["final_round"] == 4
-    _assert_every_round_whole(result, islands=2)
+    assert_every_round_whole(result, islands=2)
     assert set(result["islands"].values()) == {result["checksum"]}
     reports, coordinator = tmp_path / "sharded", torch.load(tmp_path / "coordinator.pt")
     syncs = set()
     for group in (0, 1):
-        _assert_equals_coordinator(_assemble(reports, group, 0, 2, "global"), coordinator, f"group {group}")
+        assert_equals_coordinator(assemble_shards(reports, group, 0, 2, "global"), coordinator, f"group {group}")
         for rank in (0, 1):
             exchanges = [(e["fragment"], e["round"], e["pushed_step"]) for e in _events(reports, f"g{group}-r{rank}-a0")
                          if e["event"] == "exchange"]
@@ -143,11 +123,12 @@ def _heal_matches_peer(reports: Path, healed_tag: str, peer_tags: list[str]) -> 
     return first
 
 
+@pytest.mark.integration
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("data", ["synthetic", "tokens"])
 def test_killed_replica_group_heals_and_a_dead_pusher_is_taken_over(tmp_path, data):
     if data == "tokens":
-        from test_token_runs import write_corpus
+        from kit import write_corpus
 
         result = run_scenario("fsdp_scenarios.py", "faults", tmp_path, 260, write_corpus(tmp_path / "corpus", docs=300))
         # Each round folded exactly the island's leased positions it names (the puppet adds one honest step's tokens
@@ -162,7 +143,7 @@ def test_killed_replica_group_heals_and_a_dead_pusher_is_taken_over(tmp_path, da
     reports, notes = tmp_path / "sharded", result["notes"]
     assert notes["exit_codes"] == {"sharded": 0} and notes["killed"]["round"] == 1
     # Every round completed with the sharded island's whole contribution, through both failures.
-    _assert_every_round_whole(result, islands=2)
+    assert_every_round_whole(result, islands=2)
     sharded = notes["sharded_island"]
     assert all(sharded in r["islands"] for r in result["rounds"])
     # While group 1 was down the island kept training: group 0 trained (some of) round 2 alone.
@@ -184,25 +165,27 @@ def test_killed_replica_group_heals_and_a_dead_pusher_is_taken_over(tmp_path, da
     # In the end both groups hold exactly the coordinator's global parameters.
     coordinator = torch.load(tmp_path / "coordinator.pt")
     for group, attempt in ((0, g0), (1, g1)):
-        _assert_equals_coordinator(_assemble(reports, group, attempt, 2), coordinator, f"group {group}")
+        assert_equals_coordinator(assemble_shards(reports, group, attempt, 2), coordinator, f"group {group}")
 
 
 # --- started by a plain torchrun; the launcher's flags -------------------------------------------
 
 
+@pytest.mark.integration
 @pytest.mark.timeout(200)
 def test_island_started_by_a_plain_torchrun(tmp_path):
     result = _scenario("torchrun", tmp_path, timeout_s=170)
     assert result["notes"]["exit_codes"] == {"torchrun": 0}
-    _assert_every_round_whole(result, islands=1)
+    assert_every_round_whole(result, islands=1)
     assert set(result["islands"].values()) == {result["checksum"]}
-    _assert_equals_coordinator(_assemble(tmp_path / "torchrun", 0, 0, 2), torch.load(tmp_path / "coordinator.pt"), "torchrun island")
+    assert_equals_coordinator(assemble_shards(tmp_path / "torchrun", 0, 0, 2), torch.load(tmp_path / "coordinator.pt"), "torchrun island")
     # Every rank kept its top-k residual in its shard after rounds 0 and 1, and ended on theta_global.
     for rank in (0, 1):
         carried = [e["carried"] for e in _events(tmp_path / "torchrun", f"g0-r{rank}-a0") if e["event"] == "exchange"]
         assert len(carried) == 3 and carried[0] > 0 and carried[1] > 0 and carried[2] == 0, carried
 
 
+@pytest.mark.unit
 def test_launcher_runs_each_replica_group_through_torchrun():
     cmd = worker_command(["join", "--coordinator", "h:1"], LaunchOptions(nproc_per_node=4, replica_groups=2, max_restarts=5))
     assert cmd[1:4] == ["-m", "torch.distributed.run", "--standalone"]
@@ -212,6 +195,7 @@ def test_launcher_runs_each_replica_group_through_torchrun():
     assert (args.nproc_per_node, args.replica_groups, args.max_restarts) == (2, 3, 3)
 
 
+@pytest.mark.unit
 def test_rank_environment_from_torchrun_and_slurm():
     args = build_parser().parse_args(["join", "--coordinator", "h:1"])
     env = {"RANK": "1", "WORLD_SIZE": "2", "DILOCO_REPLICA_GROUP": "1", "DILOCO_REPLICA_GROUPS": "2",
@@ -231,6 +215,7 @@ def test_rank_environment_from_torchrun_and_slurm():
         adopt_slurm_env({"SLURM_PROCID": "0", "SLURM_NTASKS": "2"})
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize(
     "argv, env, message",
     [

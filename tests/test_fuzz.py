@@ -1,29 +1,16 @@
 """Fuzzing (issue 15, item 5): random and mutated requests, push streams, bytes, metadata and deadlines at
 every RPC, from a client made from the .proto alone, beside a legitimate two-island run over mutual TLS
-(benchmarks/fuzz.py). Every answer is explained, the coordinator serves on, and the run ends where it
+(tests/probes/fuzz.py). Every answer is explained, the coordinator serves on, and the run ends where it
 would have ended undisturbed."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
+import pytest
 
 from conftest import tiny_config
+from tests.probes import fuzz
 
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def _load_fuzz():
-    """benchmarks/ is no package: the fuzzer is loaded from its file (it finds its own helpers beside it)."""
-    spec = importlib.util.spec_from_file_location("benchmarks_fuzz", ROOT / "benchmarks" / "fuzz.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while the file runs
-    spec.loader.exec_module(module)
-    return module
-
-
-fuzz = _load_fuzz()
+pytestmark = pytest.mark.integration
 
 # Answers only a push that got as far as its chunks can get (or one the coordinator accepted).
 DEEP = {"-", "BAD_CHUNK", "CORRUPT_CHUNK", "NOT_FINITE", "DUPLICATE"}

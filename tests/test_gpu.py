@@ -25,6 +25,7 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 # --- placement of replica groups on a node's GPUs (no GPU needed) ---------------------------------
 
 
+@pytest.mark.unit
 def test_each_replica_group_gets_its_own_gpus():
     opts = LaunchOptions(nproc_per_node=2, replica_groups=2, device="cuda")
     assert gpu_placement(opts, {}, 4) == ["0,1", "2,3"]
@@ -34,6 +35,7 @@ def test_each_replica_group_gets_its_own_gpus():
     assert gpu_placement(LaunchOptions(replica_groups=2, device="auto"), {}, 0) is None
 
 
+@pytest.mark.unit
 def test_too_few_gpus_for_the_groups_is_a_clear_error():
     with pytest.raises(LaunchError, match=r"needs 4 GPUs on this node, but 1 is visible"):
         gpu_placement(LaunchOptions(nproc_per_node=2, replica_groups=2, device="cuda"), {}, 1)
@@ -41,6 +43,7 @@ def test_too_few_gpus_for_the_groups_is_a_clear_error():
         gpu_placement(LaunchOptions(nproc_per_node=1, replica_groups=2, device="cuda"), {"CUDA_VISIBLE_DEVICES": "3"}, 1)
 
 
+@pytest.mark.integration
 def test_a_rank_beyond_the_visible_gpus_exits_with_a_one_line_error():
     visible = torch.cuda.device_count()
     out = subprocess.run(
@@ -56,6 +59,7 @@ def test_a_rank_beyond_the_visible_gpus_exits_with_a_one_line_error():
 # --- on a GPU ------------------------------------------------------------------------------------
 
 
+@pytest.mark.integration
 @needs_cuda
 @pytest.mark.timeout(300)
 def test_one_rank_island_on_cuda_ends_with_the_coordinators_parameters(tmp_path):
@@ -67,6 +71,7 @@ def test_one_rank_island_on_cuda_ends_with_the_coordinators_parameters(tmp_path)
     assert all(r["tokens"] == 3 * 4 * 32 for r in result["rounds"]), result["rounds"]  # H x batch x seq per round
 
 
+@pytest.mark.integration
 @needs_cuda
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="a sharded island over NCCL needs two GPUs")
 @pytest.mark.timeout(300)
@@ -77,6 +82,7 @@ def test_sharded_island_over_nccl_beside_a_one_rank_island(tmp_path):
     assert set(result["islands"].values()) == {result["checksum"]}
 
 
+@pytest.mark.integration
 @needs_cuda
 def test_fsdp2_on_cuda_computes_in_bf16_over_fp32_masters():
     """One rank, NCCL: the sharded model's loss and gradients track the fp32 model's at bf16 precision."""

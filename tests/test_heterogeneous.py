@@ -10,102 +10,35 @@ Every wait is on an event with a generous bound.
 
 from __future__ import annotations
 
-import threading
-from contextlib import contextmanager
 
 import pytest
 import torch
 
-from conftest import claim, random_like, tiny_config, trained_from
+from conftest import random_like, tiny_config
+from kit import NESTEROV, T, Clock, Reference, islands_on_threads, join_all, late_island_run, make_state, push_tokens, refusal
 from coordinator.links import LinkAdvisor
-from coordinator.records import Refused
-from coordinator.server import initial_parameters
-from coordinator.state import CoordinatorState
 from diloco.config import ConfigError, load_config
 from diloco.pace import lr_position
 from diloco.refusal import Reason
 from diloco.v1 import diloco_pb2 as pb
-from diloco.codec import Fp32Codec
-from diloco.wire import Manifest, link_codecs, tensor_chunks, uplink_codec
-from islands.client import CoordinatorClient, ReplayableChunks
-from islands.island import Island
-from islands.pace import PaceError, RoundPace
+from diloco.wire import link_codecs
+from islands.round import PaceError, RoundPace
 from islands.state import ReplicaSpec
-from islands.world import IslandWorld
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-def make_state(tmp_path, *overrides: str, clock: Clock) -> CoordinatorState:
-    cfg = tiny_config("outer.lr=0.7", "outer.momentum=0.9", *overrides)
-    spool = tmp_path / f"spool-{len(list(tmp_path.iterdir()))}"
-    spool.mkdir()
-    return CoordinatorState(cfg, initial_parameters(cfg), spool, clock=clock)
-
-
-# The state-machine tests weigh islands in multiples of T, a full round's tokens on one rank (push's default 2 inner
-# steps of tiny_config's 4 x 32 tokens: 256); their islands join declaring RANKS ranks, so that a push claiming up to
-# RANKS x T in those 2 steps is an honest claim (robust.check_claims is on).
-T = claim(tiny_config(), 2)["tokens"]
-RANKS = 4
-
-
-def join_all(state, hostnames: str) -> list[str]:
-    """An island per hostname, each declaring RANKS ranks."""
-    return [state.join(h, ranks=RANKS).island_id for h in hostnames]
-
-
-def push(state, island_id: str, pg: dict[str, torch.Tensor], tokens: int, round_: int, checksum: str | None = None,
-         steps: int = 2, chunks: slice = slice(None), codec=None) -> pb.PushResponse:
-    """island_id's push for round_, trained from the parameters of checksum (None: those round_ started from)."""
-    codec = codec or uplink_codec(state.cfg.wire)
-    header = pb.PushHeader(island_id=island_id, round=round_, tokens=tokens, train_loss=2.0, codec=codec.name,
-                           global_checksum=trained_from(state, round_) if checksum is None else checksum, inner_steps=steps)
-    return state.receive(header, iter(list(tensor_chunks(pg, codec, state.cfg.wire.chunk_bytes))[chunks]))
-
-
-class Reference:
-    """The coordinator's arithmetic written out: the weighted mean as the accumulator forms it (each contribution
-    scaled by its weight over the first one's, then divided by the total over the first), and torch's Nesterov SGD."""
-
-    def __init__(self, cfg):
-        self.params = {n: t.clone() for n, t in initial_parameters(cfg).items()}
-        self.opt = torch.optim.SGD(list(self.params.values()), lr=cfg.outer.lr, momentum=cfg.outer.momentum, nesterov=True)
-
-    def round(self, contributions: list[tuple[float, dict[str, torch.Tensor]]]) -> None:
-        first = contributions[0][0]
-        for name, p in self.params.items():
-            mean = torch.zeros_like(p)
-            for weight, pg in contributions:
-                mean.add_(pg[name], alpha=weight / first)
-            total = sum(w for w, _ in contributions) / first
-            if total != 1.0:
-                mean.div_(total)
-            p.grad = mean
-        self.opt.step()
-
-    def matches(self, state) -> bool:
-        return all(torch.equal(state.params[n], t) for n, t in self.params.items())
-
-
+@pytest.mark.unit
 def test_unequal_contributions_are_weighted_by_tokens_exactly(tmp_path):
     """Two islands of different speeds (one trains twice the steps: twice the tokens); claims up to inner.max_steps."""
     clock = Clock()
-    state = make_state(tmp_path, "rounds.rounds=2", "inner.max_steps=4",
+    state = make_state(tmp_path, *NESTEROV, "rounds.rounds=2", "inner.max_steps=4",
                        clock=clock)
     a, b = state.join("a").island_id, state.join("b").island_id
     per_step = state.cfg.inner.batch_size * state.cfg.data.seq_len
     reference = Reference(state.cfg)
     for round_ in range(2):
         pa, pb_ = random_like(state.manifest.shapes, 10 * round_), random_like(state.manifest.shapes, 10 * round_ + 1)
-        push(state, a, pa, 2 * per_step, round_, steps=2)
-        push(state, b, pb_, 4 * per_step, round_, steps=4)  # its own H = 4 > the run's 2: within inner.max_steps
+        push_tokens(state, a, pa, 2 * per_step, round_, steps=2)
+        push_tokens(state, b, pb_, 4 * per_step, round_, steps=4)  # its own H = 4 > the run's 2: within inner.max_steps
         closed = state.step_round(poll_s=0)
         assert closed is not None
         assert [(c.island_id, c.tokens, c.weight) for c in closed.summary.contributions] == [
@@ -113,20 +46,15 @@ def test_unequal_contributions_are_weighted_by_tokens_exactly(tmp_path):
         reference.round([(2 * per_step, pa), (4 * per_step, pb_)])
         assert reference.matches(state), f"round {round_}: not the token-weighted mean"
     # More steps than inner.max_steps is more than any island trains in a round: refused.
-    r = _refusal(lambda: push(state, a, random_like(state.manifest.shapes, 3), 5 * per_step, 2, steps=5))
+    r = refusal(lambda: push_tokens(state, a, random_like(state.manifest.shapes, 3), 5 * per_step, 2, steps=5))
     assert r.reason == Reason.BAD_REQUEST
 
 
-def _refusal(call) -> pb.Refusal:
-    with pytest.raises(Refused) as err:
-        call()
-    return err.value.refusal
-
-
+@pytest.mark.unit
 def test_a_late_push_is_folded_with_its_discount_and_one_later_than_k_is_refused(tmp_path):
     clock = Clock()
-    state = make_state(tmp_path, "rounds.rounds=4", "rounds.late_rounds=1", "rounds.late_discount=0.5", "rounds.deadline_s=30",
-                       "rounds.lease_s=10000", "limits.idle_rounds=0", clock=clock)
+    state = make_state(tmp_path, *NESTEROV, "rounds.rounds=4", "rounds.late_rounds=1", "rounds.late_discount=0.5",
+                       "rounds.deadline_s=30", "rounds.lease_s=10000", "limits.idle_rounds=0", clock=clock)
     a, b, c = join_all(state, "abc")
     shapes, reference = state.manifest.shapes, Reference(state.cfg)
     start = [state.checksum]
@@ -141,14 +69,14 @@ def test_a_late_push_is_folded_with_its_discount_and_one_later_than_k_is_refused
 
     # Round 0 closes at its deadline with a alone; b's push for it arrives after: folded into round 1 at half weight.
     pg = {k: random_like(shapes, k) for k in range(8)}
-    push(state, a, pg[0], T, 0)
+    push_tokens(state, a, pg[0], T, 0)
     close_at_deadline()
     reference.round([(T, pg[0])])
-    late = push(state, b, pg[1], T, 0, checksum=start[0])
+    late = push_tokens(state, b, pg[1], T, 0, checksum=start[0])
     assert late.late and late.folded_into == 1 and late.contribution_complete
     # b trained from round 0's parameters: a late push claiming round 1's is refused.
-    assert _refusal(lambda: push(state, c, pg[2], T, 0, checksum=start[1])).reason == Reason.CHECKSUM_MISMATCH
-    push(state, a, pg[3], T, 1)
+    assert refusal(lambda: push_tokens(state, c, pg[2], T, 0, checksum=start[1])).reason == Reason.CHECKSUM_MISMATCH
+    push_tokens(state, a, pg[3], T, 1)
     summary = close_at_deadline()
     assert [(i.island_id, i.staleness, i.weight) for i in summary.contributions] == [(a, 0, T), (b, 1, T / 2)]
     reference.round([(T, pg[3]), (T / 2, pg[1])])
@@ -156,23 +84,24 @@ def test_a_late_push_is_folded_with_its_discount_and_one_later_than_k_is_refused
     assert state.events.late_folded == 1
 
     # Round 2: b's contribution is half pushed when the round closes: the rest arrives late and folds into round 3.
-    push(state, a, pg[4], T, 2)
-    push(state, b, pg[5], 3 * T, 2, chunks=slice(0, 2))
+    push_tokens(state, a, pg[4], T, 2)
+    push_tokens(state, b, pg[5], 3 * T, 2, chunks=slice(0, 2))
     summary = close_at_deadline()
     assert [i.island_id for i in summary.contributions] == [a]
     reference.round([(T, pg[4])])
-    rest = push(state, b, pg[5], 3 * T, 2, chunks=slice(2, None))
+    rest = push_tokens(state, b, pg[5], 3 * T, 2, chunks=slice(2, None))
     assert rest.late and rest.folded_into == 3 and rest.contribution_complete
     # c's push for round 1 is 2 rounds late (rounds.late_rounds = 1): refused, naming the current round.
-    r = _refusal(lambda: push(state, c, pg[6], T, 1, checksum=start[1]))
+    r = refusal(lambda: push_tokens(state, c, pg[6], T, 1, checksum=start[1]))
     assert r.reason == Reason.ROUND_CLOSED and r.current_round == 3 and state.events.late_pushes == 1
-    push(state, a, pg[7], T, 3)
+    push_tokens(state, a, pg[7], T, 3)
     summary = close_at_deadline()
     assert [(i.island_id, i.staleness, i.weight) for i in summary.contributions] == [(a, 0, T), (b, 1, 3 * T / 2)]
     reference.round([(T, pg[7]), (3 * T / 2, pg[5])])
     assert reference.matches(state) and summary.elements_folded == 2 * state.manifest.total_numel()
 
 
+@pytest.mark.unit
 def test_pace_config_and_lr_positions():
     cfg = tiny_config("inner.steps_per_round=4", "inner.max_steps=8", "rounds.mode='time'", "rounds.round_s=1.0")
     # Round 1's steps sit on positions 4..7; a fast island's extra steps stay on the round's last position.
@@ -197,98 +126,7 @@ def test_pace_config_and_lr_positions():
 # --- real islands on threads of this process -------------------------------------------------
 
 
-class Puppet:
-    """A second island driven by the test: it pushes a zero pseudo-gradient (H steps' tokens) when told."""
-
-    def __init__(self, port: int, cfg):
-        self.client = CoordinatorClient(f"127.0.0.1:{port}", connect_timeout_s=10)
-        joined = self.client.join(cfg.digest(), "fp32")
-        self.island_id, self.cfg, self.manifest = joined.island_id, cfg, Manifest.from_proto(joined.parameters)
-        self.zeros = {n: torch.zeros_like(t) for n, t in initial_parameters(cfg).items()}
-
-    def push(self, round_: int) -> None:
-        """A zero push for round_ (the current round), naming the parameters it was trained from."""
-        h = self.cfg.inner.steps_per_round
-        fetched = self.client.fetch(self.island_id, {n: torch.zeros_like(t) for n, t in self.zeros.items()}, self.manifest)
-        header = pb.PushHeader(island_id=self.island_id, round=round_, tokens=h * self.cfg.inner.batch_size * self.cfg.data.seq_len,
-                               train_loss=0.0, codec="fp32", inner_steps=h,
-                               global_checksum=fetched.fragments[0].checksum if fetched.fragments else fetched.checksum)
-        self.client.push(header, ReplayableChunks(tensor_chunks(self.zeros, Fp32Codec(), self.cfg.wire.chunk_bytes)))
-
-    def close(self) -> None:
-        self.client.leave(self.island_id, "", 0)
-        self.client.close()
-
-
-def _wait(state, what: str, condition, timeout_s: float = 120.0) -> None:
-    with state.cond:
-        assert state.cond.wait_for(condition, timeout_s), f"gave up waiting for {what}"
-
-
-@contextmanager
-def _islands(coordinator, cfg, specs: list[ReplicaSpec], gates: dict[int, threading.Event] | None = None):
-    """Islands of these specs on threads: all joined first (so all in round 0), then run; a push for a round in gates
-    waits for its event. Yields the islands and their results (filled as they finish); on leaving, every island has
-    finished (or the gates are opened, and every thread is given up to 300 s), and its client is closed."""
-    world = IslandWorld.init("cpu")
-    clients, islands, results, errors, threads = [], [], {}, [], []
-    try:
-        for spec in specs:
-            client = CoordinatorClient(f"127.0.0.1:{coordinator.port}", connect_timeout_s=10)
-            clients.append(client)
-            islands.append(Island(cfg, world, client, client.join(cfg.digest(), "fp32"), spec))
-            real = client.push
-
-            def held(header, chunks, real=real):
-                if gates and header.round in gates:
-                    assert gates[header.round].wait(300), "the test never released the push"
-                return real(header, chunks)
-
-            client.push = held
-
-        def one(i: int) -> None:
-            try:
-                results[i] = islands[i].run()
-            except BaseException as e:  # noqa: BLE001 - reported below
-                errors.append(e)
-
-        threads = [threading.Thread(target=one, args=(i,), daemon=True) for i in range(len(islands))]
-        for t in threads:
-            t.start()
-        yield islands, results
-        for t in threads:
-            t.join(300)
-        assert not errors, errors
-        assert not any(t.is_alive() for t in threads), "an island did not finish"
-    finally:
-        for gate in (gates or {}).values():
-            gate.set()
-        if any(t.is_alive() for t in threads):  # the test failed: closed channels end the islands' calls at once
-            for client in clients:
-                client.close()
-            for t in threads:
-                t.join(60)
-        for client in clients:
-            client.close()
-        world.shutdown()
-
-
-def late_island_run(make_coordinator, *overrides: str):
-    """A real island beside a puppet, k = 1: its round-0 push is held until round 0 closed without it (folded late into
-    round 1), its round-2 push until round 4 is open (refused). Returns (state, puppet's id, the island, its result)."""
-    cfg = tiny_config("rounds.rounds=5", "rounds.late_rounds=1", "rounds.late_discount=0.5", "rounds.deadline_s=120",
-                      "rounds.lease_s=600", *overrides)
-    coordinator = make_coordinator(cfg)
-    puppet = Puppet(coordinator.port, cfg)
-    gates = {0: threading.Event(), 2: threading.Event()}
-    try:
-        with _islands(coordinator, cfg, [ReplicaSpec()], gates) as ((island,), results):
-            _drive(coordinator.state, puppet, island, gates)
-    finally:
-        puppet.close()
-    return coordinator.state, puppet.island_id, island, results[0]
-
-
+@pytest.mark.integration
 def test_an_island_folded_late_carries_on_and_one_later_than_k_is_back_in_a_later_round(make_coordinator):
     """Round 0 closes without the island (its push is held): the push then folds into round 1 and the island trains
     round 1 on time. Its round-2 push is held until round 4 is open: 2 rounds late, refused (ROUND_CLOSED); the
@@ -306,31 +144,7 @@ def test_an_island_folded_late_carries_on_and_one_later_than_k_is_back_in_a_late
     assert result.checksum_matches and result.checksum == state.checksum
 
 
-def _drive(state, puppet: Puppet, island: Island, gates: dict[int, threading.Event]) -> None:
-    """The rounds of the test above, closed by the puppet (alone at a deadline of 0 where the island must miss one)."""
-    def contributed(round_: int) -> bool:
-        c = state.fragments[0].contributions.get(island.island_id)
-        return state.round == round_ and c is not None and c.state == "complete"
-
-    def close_without_the_island(round_: int) -> None:
-        puppet.push(round_)
-        state.cfg.rounds.deadline_s = 0.0  # this round only: it closes with the puppet alone
-        _wait(state, f"round {round_} to close", lambda: state.round > round_)
-        state.cfg.rounds.deadline_s = 120.0
-
-    close_without_the_island(0)
-    gates[0].set()
-    _wait(state, "the island's round-1 contribution", lambda: contributed(1))
-    assert (island.island_id, 0) in state.fragments[0].late, "the late push was not kept for round 1"
-    puppet.push(1)
-    _wait(state, "round 1 to close", lambda: state.round > 1)
-    close_without_the_island(2)
-    close_without_the_island(3)
-    gates[2].set()
-    _wait(state, "the island's round-4 contribution", lambda: contributed(4))
-    puppet.push(4)
-
-
+@pytest.mark.integration
 def test_time_boxed_rounds_give_the_fast_island_more_steps(make_coordinator):
     """rounds.mode = "time": the throttled island (1 s a step) fits one step in each 0.9 s round, the other more;
     contributions carry their tokens and both islands end on the coordinator's parameters."""
@@ -338,7 +152,7 @@ def test_time_boxed_rounds_give_the_fast_island_more_steps(make_coordinator):
                       "rounds.deadline_s=120")
     coordinator = make_coordinator(cfg)
     state = coordinator.state
-    with _islands(coordinator, cfg, [ReplicaSpec(), ReplicaSpec(throttle_s=1.0)]) as ((fast, slow), results):
+    with islands_on_threads(coordinator, cfg, [ReplicaSpec(), ReplicaSpec(throttle_s=1.0)]) as ((fast, slow), results):
         pass
     assert results[1].inner_steps == 3, "the throttled island should fit exactly one step a round"
     assert results[0].inner_steps > results[1].inner_steps
@@ -349,12 +163,13 @@ def test_time_boxed_rounds_give_the_fast_island_more_steps(make_coordinator):
     assert all(r.checksum_matches and r.checksum == state.checksum for r in results.values())
 
 
+@pytest.mark.integration
 def test_an_island_with_its_own_steps_per_round(make_coordinator):
     """--steps-per-round: one island trains 4 steps a round where the run's H is 2; its pushes weigh twice."""
     cfg = tiny_config("rounds.rounds=2", "inner.max_steps=4", "rounds.lease_s=600")
     coordinator = make_coordinator(cfg)
     state = coordinator.state
-    with _islands(coordinator, cfg, [ReplicaSpec(), ReplicaSpec(steps_per_round=4)]) as ((plain, own), results):
+    with islands_on_threads(coordinator, cfg, [ReplicaSpec(), ReplicaSpec(steps_per_round=4)]) as ((plain, own), results):
         pass
     assert [results[0].inner_steps, results[1].inner_steps] == [4, 8]
     per_step = cfg.inner.batch_size * cfg.data.seq_len
@@ -363,6 +178,7 @@ def test_an_island_with_its_own_steps_per_round(make_coordinator):
     assert all(r.checksum_matches and r.checksum == state.checksum for r in results.values())
 
 
+@pytest.mark.unit
 def test_the_advised_codec_is_the_least_lossy_that_fits_the_link():
     cfg = tiny_config("wire.link_codecs=['fp32', 'int8', 'e3m0']", "wire.link_fraction=0.1")
     codecs = link_codecs(cfg.wire)
@@ -380,6 +196,7 @@ def test_the_advised_codec_is_the_least_lossy_that_fits_the_link():
     assert advisor.advise("island-0", 0, 1, numel, round_s) == "int8" and advisor.advise("island-0", 0, 2, numel, round_s) == "fp32"
 
 
+@pytest.mark.integration
 def test_a_codec_switch_mid_run_keeps_every_copy_equal(make_coordinator):
     """wire.link_codecs with a budget no link meets: round 0 is pushed in the run's fp32, then every island is advised
     int8 (with error feedback); the coordinator folds each push in its own codec and every island ends on its
@@ -388,7 +205,7 @@ def test_a_codec_switch_mid_run_keeps_every_copy_equal(make_coordinator):
                       "rounds.lease_s=600")
     coordinator = make_coordinator(cfg)
     state = coordinator.state
-    with _islands(coordinator, cfg, [ReplicaSpec(), ReplicaSpec()]) as (islands, results):
+    with islands_on_threads(coordinator, cfg, [ReplicaSpec(), ReplicaSpec()]) as (islands, results):
         pass
     codecs = {s.round: {c.codec for c in s.contributions} for s in state.summaries}
     assert codecs == {0: {"fp32"}, 1: {"int8"}, 2: {"int8"}}
@@ -397,16 +214,17 @@ def test_a_codec_switch_mid_run_keeps_every_copy_equal(make_coordinator):
     assert all(r.checksum_matches and r.checksum == state.checksum for r in results.values())
 
 
+@pytest.mark.unit
 def test_pushes_in_different_codecs_fold_each_in_its_own(tmp_path):
     """Compression per link: in one round a pushes fp32 and b int8; b's values are what int8 carries."""
-    state = make_state(tmp_path, "rounds.rounds=1", "wire.link_codecs=['fp32', 'int8']", clock=Clock())
+    state = make_state(tmp_path, *NESTEROV, "rounds.rounds=1", "wire.link_codecs=['fp32', 'int8']", clock=Clock())
     a, b = join_all(state, "ab")
     int8 = link_codecs(state.cfg.wire)["int8"]
     pa, pb_ = random_like(state.manifest.shapes, 1), random_like(state.manifest.shapes, 2)
-    push(state, a, pa, T, 0)
-    push(state, b, pb_, 3 * T, 0, codec=int8)
+    push_tokens(state, a, pa, T, 0)
+    push_tokens(state, b, pb_, 3 * T, 0, codec=int8)
     bf16 = link_codecs(tiny_config("wire.codec='bf16'").wire)["bf16"]  # a codec outside the list is still refused
-    assert _refusal(lambda: push(state, a, pa, T, 0, codec=bf16)).reason == Reason.CODEC_MISMATCH
+    assert refusal(lambda: push_tokens(state, a, pa, T, 0, codec=bf16)).reason == Reason.CODEC_MISMATCH
     closed = state.step_round(poll_s=0)
     assert [c.codec for c in closed.summary.contributions] == ["fp32", "int8"]
     carried = {}

@@ -15,6 +15,7 @@ from islands.island import Island
 from islands.world import IslandWorld
 
 
+@pytest.mark.unit
 def test_schedule_warms_up_then_decays_to_floor_across_the_run():
     cfg = InnerConfig(lr=1.0, warmup_steps=10, min_lr_ratio=0.1)
     lrs = [inner_lr(s, 100, cfg) for s in range(101)]
@@ -25,6 +26,7 @@ def test_schedule_warms_up_then_decays_to_floor_across_the_run():
     assert 0.1 < inner_lr(3 * 20, 100, cfg) < 0.9
 
 
+@pytest.mark.unit
 def test_weight_decay_applies_to_matrices_only():
     model = Transformer(tiny_config().model)
     opt = build_inner_optimizer(model, InnerConfig(weight_decay=0.1))
@@ -33,6 +35,7 @@ def test_weight_decay_applies_to_matrices_only():
         assert (id(p) in decayed) == (p.dim() >= 2), name
 
 
+@pytest.mark.integration
 def test_inner_optimizer_state_survives_rounds_and_island_adopts_global(make_coordinator):
     cfg = one_island_config("rounds.rounds=3", "inner.steps_per_round=4")
     coordinator = make_coordinator(cfg)
@@ -52,6 +55,7 @@ def test_inner_optimizer_state_survives_rounds_and_island_adopts_global(make_coo
     assert all(torch.isfinite(t).all() for t in island.global_params.values())
 
 
+@pytest.mark.integration
 def test_compiled_island_trains_like_the_eager_one_and_keeps_the_exact_global_parameters(make_coordinator):
     """--compile: torch.compile in place; the manifest (parameter names) and the exchange are unchanged.
 

@@ -19,6 +19,8 @@ import torch
 
 from conftest import run_scenario
 
+pytestmark = pytest.mark.integration
+
 
 def _shards(reports: Path, key: str) -> dict[tuple[int, int], dict]:
     """(group, rank) -> the final shards of each rank's last attempt."""

@@ -14,12 +14,12 @@ import pytest
 import torch
 
 from conftest import random_like, tiny_config
+from kit import NESTEROV, T, Clock, Reference, join_all, late_island_run, make_state, push_tokens
 from coordinator import durable
 from coordinator.server import initial_parameters
 from diloco.checkpoint import CheckpointStore
 from diloco.config import ConfigError
 from diloco.outer import OuterOptimizer, PseudoGradientAccumulator
-from test_heterogeneous import T, Clock, Reference, join_all, late_island_run, make_state, push
 
 DELAYED = "rounds.late_mode='delayed_nesterov'"
 LATE = ("rounds.late_rounds=2", "rounds.late_discount=0.5", "rounds.deadline_s=30", "rounds.lease_s=10000",
@@ -79,25 +79,26 @@ def _close(state, clock: Clock):
     return closed.summary
 
 
+@pytest.mark.unit
 def test_delayed_nesterov_matches_the_written_out_equations(tmp_path):
     """Five rounds: two islands late into round 1 (different tokens and weights), none late in round 2, a round whose
     only weight is late (its on-time push trained on no tokens) and one after it (the late part joins the momentum)."""
     clock = Clock()
-    state = make_state(tmp_path, "rounds.rounds=5", DELAYED, *LATE, clock=clock)
+    state = make_state(tmp_path, *NESTEROV, "rounds.rounds=5", DELAYED, *LATE, clock=clock)
     a, b, c = join_all(state, "abc")
     shapes, reference = state.manifest.shapes, DelayedReference(state.cfg)
     pg = {k: random_like(shapes, 100 + k) for k in range(12)}
     start = [state.checksum]
 
-    push(state, a, pg[0], T, 0)
+    push_tokens(state, a, pg[0], T, 0)
     _close(state, clock)
     reference.round([(T, pg[0])])
     assert reference.matches(state), "round 0: the first step is torch's"
     start.append(state.checksum)
 
-    assert push(state, b, pg[1], 2 * T, 0, checksum=start[0]).late
-    assert push(state, c, pg[2], 3 * T, 0, checksum=start[0]).late
-    push(state, a, pg[3], 3 * T, 1)
+    assert push_tokens(state, b, pg[1], 2 * T, 0, checksum=start[0]).late
+    assert push_tokens(state, c, pg[2], 3 * T, 0, checksum=start[0]).late
+    push_tokens(state, a, pg[3], 3 * T, 1)
     summary = _close(state, clock)
     assert [(i.island_id, i.staleness, i.weight) for i in summary.contributions] == [
         (a, 0, 3 * T), (b, 1, T), (c, 1, 3 * T / 2)]
@@ -106,28 +107,29 @@ def test_delayed_nesterov_matches_the_written_out_equations(tmp_path):
     assert state.fragments[0].outer.carry, "the late part is carried into the next round's momentum"
     start.append(state.checksum)
 
-    push(state, a, pg[4], T, 2)
-    push(state, b, pg[5], 2 * T, 2)
+    push_tokens(state, a, pg[4], T, 2)
+    push_tokens(state, b, pg[5], 2 * T, 2)
     _close(state, clock)
     reference.round([(T, pg[4]), (2 * T, pg[5])])
     assert reference.matches(state), "round 2: round 1's late part did not join the momentum"
     start.append(state.checksum)
 
-    push(state, a, pg[6], 0, 3)  # trained on nothing: the round's only weight is c's, two rounds late
-    assert push(state, c, pg[7], T, 1, checksum=start[1]).late
+    push_tokens(state, a, pg[6], 0, 3)  # trained on nothing: the round's only weight is c's, two rounds late
+    assert push_tokens(state, c, pg[7], T, 1, checksum=start[1]).late
     summary = _close(state, clock)
     assert [(i.island_id, i.staleness, i.weight) for i in summary.contributions] == [(a, 0, 0.0), (c, 2, T / 4)]
     reference.round([(0, pg[6])], [(T / 4, pg[7])])
     assert reference.matches(state), "round 3: a round of late weight only"
 
-    push(state, a, pg[8], T, 4)
-    push(state, c, pg[9], 2 * T, 4)
+    push_tokens(state, a, pg[8], T, 4)
+    push_tokens(state, c, pg[9], 2 * T, 4)
     summary = _close(state, clock)
     reference.round([(T, pg[8]), (2 * T, pg[9])])
     assert reference.matches(state) and summary.elements_folded == 2 * state.manifest.total_numel()
     assert state.events.late_folded == 3
 
 
+@pytest.mark.unit
 def test_a_round_of_late_contributions_only():
     """The accumulator and the optimizer alone: no on-time weight at all, A is zero and B the weighted mean."""
     shapes = {"w": (3, 4), "b": (4,)}
@@ -149,10 +151,11 @@ def test_a_round_of_late_contributions_only():
         outer.step(on_time)
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("nesterov", ["true", "false"])
 def test_without_late_contributions_both_modes_are_torch_sgd_bit_for_bit(tmp_path, nesterov):
     clock = Clock()
-    states = [make_state(tmp_path, "rounds.rounds=4", f"outer.nesterov={nesterov}", mode, clock=clock)
+    states = [make_state(tmp_path, *NESTEROV, "rounds.rounds=4", f"outer.nesterov={nesterov}", mode, clock=clock)
               for mode in ("rounds.late_mode='discount'", DELAYED)]
     ids = [join_all(s, "ab") for s in states]
     cfg = states[0].cfg
@@ -162,8 +165,8 @@ def test_without_late_contributions_both_modes_are_torch_sgd_bit_for_bit(tmp_pat
         pgs = [random_like(states[0].manifest.shapes, 10 * round_ + i) for i in range(2)]
         tokens = [T * (round_ + 1), 3 * T]
         for state, (a, b) in zip(states, ids):
-            push(state, a, pgs[0], tokens[0], round_)
-            push(state, b, pgs[1], tokens[1], round_)
+            push_tokens(state, a, pgs[0], tokens[0], round_)
+            push_tokens(state, b, pgs[1], tokens[1], round_)
             assert state.step_round(poll_s=0) is not None
         reference.round(list(zip(tokens, pgs)))
         assert all(torch.equal(states[0].params[n], t) for n, t in states[1].params.items()), f"round {round_}"
@@ -172,20 +175,21 @@ def test_without_late_contributions_both_modes_are_torch_sgd_bit_for_bit(tmp_pat
 
 def _checkpoint_round_trip(tmp_path, clock, store, overrides, rounds):
     """A coordinator saved after round 1 and one restored from it take the same pushes for rounds 2..rounds-1."""
-    state = make_state(tmp_path, f"rounds.rounds={rounds}", *overrides, clock=clock)
+    state = make_state(tmp_path, *NESTEROV, f"rounds.rounds={rounds}", *overrides, clock=clock)
     a, b = join_all(state, "ab")
     pg = {k: random_like(state.manifest.shapes, 200 + k) for k in range(20)}
     start = [state.checksum]
-    push(state, a, pg[0], T, 0)
+    push_tokens(state, a, pg[0], T, 0)
     _close(state, clock)
     start.append(state.checksum)
-    push(state, b, pg[1], 3 * T, 0, checksum=start[0])  # late into round 1 (discount runs refuse nothing either)
-    push(state, a, pg[2], 2 * T, 1)
+    push_tokens(state, b, pg[1], 3 * T, 0, checksum=start[0])  # late into round 1 (discount runs refuse nothing either)
+    push_tokens(state, a, pg[2], 2 * T, 1)
     _close(state, clock)
     durable.save(state, store)
     return state, (a, b), pg
 
 
+@pytest.mark.unit
 def test_a_restart_from_a_checkpoint_carries_on_bit_for_bit(tmp_path):
     """Saved after a round with a late contribution (its late part still owed to the momentum), restored into a new
     coordinator: both take the same pushes, on time and late, and stay equal bit for bit."""
@@ -193,48 +197,52 @@ def test_a_restart_from_a_checkpoint_carries_on_bit_for_bit(tmp_path):
     store = CheckpointStore(str(tmp_path / "ckpt"))
     state, (a, b), pg = _checkpoint_round_trip(tmp_path, clock, store, (DELAYED, *LATE), 5)
     assert state.fragments[0].outer.carry
-    restored = make_state(tmp_path, "rounds.rounds=5", DELAYED, *LATE, clock=clock)
+    restored = make_state(tmp_path, *NESTEROV, "rounds.rounds=5", DELAYED, *LATE, clock=clock)
     assert durable.restore(restored, store) and restored.round == 2 and restored.checksum == state.checksum
     assert all(torch.equal(restored.fragments[0].outer.carry[n], t) for n, t in state.fragments[0].outer.carry.items())
     round_2 = state.checksum  # what b trains round 2 from: its push comes late, into round 3
     for round_ in range(2, 5):
         for s in (state, restored):
-            push(s, a, pg[3 * round_], T + T // 2 * round_, round_)
+            push_tokens(s, a, pg[3 * round_], T + T // 2 * round_, round_)
             if round_ == 3:
-                assert push(s, b, pg[3 * round_ + 1], 2 * T, 2, checksum=round_2).late
+                assert push_tokens(s, b, pg[3 * round_ + 1], 2 * T, 2, checksum=round_2).late
             _close(s, clock)
         assert all(torch.equal(state.params[n], t) for n, t in restored.params.items()), f"round {round_}"
         assert state.checksum == restored.checksum
     assert state.events.late_folded == 2 and restored.summaries[-2].contributions[-1].staleness == 1
     # Its carried momentum holds the late part: a "discount" run cannot take it up.
     with pytest.raises(ValueError, match="late_mode"):
-        durable.restore(make_state(tmp_path, "rounds.rounds=5", *LATE, clock=clock), store)
+        durable.restore(make_state(tmp_path, *NESTEROV, "rounds.rounds=5", *LATE, clock=clock), store)
 
 
+@pytest.mark.unit
 def test_a_discount_checkpoint_resumed_with_delayed_nesterov_continues_exactly(tmp_path):
     """Torch's momentum buffer is taken up as it stands: with on-time pushes only, the switched run is the run."""
     clock = Clock()
     store = CheckpointStore(str(tmp_path / "ckpt"))
     state, (a, b), pg = _checkpoint_round_trip(tmp_path, clock, store, LATE, 4)
-    restored = make_state(tmp_path, "rounds.rounds=4", DELAYED, *LATE, clock=clock)
+    restored = make_state(tmp_path, *NESTEROV, "rounds.rounds=4", DELAYED, *LATE, clock=clock)
     assert durable.restore(restored, store)
     for round_ in (2, 3):
         for s in (state, restored):
-            push(s, a, pg[10 + round_], T, round_)
-            push(s, b, pg[15 + round_], 2 * T, round_)
+            push_tokens(s, a, pg[10 + round_], T, round_)
+            push_tokens(s, b, pg[15 + round_], 2 * T, round_)
             _close(s, clock)
         assert all(torch.equal(state.params[n], t) for n, t in restored.params.items()), f"round {round_}"
 
 
+@pytest.mark.unit
 def test_late_mode_is_checked():
     with pytest.raises(ConfigError, match="late_mode"):
         tiny_config("rounds.late_mode='nesterov'")
     assert tiny_config(DELAYED).digest() == tiny_config().digest()  # the coordinator's business, not the islands'
 
 
+@pytest.mark.integration
 def test_a_real_island_folded_late_with_delayed_nesterov_ends_on_the_coordinators_parameters(make_coordinator):
-    """tests/test_heterogeneous.py's late-push scenario in this mode: the island's round-0 push is held until round 0
-    closed (folded late into round 1), its round-2 push until round 4 is open (refused); every copy ends equal."""
+    """The late-push scenario (tests/kit.py late_island_run, as tests/test_heterogeneous.py runs it) in this mode: the
+    island's round-0 push is held until round 0 closed (folded late into round 1), its round-2 push until round 4 is
+    open (refused); every copy ends equal."""
     state, _, island, result = late_island_run(make_coordinator, DELAYED)
     by_round = {s.round: s for s in state.summaries}
     assert (island.island_id, 1) in [(c.island_id, c.staleness) for c in by_round[1].contributions]

@@ -27,6 +27,7 @@ def launcher_killed(tmp_path_factory):
     return workdir, run_scenario("fsdp_scenarios.py", "launcher_killed", workdir, 240)["notes"]
 
 
+@pytest.mark.integration
 @pytest.mark.timeout(300)
 def test_sigkill_of_the_launcher_takes_torchrun_and_the_ranks_with_it(launcher_killed):
     workdir, notes = launcher_killed
@@ -42,6 +43,7 @@ def test_sigkill_of_the_launcher_takes_torchrun_and_the_ranks_with_it(launcher_k
           f"({notes['gone_s']})")
 
 
+@pytest.mark.integration
 @pytest.mark.timeout(300)
 def test_a_second_copy_with_the_same_checkpoint_is_refused_while_the_first_runs(launcher_killed):
     workdir, notes = launcher_killed
@@ -60,6 +62,7 @@ def _join(*args: str) -> subprocess.CompletedProcess:
                           env=CLEAN_ENV, capture_output=True, text=True, timeout=120, cwd=ROOT)
 
 
+@pytest.mark.integration
 def test_a_one_rank_island_is_refused_while_its_checkpoint_is_locked(tmp_path):
     ckpt = tmp_path / "ckpt"
     lock = IslandLock.acquire(str(ckpt))
@@ -79,6 +82,7 @@ def test_a_one_rank_island_is_refused_while_its_checkpoint_is_locked(tmp_path):
     IslandLock.acquire(str(ckpt)).release()
 
 
+@pytest.mark.unit
 def test_a_remote_checkpoint_is_locked_on_this_machine(tmp_path, monkeypatch):
     """s3:// cannot hold a lock: the lock is a local file named by the URL, which refuses copies on this machine only."""
     monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
@@ -94,6 +98,7 @@ def test_a_remote_checkpoint_is_locked_on_this_machine(tmp_path, monkeypatch):
         lock.release()
 
 
+@pytest.mark.unit
 def test_an_island_without_a_checkpoint_takes_no_lock():
     assert claim_island(False, "") is None
 
@@ -105,6 +110,7 @@ RANK_PROBE = (
 )
 
 
+@pytest.mark.integration
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
 def test_a_rank_under_the_launcher_dies_with_its_parent_or_exits_if_the_launcher_is_gone():
     base = {**CLEAN_ENV, "PYTHONPATH": str(ROOT), "TORCHELASTIC_RUN_ID": "x"}

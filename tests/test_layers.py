@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.unit
+
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("diloco", "coordinator", "islands")
 GENERATED = ("diloco/v1/",)  # protoc output

@@ -7,8 +7,10 @@ import random
 import pytest
 
 from coordinator.ledger import DataLedger, RangeSet
-from coordinator.records import Refused
+from diloco.refusal import Refused
 from diloco.refusal import Reason
+
+pytestmark = pytest.mark.unit
 
 SEQ = 16  # tokens per sample
 

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from conftest import one_island_config, tiny_config, trained_from, wait_for_round
+from kit import Clock
 from coordinator.server import start_coordinator
 from coordinator.limits import TokenBucket
 from diloco import credentials
@@ -42,16 +43,18 @@ def _refused(call) -> grpc.RpcError:
     return e.value
 
 
+@pytest.mark.unit
 def test_a_token_bucket_allows_its_burst_then_its_rate():
-    now = [0.0]
-    bucket = TokenBucket(rate=2.0, burst=3.0, clock=lambda: now[0])
+    clock = Clock(0.0)
+    bucket = TokenBucket(rate=2.0, burst=3.0, clock=clock)
     assert [bucket.take() for _ in range(4)] == [True, True, True, False]
-    now[0] = 0.5  # one token back
+    clock.now = 0.5  # one token back
     assert [bucket.take() for _ in range(2)] == [True, False]
-    now[0] = 100.0  # never more than the burst
+    clock.now = 100.0  # never more than the burst
     assert sum(bucket.take() for _ in range(10)) == 3
 
 
+@pytest.mark.integration
 def test_a_push_stream_that_goes_quiet_is_cut_off_and_its_part_dropped(make_coordinator, channel_to):
     coordinator = make_coordinator(one_island_config("limits.push_idle_s=1"))
     stub = channel_to(coordinator)
@@ -83,6 +86,7 @@ def test_a_push_stream_that_goes_quiet_is_cut_off_and_its_part_dropped(make_coor
     wait_for_round(coordinator, 0, timeout_s=60)
 
 
+@pytest.mark.integration
 def test_heartbeats_beyond_the_rate_are_refused(make_coordinator, channel_to):
     # heartbeat_s so long that no token comes back during the test: the bound is the burst, 2 x 4 x 1 rank.
     coordinator = make_coordinator(tiny_config("rounds.heartbeat_s=10000", "rounds.lease_s=100000"))
@@ -96,6 +100,7 @@ def test_heartbeats_beyond_the_rate_are_refused(make_coordinator, channel_to):
     stub.Heartbeat(pb.HeartbeatRequest(island_id=other), timeout=10)
 
 
+@pytest.mark.integration
 def test_the_spool_is_bounded_and_a_stream_cannot_repeat_its_chunks(make_coordinator, channel_to):
     coordinator = make_coordinator(tiny_config("limits.spool_gb=0.000002"))  # 2,000 bytes: less than one chunk
     stub = channel_to(coordinator)
@@ -116,13 +121,14 @@ def test_the_spool_is_bounded_and_a_stream_cannot_repeat_its_chunks(make_coordin
     assert roomy.state.fragments[0].ctx.spools.used == 0
 
 
+@pytest.mark.integration
 def test_an_island_that_never_pushes_is_removed_and_on_probation_holds_no_round(make_coordinator, channel_to, caplog):
     # The worker is the only island that pushes: the run's first outer step has no second (robust.first_quorum 1).
     cfg = one_island_config("rounds.rounds=6", "rounds.deadline_s=1", "rounds.lease_s=100000", "limits.idle_rounds=2")
     coordinator = make_coordinator(cfg)
     stub = channel_to(coordinator)
     worker, idler = _join(stub, island_key="w"), _join(stub, island_key="i")
-    caplog.set_level(logging.INFO, logger="coordinator.fragment")
+    caplog.set_level(logging.INFO, logger="coordinator.rounds")
 
     def round_with_worker(round_: int) -> None:
         stub.PushPseudoGradient(push_messages(_header(coordinator, worker, round_), _chunks(coordinator, round_)), timeout=30)
@@ -155,6 +161,7 @@ def run_ca(tmp_path):
     return d
 
 
+@pytest.mark.integration
 def test_a_credential_holds_one_island_and_joins_at_a_bounded_rate(run_ca, tmp_path):
     coordinator = start_coordinator(tiny_config("limits.joins_per_minute=4"), "127.0.0.1", 0, spool_dir=str(tmp_path / "spool"),
                                     tls=credentials.coordinator_files(run_ca))
@@ -173,6 +180,7 @@ def test_a_credential_holds_one_island_and_joins_at_a_bounded_rate(run_ca, tmp_p
 
 
 
+@pytest.mark.integration
 def test_non_finite_numbers_in_requests_are_refused_not_waited_on(make_coordinator, channel_to):
     coordinator = make_coordinator(tiny_config())
     stub = channel_to(coordinator)
@@ -189,6 +197,7 @@ def test_non_finite_numbers_in_requests_are_refused_not_waited_on(make_coordinat
     assert stub.PushPseudoGradient(push_messages(_header(coordinator, island), chunks), timeout=30).contribution_complete
 
 
+@pytest.mark.integration
 def test_what_the_fuzzer_found_stays_fixed(make_coordinator, channel_to):
     """Three findings of tests/test_fuzz.py, each as its own case."""
     # The claim check off, as when the freeze was found: it refuses inner_steps = 2**62 before lr_sum, the subject here.

@@ -16,6 +16,8 @@ from islands.sim.simulation import Simulation
 from diloco.v1 import diloco_pb2 as pb
 from diloco.wire import Manifest, tensor_chunks
 
+pytestmark = pytest.mark.integration
+
 
 def _push(coordinator, stub, island_id, manifest, round_=0, seed=0):
     header = pb.PushHeader(island_id=island_id, round=round_, codec="fp32", **claim(tiny_config()),
@@ -120,7 +122,8 @@ def test_island_keeps_waiting_for_a_round_held_open_below_min_islands(make_coord
     from diloco.params import checksum
     from diloco.wire import FlatRange
     from islands.client import CoordinatorClient
-    from islands.exchange import PUSHED, Exchange, FragmentShard, Wire, pull, push
+    from islands.outcome import Next
+    from islands.round import Exchange, FragmentShard, Wire, pull, push
 
     cfg = tiny_config("rounds.min_islands=2", "rounds.deadline_s=0.2", "rounds.lease_s=60", "rounds.rounds=2")
     coordinator = make_coordinator(cfg)
@@ -139,7 +142,7 @@ def test_island_keeps_waiting_for_a_round_held_open_below_min_islands(make_coord
 
     def island_a():
         try:
-            assert push(shard, ex, wire) == PUSHED
+            assert push(shard, ex, wire) is Next.DELIVERED
             outcome.append(pull(shard, ex, wire))
         except Exception as e:  # noqa: BLE001 - the test reports it
             outcome.append(e)

@@ -15,6 +15,8 @@ from diloco.codec import Fp32Codec
 from diloco.v1 import diloco_pb2 as pb
 from diloco.wire import PROTOCOL_VERSION, push_messages, tensor_chunks
 
+pytestmark = pytest.mark.integration
+
 
 def _samples(metrics) -> dict[tuple[str, tuple], float]:
     body, content_type = metrics()

@@ -10,6 +10,8 @@ import torch
 from diloco.config import ModelConfig, load_config
 from diloco.model import Transformer
 
+pytestmark = pytest.mark.unit
+
 ROOT = Path(__file__).resolve().parents[1]
 
 

@@ -58,6 +58,7 @@ def reference(moe: MoE, x: torch.Tensor) -> torch.Tensor:
 # --- routing and capacity ------------------------------------------------------------------------
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("top_k, factor", [(2, 1.25), (2, 0.5), (1, 1.0), (3, 0.3)])
 def test_the_layer_computes_the_definition(top_k, factor):
     torch.manual_seed(1)
@@ -67,6 +68,7 @@ def test_the_layer_computes_the_definition(top_k, factor):
     torch.testing.assert_close(y, reference(moe, x), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.unit
 def test_routing_picks_the_top_k_logits_with_renormalised_gates():
     torch.manual_seed(2)
     logits = torch.randn(2, 7, 5)
@@ -83,6 +85,7 @@ def test_routing_picks_the_top_k_logits_with_renormalised_gates():
     torch.testing.assert_close(switch.gates[..., 0], F.softmax(logits, -1).max(-1).values)
 
 
+@pytest.mark.unit
 def test_capacity_overflow_drops_the_later_tokens_of_each_expert():
     # 6 tokens, 3 experts, k = 2, capacity ceil(0.5 * 6 * 2 / 3) = 2. Choices (best first):
     # t0 (0, 1), t1 (0, 2), t2 (0, 1), t3 (1, 2), t4 (2, 0), t5 (1, 0).
@@ -106,6 +109,7 @@ def test_capacity_overflow_drops_the_later_tokens_of_each_expert():
     assert torch.equal(y[0, 4:], torch.zeros(2, 32)), "tokens that lost every choice get nothing from the experts"
 
 
+@pytest.mark.unit
 def test_a_token_dropped_by_every_expert_passes_through_the_residual():
     cfg = _cfg(moe_capacity_factor=0.25)  # capacity ceil(0.25 * 16 * 2 / 4) = 2 of 16 tokens
     torch.manual_seed(4)
@@ -120,6 +124,7 @@ def test_a_token_dropped_by_every_expert_passes_through_the_residual():
     assert not torch.allclose(out[:, :2], residual[:, :2])
 
 
+@pytest.mark.unit
 def test_a_sequence_routes_the_same_whatever_shares_its_batch_and_the_model_stays_causal():
     model = _moe(moe_capacity_factor=0.5).eval()  # overflowing: capacity 4 of 16 tokens per expert
     a, b = torch.randint(0, 50, (2, 3, 16))
@@ -132,6 +137,7 @@ def test_a_sequence_routes_the_same_whatever_shares_its_batch_and_the_model_stay
 # --- the auxiliary loss --------------------------------------------------------------------------
 
 
+@pytest.mark.unit
 def test_load_balancing_loss_is_switchs_formula_and_one_for_uniform_routing():
     # One group, k = 1: f = (1, 0), P = (0.7, 0.3): 2 * 0.7.
     probs = torch.tensor([[[0.8, 0.2], [0.6, 0.4]]])
@@ -151,6 +157,7 @@ def test_load_balancing_loss_is_switchs_formula_and_one_for_uniform_routing():
     assert load_balancing_loss(skewed, torch.tensor([[[0], [0], [1]]])).item() < 1.0
 
 
+@pytest.mark.unit
 def test_the_training_loss_adds_the_coefficient_times_the_blocks_mean_and_eval_is_cross_entropy():
     model = _moe(moe_aux_loss_coef=0.1)
     tokens, targets = torch.randint(0, 50, (2, 3, 16))
@@ -171,6 +178,7 @@ def test_the_training_loss_adds_the_coefficient_times_the_blocks_mean_and_eval_i
 # --- gradients and sizes -------------------------------------------------------------------------
 
 
+@pytest.mark.unit
 def test_gradients_reach_the_router_and_every_expert_even_an_unused_one():
     model = _moe()
     tokens, targets = torch.randint(0, 50, (2, 4, 16))
@@ -187,6 +195,7 @@ def test_gradients_reach_the_router_and_every_expert_even_an_unused_one():
         assert (p.grad.abs().sum() == 0) == (name.startswith(("blocks.0.mlp.experts.2.", "blocks.0.mlp.experts.3."))), name
 
 
+@pytest.mark.unit
 def test_parameter_counts_total_and_active_and_equal_active_dense():
     moe, cfg = _moe(), _cfg()
     dense = Transformer(replace(cfg, moe_experts=0, d_ff=2 * cfg.d_ff))  # d_ff = top_k * expert d_ff
@@ -200,6 +209,7 @@ def test_parameter_counts_total_and_active_and_equal_active_dense():
     assert all(p.dim() == 2 for n, p in moe.named_parameters() if ".experts." in n)
 
 
+@pytest.mark.unit
 def test_config_validates_and_a_dense_run_hashes_as_before():
     plain = load_config(None)
     assert load_config(None, ["model.moe_top_k=1", "model.moe_capacity_factor=2.0"]).digest() == plain.digest()
@@ -210,14 +220,15 @@ def test_config_validates_and_a_dense_run_hashes_as_before():
             load_config(None, bad)
 
 
+@pytest.mark.integration
 def test_export_refuses_a_mixture_of_experts_with_one_line(make_coordinator, tmp_path, capsys):
-    from test_export import _one_error_line, coordinator_checkpoint, export_cli
+    from kit import coordinator_checkpoint, export_cli, one_error_line
 
     from diloco.hf import HFError, to_hf
 
     url = str(tmp_path / "ckpt")
     cfg, params = coordinator_checkpoint(make_coordinator, url, *MOE, push=False)
-    line = _one_error_line(capsys, export_cli(url, tmp_path / "hf"))
+    line = one_error_line(capsys, export_cli(url, tmp_path / "hf"))
     assert "mixture of experts (model.moe_experts=4)" in line and "dense Llama only" in line, line
     assert not (tmp_path / "hf").exists()
     with pytest.raises(HFError, match="not a Llama model"):
@@ -263,6 +274,7 @@ def _rank(rank: int, world_size: int, workdir: str) -> None:
                 "model": {n: t.clone() for n, t in local_views(model).items()}}, Path(workdir) / f"rank{rank}.pt")
 
 
+@pytest.mark.integration
 @pytest.mark.timeout(180)
 def test_a_sharded_group_on_half_batches_steps_as_one_rank_on_the_whole(tmp_path, monkeypatch):
     spawn_gloo_ranks(_rank, 2, tmp_path, monkeypatch)
@@ -281,22 +293,24 @@ def test_a_sharded_group_on_half_batches_steps_as_one_rank_on_the_whole(tmp_path
                 assert not torch.equal(expected, start[name].reshape(-1)[offset : offset + numel]), f"{name} never moved"
 
 
+@pytest.mark.integration
 @pytest.mark.timeout(300)
 def test_a_2x2_sharded_island_and_a_one_rank_island_end_on_the_coordinators_parameters(tmp_path):
-    from test_fsdp_islands import _assemble, _assert_equals_coordinator, _assert_every_round_whole
+    from kit import assemble_shards, assert_equals_coordinator, assert_every_round_whole
 
     result = run_scenario("moe_scenarios.py", "sharded_and_single", tmp_path, 240)
     assert result["notes"]["exit_codes"] == {"sharded": 0, "single": 0}
-    _assert_every_round_whole(result, islands=2)
+    assert_every_round_whole(result, islands=2)
     assert set(result["islands"].values()) == {result["checksum"]}
     coordinator = torch.load(tmp_path / "coordinator.pt")
     for group in (0, 1):
-        _assert_equals_coordinator(_assemble(tmp_path / "sharded", group, 0, 2), coordinator, f"group {group}")
+        assert_equals_coordinator(assemble_shards(tmp_path / "sharded", group, 0, 2), coordinator, f"group {group}")
 
 
 # --- through every codec -------------------------------------------------------------------------
 
 
+@pytest.mark.integration
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("codec", ["fp32", "bf16", "int8", "e3m0", "topk"])
 def test_an_moe_island_ends_on_the_coordinators_parameters_through_every_codec(make_coordinator, codec):

@@ -39,6 +39,7 @@ def _train(model, optimizer, cfg, steps: range, total: int = STEPS) -> None:
         train_step(model, optimizer, data.batch_at(step, 4), inner_lr(step, total, cfg.inner), cfg.inner.grad_clip)
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("tied", [True, False])
 def test_muon_takes_the_blocks_matrices_and_adamw_the_embedding_head_and_norms(tied):
     model = _model(_cfg(f"model.tie_embeddings={str(tied).lower()}"))
@@ -51,6 +52,7 @@ def test_muon_takes_the_blocks_matrices_and_adamw_the_embedding_head_and_norms(t
     assert [len(g["params"]) for g in optimizer.param_groups] == [len(muon), len(decay), len(no_decay)]
 
 
+@pytest.mark.unit
 def test_one_rank_steps_are_torch_muon_and_adamw_side_by_side():
     """MuonAdamW under the inner schedule is exactly torch.optim.Muon at muon_lr's share of it plus AdamW."""
     cfg = _cfg()
@@ -79,6 +81,7 @@ def test_one_rank_steps_are_torch_muon_and_adamw_side_by_side():
     assert _model(cfg).embed.weight.ne(ours.embed.weight).any(), "nothing trained"
 
 
+@pytest.mark.unit
 def test_state_dict_round_trip_goes_on_bit_identically():
     cfg = _cfg()
     straight = _model(cfg)
@@ -137,6 +140,7 @@ def _rank(rank: int, world_size: int, workdir: str) -> None:
                Path(workdir) / f"rank{rank}.pt")
 
 
+@pytest.mark.integration
 @pytest.mark.timeout(180)
 def test_sharded_group_steps_as_one_rank_and_a_healed_group_goes_on_exactly(tmp_path, monkeypatch):
     spawn_gloo_ranks(_rank, 2, tmp_path, monkeypatch)
@@ -157,6 +161,7 @@ def test_sharded_group_steps_as_one_rank_and_a_healed_group_goes_on_exactly(tmp_
                 assert not torch.equal(expected, start[name].reshape(-1)[offset : offset + numel]), name
 
 
+@pytest.mark.unit
 def test_config_validates_muon_and_other_optimizers_hash_as_before():
     from diloco.config import ConfigError, load_config
 

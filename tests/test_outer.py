@@ -36,6 +36,7 @@ def _push(coordinator, client, island_id, round_, claimed: dict, pg, chunk_bytes
     return client.push(header, ReplayableChunks(tensor_chunks(pg, Fp32Codec(), chunk_bytes)))
 
 
+@pytest.mark.integration
 def test_outer_step_matches_torch_sgd_nesterov_on_token_weighted_mean(make_coordinator):
     cfg = tiny_config("outer.lr=0.7", "outer.momentum=0.9", "rounds.rounds=3")
     coordinator = make_coordinator(cfg)
@@ -64,6 +65,7 @@ def test_outer_step_matches_torch_sgd_nesterov_on_token_weighted_mean(make_coord
             c.close()
 
 
+@pytest.mark.integration
 def test_lr1_momentum0_gives_token_weighted_mean_of_island_parameters(make_coordinator):
     cfg = tiny_config("outer.lr=1.0", "outer.momentum=0.0", "rounds.rounds=1")
     coordinator = make_coordinator(cfg)
@@ -91,6 +93,7 @@ def test_lr1_momentum0_gives_token_weighted_mean_of_island_parameters(make_coord
             c.close()
 
 
+@pytest.mark.unit
 def test_accumulator_single_contribution_is_exact():
     pg = random_like({"w": (7, 5)}, seed=3)
     acc = PseudoGradientAccumulator({"w": (7, 5)})
@@ -98,6 +101,7 @@ def test_accumulator_single_contribution_is_exact():
     assert torch.equal(acc.mean()["w"], pg["w"])
 
 
+@pytest.mark.unit
 def test_accumulator_weights_by_tokens_and_resets():
     a, b = torch.ones(4), torch.full((4,), 4.0)
     acc = PseudoGradientAccumulator({"w": (4,)})
@@ -108,6 +112,7 @@ def test_accumulator_weights_by_tokens_and_resets():
     assert acc.contributions == 0 and float(acc.sums["w"].abs().sum()) == 0.0
 
 
+@pytest.mark.unit
 def test_accumulator_mean_is_divided_in_place_to_the_same_bits():
     pgs = [random_like({"w": (64, 33)}, seed=s) for s in (1, 2, 3)]
     tokens = (1000, 1700, 900)
@@ -127,6 +132,7 @@ def test_accumulator_mean_is_divided_in_place_to_the_same_bits():
     assert torch.equal(acc.mean()["w"], pgs[0]["w"])
 
 
+@pytest.mark.unit
 def test_the_mean_divided_a_span_at_a_time_from_threads_is_the_mean():
     """mean_spans (the coordinator divides each span where the outer step reads it): spans of odd sizes, in shuffled
     order, from four threads, give mean()'s bits; one island, or a mean divided already, is not divided again."""
@@ -154,6 +160,7 @@ def test_the_mean_divided_a_span_at_a_time_from_threads_is_the_mean():
         PseudoGradientAccumulator(shapes).mean_spans()
 
 
+@pytest.mark.unit
 def test_a_contribution_trained_on_no_tokens_does_not_dilute_the_others():
     shapes = {"w": (3, 4)}
     a, b = random_like(shapes, seed=1), random_like(shapes, seed=2)
@@ -168,6 +175,7 @@ def test_a_contribution_trained_on_no_tokens_does_not_dilute_the_others():
         empty.scale_for(-1)
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("nesterov,momentum", [(True, 0.9), (False, 0.9), (True, 0.0)])
 def test_an_outer_step_that_consumes_its_pseudo_gradient_is_torch_sgd_bit_for_bit(nesterov, momentum):
     """The coordinator's step forms Nesterov's look-ahead in the mean it was given (no model-sized temporary):
@@ -195,6 +203,7 @@ def test_an_outer_step_that_consumes_its_pseudo_gradient_is_torch_sgd_bit_for_bi
         assert buf is None or torch.equal(ours_state[k]["momentum_buffer"], buf)
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("width", [37, 4099])
 def test_an_outer_step_taken_a_span_at_a_time_on_threads_is_torch_sgd_bit_for_bit(width):
     """span_step (the coordinator steps each published chunk's span while it is in cache): spans of odd sizes that
@@ -225,6 +234,7 @@ def test_an_outer_step_taken_a_span_at_a_time_on_threads_is_torch_sgd_bit_for_bi
         delayed.span_step()
 
 
+@pytest.mark.integration
 def test_a_round_on_no_tokens_takes_no_outer_step(make_coordinator):
     """Every contribution of a round trained on 0 tokens (an island that resynced at its round's end pushes with no
     weight): the round closes and moves on, but a step on momentum alone would move the parameters with no data behind

@@ -67,6 +67,7 @@ def expected_stream(inputs: list[str], tokenizer_json: str, eos_id: int, eval_fr
     return {k: np.array(v) for k, v in out.items()}
 
 
+@pytest.mark.integration
 def test_prepare_reads_every_input_kind_and_the_store_reads_it_back(corpus, tmp_path):
     out = tmp_path / "out"
     run(str(corpus / "*"), "-o", str(out), "--train-tokenizer", "--vocab-size", "300", "--shard-tokens", "5000",
@@ -85,6 +86,7 @@ def test_prepare_reads_every_input_kind_and_the_store_reads_it_back(corpus, tmp_
     assert main(["inspect", str(out)]) == 0
 
 
+@pytest.mark.integration
 def test_same_output_whatever_the_workers_and_a_given_tokenizer_is_used_as_is(corpus, tmp_path):
     common = [str(corpus / "a.txt"), str(corpus / "b.jsonl"), "--shard-tokens", "3000"]
     run(*common, "-o", str(tmp_path / "w1"), "--train-tokenizer", "--vocab-size", "320", "--workers", "1")
@@ -96,6 +98,7 @@ def test_same_output_whatever_the_workers_and_a_given_tokenizer_is_used_as_is(co
     assert files_of(str(tmp_path / "given")) == one  # the same tokenizer file, the same tokens
 
 
+@pytest.mark.unit
 def test_trained_tokenizer_is_deterministic(corpus):
     texts = list(documents(str(corpus / "a.txt")))
     first = train_bpe(iter(texts), 400, "<|endoftext|>")
@@ -103,6 +106,7 @@ def test_trained_tokenizer_is_deterministic(corpus):
     assert json.loads(first)["added_tokens"][0]["content"] == "<|endoftext|>"
 
 
+@pytest.mark.integration
 def test_prepare_from_and_to_s3_equals_local(corpus, tmp_path, s3):
     fs = fsspec.filesystem("s3")
     for name in ("b.jsonl", "d.txt.zst"):
@@ -121,6 +125,7 @@ def prepare_cmd(*args: str) -> list[str]:
     return [sys.executable, "-m", "diloco.datacli", "prepare", *args]
 
 
+@pytest.mark.integration
 def test_a_killed_prepare_resumes_to_the_same_bytes(corpus, tmp_path):
     args = [str(corpus / "a.txt"), str(corpus / "c.jsonl.gz"), "--train-tokenizer", "--vocab-size", "300",
             "--shard-tokens", "700", "--workers", "2"]
@@ -152,6 +157,7 @@ def cli_error(capsys, *args: str) -> str:
     return lines[0]
 
 
+@pytest.mark.integration
 def test_bad_input_is_one_line_and_exit_2(corpus, tmp_path, capsys):
     run(str(corpus / "a.txt"), "-o", str(tmp_path / "out"), "--train-tokenizer", "--vocab-size", "300")
     assert "other inputs or flags" in cli_error(capsys, "prepare", str(corpus / "a.txt"), "-o", str(tmp_path / "out"),
@@ -170,6 +176,7 @@ def test_bad_input_is_one_line_and_exit_2(corpus, tmp_path, capsys):
                                  "--tokenizer", str(tmp_path / "out" / "tokenizer.json"), "--eos-token", "<nope>")
 
 
+@pytest.mark.integration
 def test_inspect_names_a_damaged_shard(corpus, tmp_path, capsys):
     run(str(corpus / "a.txt"), "-o", str(tmp_path / "out"), "--train-tokenizer", "--vocab-size", "300",
         "--shard-tokens", "2000")
@@ -182,6 +189,7 @@ def test_inspect_names_a_damaged_shard(corpus, tmp_path, capsys):
     assert f"BAD {tmp_path / 'out'}/train/shard-00001.bin: checksum mismatch" in capsys.readouterr().out
 
 
+@pytest.mark.integration
 def test_real_text(tmp_path):
     text = SHARED / "wikitext2-valid.txt"
     if not text.exists():

@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.integration
+
 ROOT = Path(__file__).resolve().parents[1]
 PROTO = "diloco/v1/diloco.proto"
 
@@ -33,7 +35,7 @@ def test_descriptor_matches_proto(tmp_path):
         messages.extend(message.nested_type)
         for f in message.field:
             f.ClearField("json_name")
-    assert fresh == committed, "diloco/v1/diloco_pb2.py is stale; regenerate (see README: Protocol)"
+    assert fresh == committed, "diloco/v1/diloco_pb2.py is stale; regenerate (docs/protocol.md)"
 
 
 def test_generated_files_are_identical(tmp_path):
@@ -41,4 +43,4 @@ def test_generated_files_are_identical(tmp_path):
     for name in ("diloco_pb2.py", "diloco_pb2.pyi", "diloco_pb2_grpc.py"):
         fresh = (tmp_path / "diloco" / "v1" / name).read_text()
         committed = (ROOT / "diloco" / "v1" / name).read_text()
-        assert fresh == committed, f"diloco/v1/{name} is stale; regenerate (see README: Protocol)"
+        assert fresh == committed, f"diloco/v1/{name} is stale; regenerate (docs/protocol.md)"

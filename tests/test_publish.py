@@ -11,6 +11,8 @@ from coordinator.publish import Publication
 from diloco.codec import get_codec
 from diloco.v1 import diloco_pb2 as pb
 
+pytestmark = pytest.mark.unit
+
 
 @pytest.mark.parametrize("codec", ["int8", "e3m0", "int8+zstd", "bf16"])
 def test_a_lossy_publication_on_many_threads_is_bit_for_bit_the_one_on_one(codec):
@@ -87,7 +89,7 @@ def test_a_pull_of_an_update_that_failed_half_way_is_refused_and_waits_for_none_
     """A publication that raised part-way fails its stream: a pull that took chunks of it is refused (STILL_OPEN:
     it pulls again), so an island never applies part of an update."""
     from coordinator.publish import DeltaStream
-    from coordinator.records import Refused
+    from diloco.refusal import Refused
     from diloco.refusal import Reason
 
     stream = DeltaStream(3, "base", 1, 10)

@@ -14,10 +14,12 @@ import grpc
 import pytest
 
 from conftest import tiny_config
+from kit import Puppet, islands_on_threads, wait_for
 from diloco.v1 import diloco_pb2 as pb
 from islands.client import CoordinatorClient
 from islands.state import ReplicaSpec
-from test_heterogeneous import Puppet, _islands, _wait
+
+pytestmark = pytest.mark.integration
 
 
 def test_a_push_refused_while_its_round_is_open_is_trained_again(make_coordinator, monkeypatch):
@@ -29,9 +31,9 @@ def test_a_push_refused_while_its_round_is_open_is_trained_again(make_coordinato
     puppet = Puppet(coordinator.port, cfg)
     monkeypatch.setattr(CoordinatorClient, "push", _corrupting(real, refused, spare=puppet.island_id))
     try:
-        with _islands(coordinator, cfg, [ReplicaSpec()]) as ((island,), results):
+        with islands_on_threads(coordinator, cfg, [ReplicaSpec()]) as ((island,), results):
             for round_ in range(3):  # the puppet is in every round; each waits for the island too
-                _wait(state, f"round {round_} to open", lambda: state.round >= round_)
+                wait_for(state, f"round {round_} to open", lambda: state.round >= round_)
                 puppet.push(round_)
     finally:
         puppet.close()

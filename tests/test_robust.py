@@ -19,6 +19,7 @@ from diloco.v1 import diloco_pb2 as pb
 from diloco.wire import PROTOCOL_VERSION, push_messages, tensor_chunks
 
 
+@pytest.mark.unit
 def test_honest_norms_pass_and_an_outlier_is_clipped_to_the_reference():
     guard, rng = NormGuard(RobustConfig()), random.Random(0)
     for _ in range(50):  # honest rounds: norms within +-30% of each other, drifting down as the lr decays
@@ -33,6 +34,7 @@ def test_honest_norms_pass_and_an_outlier_is_clipped_to_the_reference():
     assert NormGuard(RobustConfig()).judge({"island-0": 1e6}).factors == {"island-0": 1.0}
 
 
+@pytest.mark.unit
 def test_drop_instead_of_clip_and_off_means_off_and_the_history_survives_a_checkpoint():
     drop = NormGuard(RobustConfig(action="drop"))
     drop.judge({"a": 1.0, "b": 1.1})
@@ -53,6 +55,7 @@ def _sketch(sketcher: Sketcher, x: torch.Tensor, splits: list[int]) -> np.ndarra
     return out
 
 
+@pytest.mark.unit
 def test_sketches_estimate_cosines_whatever_the_chunks_and_differ_by_secret():
     g = torch.Generator().manual_seed(0)
     shared, own = torch.randn(300_000, generator=g), [torch.randn(300_000, generator=g) for _ in range(3)]
@@ -71,6 +74,7 @@ def test_sketches_estimate_cosines_whatever_the_chunks_and_differ_by_secret():
     assert abs(float(sa @ sc) / float((sa @ sa) ** 0.5 * (sc @ sc) ** 0.5)) < 0.05
 
 
+@pytest.mark.unit
 def test_one_contribution_against_the_majority_is_found_and_a_pair_cannot_tell():
     rng = np.random.default_rng(0)
     shared = rng.standard_normal(4096)
@@ -88,6 +92,7 @@ def test_one_contribution_against_the_majority_is_found_and_a_pair_cannot_tell()
     assert opposed(dict(list(attacked.items())[1:]), -0.1) == {}
 
 
+@pytest.mark.unit
 def test_the_guard_drops_the_opposed_contribution_and_its_norm_stays_out_of_the_history():
     rng = np.random.default_rng(1)
     shared = rng.standard_normal(4096)
@@ -102,6 +107,7 @@ def test_the_guard_drops_the_opposed_contribution_and_its_norm_stays_out_of_the_
     assert off.factors == {"a": 1.0, "b": 1.0, "mallory": 1.0}
 
 
+@pytest.mark.unit
 def test_the_first_outer_step_waits_for_a_quorum_until_the_guard_has_a_reference():
     guard = NormGuard(RobustConfig(first_quorum=2))
     assert guard.quorum() == 2
@@ -117,6 +123,7 @@ def _push(coordinator, stub, island: str, round_: int, pg: dict, tokens: int, st
     return stub.PushPseudoGradient(push_messages(header, tensor_chunks(pg, Fp32Codec(), 4096)), timeout=30)
 
 
+@pytest.mark.integration
 def test_a_poisoned_push_moves_the_global_parameters_no_more_than_an_honest_round(make_coordinator, channel_to):
     """The attack of issue 15: a finite push 1,000x the usual scale that claims 1e9 tokens."""
     # A constant inner lr: the honest pushes here are of one scale every round, which is what islands push when the lr
@@ -163,6 +170,7 @@ def test_a_poisoned_push_moves_the_global_parameters_no_more_than_an_honest_roun
     assert poisoned < max(honest) * 2 < 1e-3 * 1000 * math.sqrt(sum(math.prod(s) for s in shapes.values()))
 
 
+@pytest.mark.integration
 def test_a_message_larger_than_a_chunk_is_refused_before_it_is_read(make_coordinator, channel_to):
     cfg = tiny_config()
     coordinator = make_coordinator(cfg)
@@ -175,6 +183,7 @@ def test_a_message_larger_than_a_chunk_is_refused_before_it_is_read(make_coordin
     stub.Join(pb.JoinRequest(protocol_version=PROTOCOL_VERSION), timeout=10)  # and it serves on
 
 
+@pytest.mark.integration
 def test_an_island_may_hold_only_so_many_push_streams_open(make_coordinator, channel_to):
     import threading
     import time

@@ -14,66 +14,15 @@ import threading
 import pytest
 import torch
 
-from conftest import claim, random_like, tiny_config, trained_from
+from conftest import claim, random_like, trained_from
+from kit import SHARES, Clock, join_shares, make_state, push, push_share, refusal, share_tokens
 from coordinator.publish import SharedStream
-from coordinator.records import Refused
-from coordinator.server import initial_parameters
 from coordinator.spool import Spool, SpoolCorrupt
-from coordinator.state import CoordinatorState
 from diloco.refusal import Reason
 from diloco.v1 import diloco_pb2 as pb
 from diloco.wire import payload_digest, tensor_chunks, uplink_codec
 
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-def make_state(tmp_path, *overrides: str, clock: Clock | None = None) -> CoordinatorState:
-    cfg = tiny_config(*overrides)
-    spool = tmp_path / f"spool-{len(list(tmp_path.iterdir()))}"
-    spool.mkdir()
-    return CoordinatorState(cfg, initial_parameters(cfg), spool, clock=clock or Clock())
-
-
-def push(state: CoordinatorState, island_id: str, pg: dict[str, torch.Tensor], steps: int = 1, round_: int = 0,
-         ranks: int = 1):
-    """island_id's push for round_, claiming what `steps` inner steps on `ranks` ranks train (it joined with them)."""
-    codec = uplink_codec(state.cfg.wire)
-    header = pb.PushHeader(island_id=island_id, round=round_, train_loss=2.0, codec=codec.name, **claim(state.cfg, steps, ranks),
-                           global_checksum=trained_from(state, round_))
-    return state.receive(header, tensor_chunks(pg, codec, state.cfg.wire.chunk_bytes))
-
-
-# Three islands of unequal weight, as (inner steps, ranks declared at join): 128, 256 and 384 tokens in tiny_config.
-# The same one inner step each: the norm guard judges norms per unit of inner lr, and these pseudo-gradients are alike.
-SHARES = {"island-0": (1, 1), "island-1": (1, 2), "island-2": (1, 3)}
-
-
-def join_shares(state: CoordinatorState) -> None:
-    """Joins island-0, -1 and -2 in order, each declaring its SHARES ranks."""
-    for island_id, (_, ranks) in SHARES.items():
-        assert state.join("test", ranks=ranks).island_id == island_id
-
-
-def push_share(state: CoordinatorState, island_id: str, pg: dict[str, torch.Tensor], round_: int):
-    steps, ranks = SHARES[island_id]
-    return push(state, island_id, pg, steps, round_, ranks)
-
-
-def share_tokens(state: CoordinatorState) -> int:
-    """The tokens of a round of all three SHARES islands."""
-    return sum(claim(state.cfg, *share)["tokens"] for share in SHARES.values())
-
-
-def refusal(call) -> pb.Refusal:
-    with pytest.raises(Refused) as err:
-        call()
-    return err.value.refusal
+pytestmark = pytest.mark.unit
 
 
 @pytest.mark.parametrize("codec", ["fp32", "int8"])

@@ -26,6 +26,8 @@ from islands.replicas import Solo
 from islands.state import IslandState, ReplicaSpec
 from islands.world import IslandWorld
 
+pytestmark = pytest.mark.integration
+
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,7 @@ from diloco.wire import FlatRange, Manifest, downlink_codec, encode_chunks
 from islands.client import CoordinatorClient, RegeneratingChunks
 from diloco.v1 import diloco_pb2 as pb
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
 
 
 def _halves(manifest: Manifest) -> list[list[FlatRange]]:

@@ -5,8 +5,12 @@ from __future__ import annotations
 import json
 import time
 
+import pytest
+
 from conftest import tiny_config
 from islands.sim.simulation import run_sim
+
+pytestmark = pytest.mark.integration
 
 
 def test_three_island_sim_ends_with_identical_parameters_and_lower_eval_loss(tmp_path):

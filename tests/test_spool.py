@@ -6,10 +6,12 @@ import random
 
 import pytest
 
-from coordinator.records import Refused
+from diloco.refusal import Refused
 from coordinator.spool import BLOCK_PAYLOAD, SpoolCorrupt, Spools
 from diloco.refusal import Reason
 from diloco.wire import payload_digest
+
+pytestmark = pytest.mark.unit
 
 
 def _records(seed: int, n: int, size: int) -> list[tuple[str, int, int, bytes]]:
@@ -115,7 +117,7 @@ def test_a_push_cut_off_mid_stream_gives_its_memory_back_and_the_island_pushes_w
     """The island vanishes half-way through its push: nothing of it is kept (spool bytes 0, every pool block free
     again), the round does not close on it, and its push sent again whole is folded as if nothing had happened."""
     from conftest import claim, random_like, trained_from
-    from test_rounds import make_state, push
+    from kit import make_state, push
 
     from diloco.v1 import diloco_pb2 as pb
     from diloco.wire import tensor_chunks, uplink_codec

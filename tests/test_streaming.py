@@ -129,6 +129,7 @@ def _run_islands(coordinator, cfg: RunConfig, n: int = 2):
     return results
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize(
     "overrides",
     [
@@ -151,6 +152,7 @@ def test_islands_and_coordinator_reproduce_the_reference_bit_for_bit(make_coordi
     assert {r.inner_steps for r in results} == {cfg.rounds.rounds * cfg.inner.steps_per_round}
 
 
+@pytest.mark.integration
 def test_a_fragment_closes_its_rounds_while_another_fragment_waits(make_coordinator, channel_to):
     cfg = _cfg("streaming.fragments=2", "rounds.deadline_s=60", "rounds.lease_s=60")
     coordinator = make_coordinator(cfg)
@@ -189,6 +191,7 @@ def test_a_fragment_closes_its_rounds_while_another_fragment_waits(make_coordina
         assert state.cond.wait_for(lambda: state.fragments[1].round == 1, 10), "fragment 1 did not close"
 
 
+@pytest.mark.integration
 def test_overlap_keeps_training_while_a_slowed_exchange_is_in_flight(make_coordinator):
     cfg = _cfg("streaming.fragments=2", "streaming.tau=1", "rounds.min_islands=1", "robust.first_quorum=1", "data.shards=1", "rounds.rounds=3")
     coordinator = make_coordinator(cfg)
@@ -215,6 +218,7 @@ def test_overlap_keeps_training_while_a_slowed_exchange_is_in_flight(make_coordi
     assert result.wait_s < spent and result.compute_s + result.wait_s <= result.wall_s
 
 
+@pytest.mark.unit
 def test_mixing_arithmetic():
     local = {"w": torch.tensor([1.0, 2.0, -4.0])}
     global_ = {"w": torch.tensor([3.0, 2.0, 0.0])}
@@ -229,6 +233,7 @@ def test_mixing_arithmetic():
     assert torch.equal(local["w"], torch.tensor([2.5, -0.5, 1.0]))
 
 
+@pytest.mark.unit
 def test_eager_outer_replica_matches_the_coordinators_optimizer_bit_for_bit():
     cfg = tiny_config().outer
     shapes = {"a": (5, 3), "b": (7,)}
@@ -248,6 +253,7 @@ def test_eager_outer_replica_matches_the_coordinators_optimizer_bit_for_bit():
     assert eager_gradient(prev_mean, own_prev, own_fresh, 0.25)["a"].item() == 3.0 + 0.25 * (5.0 - 1.0)
 
 
+@pytest.mark.integration
 def test_eager_estimate_with_one_island_is_the_exact_result(make_coordinator):
     cfg = _cfg("streaming.tau=2", "streaming.eager=true", "rounds.min_islands=1", "robust.first_quorum=1", "data.shards=1", "rounds.rounds=4")
     coordinator = make_coordinator(cfg)
@@ -256,16 +262,16 @@ def test_eager_estimate_with_one_island_is_the_exact_result(make_coordinator):
     seen = []
     try:
         island = Island(cfg, world, client, client.join(cfg.digest()))
-        land = island.land
+        land = island.sync.land
 
         def spy(f: int) -> bool:
-            estimate = island.inflight[f].estimate
+            estimate = island.sync.inflight[f].estimate
             landed = land(f)
             if estimate is not None:
                 seen.append((estimate, {n: t.clone() for n, t in island.fragments[f].flat.items()}))
             return landed
 
-        island.land = spy
+        island.sync.land = spy
         result = island.run()
     finally:
         client.close()
@@ -281,6 +287,7 @@ def test_eager_estimate_with_one_island_is_the_exact_result(make_coordinator):
     assert checksum(island.global_params) == coordinator.state.checksum
 
 
+@pytest.mark.integration
 def test_streaming_run_stopped_and_resumed_ends_bit_identical(make_coordinator, tmp_path):
     """Two islands, two fragments, tau = 1, eager updates, 4-bit up and down; every process killed mid-run."""
     cfg = _cfg(
@@ -312,6 +319,7 @@ def test_streaming_run_stopped_and_resumed_ends_bit_identical(make_coordinator, 
     assert all(0 < s["compute_s"] < s["wall_s"] and s["inner_steps"] == 16 for s in report["island_stats"].values())
 
 
+@pytest.mark.unit
 def test_sim_prints_one_line_per_fragment_round():
     lines: list[str] = []
     printer = RoundPrinter(lines.append, fragments=2)
@@ -321,6 +329,7 @@ def test_sim_prints_one_line_per_fragment_round():
     assert [line.split()[:2] for line in lines[1:]] == [["0", "1"], ["0", "0"]]
 
 
+@pytest.mark.integration
 def test_streaming_fragments_keep_their_topk_residual_in_the_model(make_coordinator):
     """feedback_in_model with 2 fragments, tau 1 and alpha 0.5: each landing sets the fragment to
     alpha * local + (1 - alpha) * (global - residual); the island ends on exactly theta_global."""
@@ -330,7 +339,7 @@ def test_streaming_fragments_keep_their_topk_residual_in_the_model(make_coordina
     coordinator = make_coordinator(cfg)
     checked = []
     with island_on(coordinator, cfg) as island:
-        land = island.land
+        land = island.sync.land
 
         def check(f):
             shard = island.fragments[f]
@@ -345,7 +354,7 @@ def test_streaming_fragments_keep_their_topk_residual_in_the_model(make_coordina
             checked.append(f)
             return landed
 
-        island.land = check
+        island.sync.land = check
         result = island.run()
     assert sorted(set(checked)) == [0, 1] and result.checksum_matches
     assert checksum(dict(island.model.named_parameters())) == coordinator.state.checksum

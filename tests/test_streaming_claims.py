@@ -17,6 +17,8 @@ import pytest
 from conftest import kill_all_and_resume, tiny_config
 from islands.sim.simulation import Simulation, run_sim
 
+pytestmark = pytest.mark.integration
+
 PER_STEP = 4 * 32  # tiny_config: inner.batch_size x data.seq_len
 
 

@@ -55,6 +55,7 @@ class Terminal(io.StringIO):
 # --- JSON lines --------------------------------------------------------------------------------------
 
 
+@pytest.mark.unit
 def test_parts_are_whole_ordered_and_json_safe(tmp_path):
     lines = JsonLines(str(tmp_path / "logs"), "run", flush_s=3600)
     try:
@@ -84,6 +85,7 @@ def test_parts_are_whole_ordered_and_json_safe(tmp_path):
         assert [r["i"] for r in records[1:] if r["thread"] == t] == list(range(300)), "lost, doubled or reordered"
 
 
+@pytest.mark.integration
 def test_parts_on_s3_and_a_failed_write_is_kept_for_the_next(s3, monkeypatch):
     lines = JsonLines(f"{s3}/logs/run1", "rounds", flush_s=3600)
     lines.write({"round": 0})
@@ -97,6 +99,7 @@ def test_parts_on_s3_and_a_failed_write_is_kept_for_the_next(s3, monkeypatch):
     assert read_parts(fs, "diloco-test/logs/run1", "rounds") == [{"round": 0}, {"round": 1}]
 
 
+@pytest.mark.unit
 def test_audit_log_keeps_its_format(tmp_path):
     from coordinator.audit import AuditLog
 
@@ -122,6 +125,7 @@ def summary(round_: int, eval_loss: float) -> pb.RoundSummary:
     )
 
 
+@pytest.mark.integration
 def test_run_log_writes_every_round_as_json_and_tensorboard(tmp_path):
     cfg = tiny_config("rounds.rounds=7")
     log = RunLog(str(tmp_path / "log"), str(tmp_path / "tb"), cfg)
@@ -148,6 +152,7 @@ def test_run_log_writes_every_round_as_json_and_tensorboard(tmp_path):
     assert "steps_per_round = 2" in text_of(acc)
 
 
+@pytest.mark.unit
 def test_tensorboard_missing_is_one_line_saying_what_to_install(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # import fails as without the package
     with pytest.raises(LogError, match="pip install tensorboard") as e:
@@ -183,6 +188,7 @@ class HeldUntilReported(IslandTelemetry):
                 time.sleep(0.01)
 
 
+@pytest.mark.integration
 def test_island_exports_metrics_logs_tensorboard_and_heartbeat_report(make_coordinator, tmp_path, monkeypatch):
     rounds, h, window = 3, 4, 2
     cfg = tiny_config(f"rounds.rounds={rounds}", f"inner.steps_per_round={h}", "rounds.heartbeat_s=0.05",
@@ -241,6 +247,7 @@ def test_island_exports_metrics_logs_tensorboard_and_heartbeat_report(make_coord
     assert "steps_per_round" in text_of(acc)
 
 
+@pytest.mark.integration
 def test_a_taken_port_is_a_clear_error_and_the_default_writes_nothing(tmp_path):
     first = IslandTelemetry(TelemetryOptions(metrics_port=0))
     try:
@@ -256,6 +263,7 @@ def test_a_taken_port_is_a_clear_error_and_the_default_writes_nothing(tmp_path):
     assert other.server is None and other.lines is None and not (tmp_path / "log").exists()
 
 
+@pytest.mark.integration
 def test_mfu_from_model_flops_and_the_peak(tmp_path, monkeypatch):
     cfg = tiny_config()
     assert flops_per_token(1000, 2, 32, 64) == 6 * 1000 + 12 * 2 * 32 * 64
@@ -285,6 +293,7 @@ def test_mfu_from_model_flops_and_the_peak(tmp_path, monkeypatch):
     assert window["mfu"] == pytest.approx(window["tokens_per_s"] * fpt / (2 * 1e9)) == pytest.approx(mfu)
 
 
+@pytest.mark.integration
 def test_metrics_server_serves_and_stops():
     from prometheus_client import CollectorRegistry, Counter
 
@@ -302,6 +311,7 @@ def test_metrics_server_serves_and_stops():
 # --- progress ------------------------------------------------------------------------------------------
 
 
+@pytest.mark.unit
 def test_progress_is_silent_unless_on_a_terminal_or_forced():
     quiet = io.StringIO()
     with Progress("fetching", 100, stream=quiet) as p:
@@ -326,6 +336,7 @@ def test_progress_is_silent_unless_on_a_terminal_or_forced():
     assert off.getvalue() == ""
 
 
+@pytest.mark.integration
 def test_checkpoint_and_fetch_show_progress_on_a_terminal(tmp_path, monkeypatch, make_coordinator):
     tty = Terminal()
     monkeypatch.setattr(sys, "stderr", tty)
@@ -355,6 +366,7 @@ def test_checkpoint_and_fetch_show_progress_on_a_terminal(tmp_path, monkeypatch,
     assert tty.getvalue() == "", "progress turned off still printed"
 
 
+@pytest.mark.integration
 def test_run_island_with_streaming_logs_every_fragments_exchanges_and_closes(make_coordinator, tmp_path):
     """Through run_island (what `diloco-island join` runs): overlapped exchanges of 2 fragments, each landing
     tau = 1 step after its sync on the exchange's own thread."""

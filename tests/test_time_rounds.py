@@ -12,71 +12,76 @@ Every wait is on an event with a generous bound.
 
 from __future__ import annotations
 
+import pytest
+
 from conftest import PER_STEP, random_like, tiny_config
-from islands.pace import RoundPace
+from kit import NESTEROV, Clock, islands_on_threads, make_state, push_tokens
+from islands.round import RoundPace
 from islands.state import ReplicaSpec
-from test_heterogeneous import Clock, _islands, make_state, push
 
 
-HONEST = 2 * PER_STEP  # push()'s two inner steps on one rank
+HONEST = 2 * PER_STEP  # push_tokens()'s default two inner steps on one rank
 
 
+@pytest.mark.unit
 def test_a_round_does_not_wait_for_an_island_whose_last_contribution_came_late(tmp_path):
     clock = Clock()
-    state = make_state(tmp_path, "rounds.rounds=6", "rounds.late_rounds=2", "rounds.deadline_s=30", "rounds.lease_s=10000",
-                       "limits.idle_rounds=0", clock=clock)
+    state = make_state(tmp_path, *NESTEROV, "rounds.rounds=6", "rounds.late_rounds=2", "rounds.deadline_s=30",
+                       "rounds.lease_s=10000", "limits.idle_rounds=0", clock=clock)
     a, b = (state.join(h).island_id for h in "ab")
     pg = {k: random_like(state.manifest.shapes, k) for k in range(8)}
     start = [state.checksum]
 
     # Round 0 closes at its deadline with a alone; b's push for it arrives after it closed.
-    push(state, a, pg[0], HONEST, 0, checksum=state.checksum)
+    push_tokens(state, a, pg[0], HONEST, 0, checksum=state.checksum)
     assert state.step_round(poll_s=0) is None, "round 0 did not wait for b"
     clock.now += 31
     assert state.step_round(poll_s=0).summary.round == 0
     start.append(state.checksum)
-    assert push(state, b, pg[1], HONEST, 0, checksum=start[0]).late
+    assert push_tokens(state, b, pg[1], HONEST, 0, checksum=start[0]).late
     # b is behind: rounds 1 and 2 close on a's push, no deadline passing (the clock stands still).
     for round_ in (1, 2):
-        push(state, a, pg[2 + round_], HONEST, round_, checksum=state.checksum)
+        push_tokens(state, a, pg[2 + round_], HONEST, round_, checksum=state.checksum)
         closed = state.step_round(poll_s=0)
         assert closed is not None, f"round {round_} waited for b"
         assert [(c.island_id, c.staleness) for c in closed.summary.contributions] == ([(a, 0), (b, 1)] if round_ == 1 else [(a, 0)])
     # b pushes round 3 on time, before a: the round waits for a, and closes with both.
-    push(state, b, pg[5], HONEST, 3, checksum=state.checksum)
+    push_tokens(state, b, pg[5], HONEST, 3, checksum=state.checksum)
     assert state.step_round(poll_s=0) is None, "round 3 closed without a"
-    push(state, a, pg[6], HONEST, 3, checksum=state.checksum)
+    push_tokens(state, a, pg[6], HONEST, 3, checksum=state.checksum)
     assert [c.island_id for c in state.step_round(poll_s=0).summary.contributions] == [a, b]
     # On time again, b is waited for: round 4 does not close on a's push alone until its deadline.
-    push(state, a, pg[7], HONEST, 4, checksum=state.checksum)
+    push_tokens(state, a, pg[7], HONEST, 4, checksum=state.checksum)
     assert state.step_round(poll_s=0) is None, "round 4 did not wait for b, on time in round 3"
     clock.now += 31
     assert [c.island_id for c in state.step_round(poll_s=0).summary.contributions] == [a]
 
 
+@pytest.mark.unit
 def test_the_time_box_counts_per_fragment_and_not_the_time_blocked_on_a_result():
     cfg = tiny_config("inner.steps_per_round=4", "inner.max_steps=40", "rounds.mode='time'", "rounds.round_s=1.0",
                       "streaming.fragments=2", "model.n_layers=2")
-    now, blocked = [0.0], [0.0]
-    pace = RoundPace(cfg, blocked=lambda: blocked[0], clock=lambda: now[0])
+    clock, blocked = Clock(0.0), [0.0]
+    pace = RoundPace(cfg, blocked=lambda: blocked[0], clock=clock)
     pace.begin_round(0)
     pace.begin_round(1)
-    now[0] = 0.6
+    clock.now = 0.6
     # Fragment 1 (o_1 = 2 of H = 4) ends its first round after half the box, fragment 0 after the whole one.
     assert pace.due(3, pace.elapsed(1), 1) and not pace.due(3, pace.elapsed(0), 0)
     pace.synced(1)
     pace.begin_round(1)
-    blocked[0], now[0] = 5.0, 5.9  # 5 s blocked on a landing inside the round: not counted
+    blocked[0], clock.now = 5.0, 5.9  # 5 s blocked on a landing inside the round: not counted
     assert abs(pace.elapsed(0) - 0.9) < 1e-9 and abs(pace.elapsed(1) - (5.9 - 0.6 - 5.0)) < 1e-9
     assert not pace.due(30, pace.elapsed(0), 0) and not pace.due(30, pace.elapsed(1), 1)
-    now[0] = 6.1
+    clock.now = 6.1
     assert pace.due(30, pace.elapsed(0), 0) and pace.due(40, 0.0, 1)  # the box, and inner.max_steps whatever the time
     # A healing replica group adopts the clocks of the group it heals from.
-    other = RoundPace(cfg, blocked=lambda: 0.0, clock=lambda: 100.0)
+    other = RoundPace(cfg, blocked=lambda: 0.0, clock=Clock(100.0))
     other.load_state_dict(pace.state_dict())
     assert [round(other.elapsed(f), 9) for f in (0, 1)] == [round(pace.elapsed(f), 9) for f in (0, 1)] and other.first == [True, False]
 
 
+@pytest.mark.integration
 def test_time_boxed_streaming_with_overlap_keeps_every_fragment_equal(make_coordinator):
     """P = 2 fragments, tau = 1, time-boxed 0.6 s rounds: the throttled island (0.25 s a step) does fewer steps; each
     fragment's pushes carry their own tokens; both islands end on the coordinator's parameters, fragment by fragment."""
@@ -85,7 +90,7 @@ def test_time_boxed_streaming_with_overlap_keeps_every_fragment_equal(make_coord
                       "rounds.deadline_s=120")
     coordinator = make_coordinator(cfg)
     state = coordinator.state
-    with _islands(coordinator, cfg, [ReplicaSpec(), ReplicaSpec(throttle_s=0.25)]) as ((fast, slow), results):
+    with islands_on_threads(coordinator, cfg, [ReplicaSpec(), ReplicaSpec(throttle_s=0.25)]) as ((fast, slow), results):
         pass
     per_step = cfg.inner.batch_size * cfg.data.seq_len
     for f in (0, 1):

@@ -25,6 +25,8 @@ from islands.handshake import CoordinatorTlsRefused
 from islands.island import Island
 from islands.world import IslandWorld
 
+pytestmark = pytest.mark.integration
+
 
 
 

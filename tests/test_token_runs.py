@@ -2,28 +2,15 @@
 
 from __future__ import annotations
 
-import random
 
 import pytest
 
 from conftest import island_on, tiny_config
+from kit import write_corpus
 from diloco.config import ConfigError
-from diloco.prepare import PrepareConfig, prepare
 from diloco.shards import read_manifest
 
-WORDS = ("the quick brown fox jumps over lazy dog and runs far away from home while birds sing "
-         "in tall green trees near a quiet river under the bright morning sun").split()
-
-
-def write_corpus(root, docs: int = 400, seed: int = 0, url: str = "") -> str:
-    """A small tokenized corpus (BPE trained on it) at url (default root/tokens); returns its URL."""
-    rng = random.Random(seed)
-    text = "\n\n".join(" ".join(rng.choice(WORDS) for _ in range(rng.randrange(40, 120))) for _ in range(docs))
-    root.mkdir(parents=True, exist_ok=True)
-    (root / "corpus.txt").write_text(text)
-    url = url or str(root / "tokens")
-    prepare(PrepareConfig([str(root / "corpus.txt")], url, vocab_size=300, eval_fraction=0.1, shard_tokens=4096, workers=1))
-    return url
+pytestmark = pytest.mark.integration
 
 
 @pytest.fixture(scope="module")

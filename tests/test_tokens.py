@@ -45,11 +45,13 @@ def stream(n: int, seed: int = 0, vocab_size: int = 1000) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, vocab_size, n)
 
 
-@pytest.fixture(params=["local", "s3"])
+@pytest.fixture(params=[pytest.param("local", marks=pytest.mark.unit),
+                        pytest.param("s3", marks=pytest.mark.integration)])  # s3: a moto server on 127.0.0.1
 def base(request, tmp_path):
     return str(tmp_path / "data") if request.param == "local" else request.getfixturevalue("s3") + "/data"
 
 
+@pytest.mark.unit
 def test_manifest_round_trips_and_refuses_what_it_is_not():
     m = Manifest("ab" * 32, 70000, 3, "<eos>", {"train": SplitInfo((ShardInfo.of("train/shard-00000.bin",
                  encode_shard(np.arange(5), np.dtype("<u4")), 5),), 2)})
@@ -95,6 +97,7 @@ class GatedFS:
         return getattr(self.fs, name)
 
 
+@pytest.mark.unit
 def test_cold_read_is_served_by_verified_ranged_reads_while_the_shard_downloads(tmp_path):
     tokens = stream(200_000)
     write_dataset(str(tmp_path / "d"), {"train": tokens}, shard_tokens=100_000, block_bytes=4096)
@@ -136,6 +139,7 @@ def test_prefetch_downloads_ahead_in_the_background(base, tmp_path):
         assert gated.ranged == 0
 
 
+@pytest.mark.unit
 def test_cache_is_bounded_by_bytes_least_recently_used_out(tmp_path):
     tokens = stream(8000)
     manifest = write_dataset(str(tmp_path / "d"), {"train": tokens}, shard_tokens=1000)
@@ -153,6 +157,7 @@ def test_cache_is_bounded_by_bytes_least_recently_used_out(tmp_path):
         assert [store.is_cached(i) for i in (1, 6, 7)] == [True, True, False]
 
 
+@pytest.mark.unit
 def test_concurrent_reads_with_evictions_are_right(tmp_path):
     tokens = stream(20_000)
     manifest = write_dataset(str(tmp_path / "d"), {"train": tokens}, shard_tokens=1000, block_bytes=256)
@@ -209,6 +214,7 @@ def test_a_bad_shard_is_one_error_naming_it(base, tmp_path, damage):
                 store.read(1000, 1010)  # refused from then on, never garbage
 
 
+@pytest.mark.integration
 def test_a_damaged_cached_file_is_downloaded_again_and_a_killed_download_is_not_trusted(tmp_path):
     tokens = stream(2000)
     write_dataset(str(tmp_path / "d"), {"train": tokens}, shard_tokens=1000)
@@ -228,6 +234,7 @@ def test_a_damaged_cached_file_is_downloaded_again_and_a_killed_download_is_not_
     assert cached.read_bytes() != bytes(raw)  # replaced by a good copy
 
 
+@pytest.mark.unit
 def test_vocabulary_mismatch_and_missing_dataset_are_refused(tmp_path):
     write_dataset(str(tmp_path / "d"), {"train": stream(10)}, shard_tokens=10)
     with pytest.raises(DataError, match="vocab_size is 1000, not the 50257"):
@@ -246,6 +253,7 @@ def mds_samples(n: int, seed: int) -> list[np.ndarray]:
     return [np.arange((i * 7 + seed) % 13 + 1) + 100 * i + seed for i in range(n)]
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("name,split,expected", [
     ("mds-int32-zstd", "train", mds_samples(40, 0)),
     ("mds-uint16-fixed", "train", list(np.arange(16 * 30).reshape(30, 16))),
@@ -261,6 +269,7 @@ def test_mds_written_by_mdswriter(tmp_path, name, split, expected):
         assert np.array_equal(store.read(0, store.total), np.concatenate([np.append(e, 9999) for e in expected]))
 
 
+@pytest.mark.integration
 def test_mds_on_s3_and_its_damage_named(s3, tmp_path):
     fs = fsspec.filesystem("s3")
     fs.put(str(DATA / "mds-int32-zstd"), "diloco-test/mds", recursive=True)
@@ -303,6 +312,7 @@ def write_mds(out: Path, rows: list[np.ndarray], encoding: str, per_shard: int, 
     (out / "index.json").write_text(json.dumps({"version": 2, "shards": shards}))
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("encoding,compress", [("ndarray:int32", True), ("ndarray", False), ("ndarray:uint16", False)])
 def test_mds_per_documented_format(tmp_path, encoding, compress):
     dtype = np.uint16 if "uint16" in encoding else np.int32

@@ -50,6 +50,7 @@ def _connect(link, srv):
     return client, peer
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(
     "text, bits, delay",
     [("100mbit:80ms", 100e6, 0.08), ("1gbit:50ms", 1e9, 0.05), ("10mbit:0ms", 10e6, 0.0),
@@ -61,6 +62,7 @@ def test_parse_link(text, bits, delay):
     assert str(spec) == text
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(
     "text, message",
     [("nonsense", "no ':' between rate and delay"), ("100:80ms", "bad rate '100'"),
@@ -73,6 +75,7 @@ def test_bad_link_spec_says_what_is_wrong_and_what_is_expected(text, message):
     assert message in str(e.value) and "expected RATE:DELAY such as 100mbit:80ms" in str(e.value)
 
 
+@pytest.mark.unit
 def test_parse_wan_gives_one_link_per_island():
     assert [s.bits_per_s for s in parse_wan("10mbit:5ms", 3)] == [10e6] * 3
     assert [s.delay_s for s in parse_wan("1gbit:20ms, 100mbit:80ms", 2)] == [0.02, 0.08]
@@ -102,6 +105,7 @@ def _send(sock, total):
 
 
 # With a delay, the rate shows the delay line is pipelined: 100mbit:50ms keeps 625 KB in flight.
+@pytest.mark.integration
 @pytest.mark.parametrize("spec", ["10mbit:20ms", "100mbit:50ms", "1gbit:20ms"])
 def test_link_delivers_the_configured_rate_in_both_directions_at_once(links, server, spec):
     link = links(server.getsockname(), spec)
@@ -124,6 +128,7 @@ def test_link_delivers_the_configured_rate_in_both_directions_at_once(links, ser
     assert (link.bytes_up, link.bytes_down) == (total, total)
 
 
+@pytest.mark.integration
 def test_round_trip_takes_twice_the_one_way_delay_and_connecting_one_more(links, server):
     link = links(server.getsockname(), "100mbit:40ms")
     t0 = time.monotonic()
@@ -150,6 +155,7 @@ def test_round_trip_takes_twice_the_one_way_delay_and_connecting_one_more(links,
     assert statistics.median(rtts[1:]) < 0.080 + 0.020
 
 
+@pytest.mark.integration
 def test_grpc_through_the_link(links, make_coordinator):
     coordinator = make_coordinator(tiny_config())
     link = links(("127.0.0.1", coordinator.port), "10mbit:25ms")
@@ -165,6 +171,7 @@ def test_grpc_through_the_link(links, make_coordinator):
     assert link.bytes_up > 0 and link.bytes_down > 0 and link.connections == 1
 
 
+@pytest.mark.integration
 def test_sim_runs_each_island_over_its_own_link(tmp_path):
     cfg = tiny_config("rounds.rounds=1", "rounds.min_islands=2", "data.shards=2")
     wan = parse_wan("100mbit:10ms,10mbit:30ms", 2)
@@ -178,6 +185,7 @@ def test_sim_runs_each_island_over_its_own_link(tmp_path):
     assert sum(down for _, down in result.wan_bytes) >= sum(r["bytes_down"] for r in report["rounds"])
 
 
+@pytest.mark.integration
 def test_sim_cli_passes_the_links_on_and_names_them_first(monkeypatch, capsys, tmp_path):
     seen = {}
 
@@ -196,6 +204,7 @@ def test_sim_cli_passes_the_links_on_and_names_them_first(monkeypatch, capsys, t
     assert "--wan: 2 link specs for 3 islands" in capsys.readouterr().err
 
 
+@pytest.mark.integration
 def test_sim_with_a_bad_wan_spec_exits_2_with_one_line():
     out = subprocess.run([sys.executable, "-m", "islands.sim", "--wan", "nonsense"], capture_output=True, text=True, timeout=60)
     assert out.returncode == 2, out.stderr

@@ -14,7 +14,7 @@ from islands.sim.simulation import run_sim, summarize
 from islands.sim.wan import LinkSpec, WanSpecError, parse_wan
 
 
-# 4-bit both ways, then zstd: +0.17% eval loss on tinyshakespeare for 8.9x fewer bytes (README: Codec loss cost).
+# 4-bit both ways, then zstd: +0.17% eval loss on tinyshakespeare for 8.9x fewer bytes (docs/benchmarks.md, Codec loss cost).
 DEMO_WIRE = ["wire.codec=e3m0", "wire.zstd=true"]
 
 

@@ -1,4 +1,4 @@
-"""The fuzzer's client (benchmarks/fuzz.py runs it): generic calls that send bytes, and the judge of each answer.
+"""The fuzzer's client (tests/probes/fuzz.py runs it): generic calls that send bytes, and the judge of each answer.
 
 It is made from the .proto alone: every RPC of the Coordinator service, called through a
 multicallable with identity serializers, so that what goes out may not even parse; no island code.
@@ -25,7 +25,7 @@ from diloco.refusal import STATUS, Reason, refusal_of
 from diloco.v1 import diloco_pb2 as pb
 from diloco.v1 import diloco_pb2_grpc as pb_grpc
 from diloco.wire import PROTOCOL_VERSION, Manifest
-from fuzz_gen import Gen, Target, message_class, parses
+from tests.probes.fuzz_gen import Gen, Target, message_class, parses
 
 SERVICE = pb.DESCRIPTOR.services_by_name["Coordinator"]
 TIMEOUT_S = 10.0  # every fuzz call's deadline unless it fuzzes a short one

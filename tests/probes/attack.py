@@ -12,28 +12,26 @@ the real islands join. Idle member: an island joins and never pushes; how long
 each round is held. Public address: the coordinator asked to serve 0.0.0.0 with
 no certificates.
 
-Run from the repository root:  python benchmarks/attack.py   (about half a minute)
+Run from the repository root:  python -m tests.probes.attack   (about half a minute)
 """
 
 from __future__ import annotations
 
 import math
-import sys
 import tempfile
 from pathlib import Path
 
 import grpc
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from coordinator.server import start_coordinator  # noqa: E402
-from diloco import credentials  # noqa: E402
-from diloco.codec import Fp32Codec  # noqa: E402
-from diloco.refusal import reason_of  # noqa: E402
-from diloco.config import load_config  # noqa: E402
-from diloco.v1 import diloco_pb2 as pb  # noqa: E402
-from diloco.v1 import diloco_pb2_grpc as pb_grpc  # noqa: E402
-from diloco.wire import PROTOCOL_VERSION, push_messages, tensor_chunks  # noqa: E402
+from coordinator.server import start_coordinator
+from diloco import credentials
+from diloco.codec import Fp32Codec
+from diloco.refusal import reason_of
+from diloco.config import load_config
+from diloco.v1 import diloco_pb2 as pb
+from diloco.v1 import diloco_pb2_grpc as pb_grpc
+from diloco.wire import PROTOCOL_VERSION, push_messages, tensor_chunks
 
 TINY = ["model.d_model=32", "model.n_layers=1", "model.n_heads=2", "model.d_ff=64", "model.max_seq_len=32",
         "data.seq_len=32", "inner.batch_size=4", "inner.steps_per_round=2", "eval.batches=0", "wire.chunk_bytes=4096",

@@ -17,7 +17,7 @@ changed within the protocol's rules:
 Prints each run's final eval loss, the rounds the attacker was clipped in and
 how it was refused (if it was).
 
-    python benchmarks/member_attacks.py [--modes ranks,round0,lrpeak,direction] [--seeds 0,1]
+    python -m tests.probes.member_attacks [--modes ranks,round0,lrpeak,direction] [--seeds 0,1]
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ from pathlib import Path
 from diloco.config import load_config
 from islands.sim.simulation import Simulation
 
+ROOT = Path(__file__).resolve().parents[2]  # the repository root, where `-m tests.probes.member_attacks` resolves
 MODES = ("ranks", "round0", "lone", "lrpeak", "direction")
 SCALE = {"round0": 1000.0, "lone": 1000.0, "lrpeak": 19.8, "direction": -2.7}
 LONE_PUSHED = "attacker pushed round 0"
@@ -69,18 +70,18 @@ class AttackedSimulation(Simulation):
         if log_name != "island-2.log" or self.mode == "honest":
             return super()._spawn(args, log_name)
         with open(self.workdir / log_name, "a") as log_file:
-            return subprocess.Popen([sys.executable, __file__, "--attacker", self.mode, "--", *args[1:]], env=self.env,
-                                    stdout=log_file, stderr=subprocess.STDOUT)
+            return subprocess.Popen([sys.executable, "-m", "tests.probes.member_attacks", "--attacker", self.mode, "--", *args[1:]],
+                                    cwd=ROOT, env=self.env, stdout=log_file, stderr=subprocess.STDOUT)
 
 
 def attack(mode: str, join_argv: list[str]) -> None:
     """Runs `diloco-island join` with its push changed as `mode` says (in the attacker's own process)."""
     import torch
 
-    from islands import cli, exchange
+    from islands import cli, round as island_round
     from islands.client import CoordinatorClient
 
-    push, join = exchange.push, CoordinatorClient.join
+    push, join = island_round.push, CoordinatorClient.join
 
     def changed_push(shard, ex, wire):
         scale = SCALE.get(mode, 1.0) if mode not in ("round0", "lone") or ex.round == 0 else 1.0
@@ -108,7 +109,7 @@ def attack(mode: str, join_argv: list[str]) -> None:
             kwargs["ranks"] = 4096
         return join(self, *args, **kwargs)
 
-    exchange.push = changed_push
+    island_round.push = changed_push
     CoordinatorClient.join = changed_join
     cli.main(join_argv)
 

@@ -4,14 +4,14 @@ A coordinator serves mutual TLS on 127.0.0.1 with a CA that signed three island 
 and "west" (the legitimate islands, run in threads of this process) and "fuzzer". The fuzzer joins
 as its own island, then for a bounded count of calls and seconds sends every RPC of the .proto
 random and mutated requests, push streams, raw bytes, call metadata and short deadlines
-(benchmarks/fuzz_gen.py), through generic calls that take bytes (no island code). Each answer must
+(tests/probes/fuzz_gen.py), through generic calls that take bytes (no island code). Each answer must
 be explained: a typed Refusal with its reason's status (diloco/refusal.py), or gRPC's own answer to
 input that never reached the servicer (too large, unparseable, bad metadata, the client's deadline
 or cancel). UNKNOWN (an exception in a servicer) is what it hunts for. It never pushes a chunk of
 one reserved parameter, so it never completes a contribution: the legitimate run must end with
 each island on the coordinator's parameters and the same aggregate as the same run undisturbed.
 
-Run from the repository root:  python benchmarks/fuzz.py --seed 0   (about half a minute on 2 cores)
+Run from the repository root:  python -m tests.probes.fuzz --seed 0   (about half a minute on 2 cores)
 Prints the calls tried per RPC and status, then the checks; exits 1 if a check fails.
 """
 
@@ -30,9 +30,7 @@ from pathlib import Path
 
 if __name__ == "__main__":
     os.environ.setdefault("GRPC_VERBOSITY", "NONE")  # gRPC core logs each invalid metadata key it refuses
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import grpc  # noqa: E402
+import grpc  # noqa: E402  (after GRPC_VERBOSITY, which gRPC reads as it loads)
 from grpc_health.v1 import health_pb2, health_pb2_grpc  # noqa: E402
 
 from coordinator.server import start_coordinator  # noqa: E402
@@ -40,7 +38,7 @@ from diloco import credentials  # noqa: E402
 from diloco.config import RunConfig, load_config  # noqa: E402
 from diloco.v1 import diloco_pb2 as pb  # noqa: E402
 from diloco.v1 import diloco_pb2_grpc as pb_grpc  # noqa: E402
-from fuzz_client import SERVICE, TIMEOUT_S, Fuzzer  # noqa: E402
+from tests.probes.fuzz_client import SERVICE, TIMEOUT_S, Fuzzer  # noqa: E402
 
 LEGIT = ("east", "west")  # the legitimate islands' credentials; they join in this order: island-0, island-1
 TINY = ["model.d_model=32", "model.n_layers=1", "model.n_heads=2", "model.d_ff=64", "model.max_seq_len=32",

@@ -1,4 +1,4 @@
-"""What benchmarks/fuzz.py sends: random and mutated requests, push streams, raw bytes and call metadata.
+"""What tests/probes/fuzz.py sends: random and mutated requests, push streams, raw bytes and call metadata.
 
 Everything comes from one random.Random per fuzzing thread (seeded from the run's seed) and is
 generic over the .proto's descriptors, so a field or RPC added to protos/diloco/v1/diloco.proto is

@@ -1,0 +1,971 @@
+"""One fragment's round, read top to bottom: pushes taken in, the close, the fold, the outer step, the publication.
+
+The coordinator's round machine. Its collaborators are named and live apart:
+the spool (coordinator/spool.py: chunks on disk until the close), the
+publication (coordinator/publish.py: what pulls send, an immutable version a
+round), membership (coordinator/membership.py: who is waited for), and the
+state that holds the fragments (coordinator/state.py: joins, leaves, eval).
+In this file, in the order a round goes:
+
+1. Records the round machine shares (Phase, Contribution, Closing, Closed) and
+   the pure rules: what a push may claim (check_claim), the inner learning
+   rates it was trained with (lr_sum: the coordinator's own schedule), when a
+   round may close (close_reason), what its summary says (round_summary);
+   and the parameters' readers-writer lock (many pulls at once, or one outer step).
+2. FragmentRounds, one fragment's round sequence: intake (begin_push, receive:
+   the header's checks, chunks verified and spooled as they arrive, sketched
+   for the norm guard, contributions made whole), reading (wait_for_result,
+   reading: taken under the parameters' read lock, sent without it), closing
+   (close_reason, close, fold_ahead, apply: judge, fold, outer step, publish,
+   next round), and its checkpoint (state_dict).
+3. Folding: judge (the norm guard, diloco/robust.py), fold in canonical order,
+   and FoldAhead.
+4. RoundDriver: one thread per fragment that closes and applies its rounds and
+   hands each closed round to the process around it (run log, checkpoint,
+   health).
+
+Without streaming the whole model is one fragment: plain DiLoCo's round state
+machine. With Streaming DiLoCo each fragment has its own accumulator, outer
+optimizer, publication, round counter, deadline and driver thread, so a slow
+fragment never holds another back. What fragments share reaches them through
+FragmentContext, a narrow seam (the condition variable, the clock, membership);
+a fragment never sees the coordinator's state.
+
+OPEN: pushes are spooled until an island's contribution is whole; between its
+close checks the driver folds the complete ones that come first in canonical
+order (fold_ahead, FoldAhead below). close(): CLOSING once every live island
+(not on probation) contributed or was dropped, max_islands did, or the
+deadline passed with min_islands. apply(): folds the contributions in
+canonical island order (the aggregate does not depend on arrival order), takes
+the outer step, publishes, opens the next round; FINISHED after the last.
+The close keeps what was folded ahead only when its contributions start with
+exactly those, so the result is the same whenever folding happened.
+
+Late contributions (rounds.late_rounds = k > 0): a push up to k rounds after its
+round closed (or a contribution still incomplete at the close) is kept in
+`late` and folded at the next close after the on-time ones, in canonical
+island order, with its weight discounted by rounds.late_discount per round of
+staleness (Contribution.weight); later than k it is refused (ROUND_CLOSED). One coordinator folds them all, so copies stay identical.
+A round does not wait for an island whose last contribution came late (`behind`)
+until it contributes on time again.
+
+Folding, through the norm guard (diloco/robust.py): each contribution's norm is summed chunk by chunk as its pushes arrive
+(Codec.sumsq, with the finiteness check), so at the close the guard judges
+the whole round before anything is folded, and every contribution is decoded once: folded in canonical island
+order with its token weight (discounted when late) times the guard's factor (1
+kept, < 1 clipped); a dropped one is not folded at all. With split_late
+(rounds.late_mode = "delayed_nesterov") the late ones go to the accumulator's late
+part, over the same total weight (diloco/outer.py: delayed Nesterov).
+
+Folding ahead (FoldAhead): while a round is still open, the round driver folds
+each complete contribution that comes next in canonical order among the islands
+that may still contribute on time, so a round whose islands finish pushing at
+different times closes with one fold on its critical path instead of one per
+island. These are exactly the operations fold() would do at the close, in the
+same order, so the close keeps them when its contributions start with the same
+ones, on time and kept whole by the guard; otherwise it resets the accumulator
+and folds everything from the spools, which stay until the close.
+"""
+
+from __future__ import annotations
+
+import copy
+import enum
+import logging
+import math
+import os
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import Executor, wait
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from coordinator.ledger import DataLedger, ranges_of
+from coordinator.links import LinkAdvisor
+from coordinator.membership import Membership, canonical_order
+from coordinator.publish import DeltaStream, Publication, Reading, step_and_publish
+from coordinator.spool import Spool, SpoolCorrupt, SpooledChunk, Spools
+from diloco.codec import Codec
+from diloco.config import RunConfig
+from diloco.inner import inner_lr
+from diloco.outer import OuterOptimizer, PseudoGradientAccumulator
+from diloco.pace import lr_position, max_round_steps, round_first_position
+from diloco.params import ranges_checksum
+from diloco.refusal import Reason, Refused
+from diloco.robust import NormGuard, Sketcher, Verdict
+from diloco.v1 import diloco_pb2 as pb
+from diloco.wire import (ChunkCorrupt, ChunkError, Coverage, FlatRange, Manifest, downlink_codec, framed_size, tensor_chunks,
+                         verify_and_decode, verify_chunk)
+
+log = logging.getLogger(__name__)
+
+
+# === 1. Records and rules ====================================================================================
+
+class Phase(enum.Enum):
+    OPEN = "open"
+    CLOSING = "closing"
+    FINISHED = "finished"
+
+
+@dataclass
+class Contribution:
+    """One island's pseudo-gradient for one round, possibly pushed over several streams."""
+
+    tokens: int
+    train_loss: float
+    coverage: Coverage
+    spools: list[Spool] = field(default_factory=list)
+    state: str = "pending"  # pending -> folding -> committed
+    samples: list[tuple[int, int]] = field(default_factory=list)  # token corpus: the positions trained on
+    sumsq: float = 0.0  # of its values, summed as chunks arrive: the norm guard judges it at the close
+    sketch: np.ndarray | None = None  # its CountSketch, made as chunks arrive: the guard's direction check
+    sketched: bool = True  # every stream of it came with a sketch (a run below three members sketches nothing)
+    lr_sum: float = 1.0  # the inner learning rates it was trained with, summed: its norm is judged per unit of it
+    origin: int = 0  # the round it was trained for
+    codecs: list[Codec] = field(default_factory=list)  # each spool's codec (compression per link: islands' codecs differ)
+    # Late contributions (rounds.late_rounds): rounds between origin and the round it is folded into, and
+    # the factor on its token weight (rounds.late_discount ** staleness), set when that round closes.
+    staleness: int = 0
+    discount: float = 1.0
+
+    @property
+    def weight(self) -> float | int:
+        """Its weight in the token-weighted mean: its tokens, discounted when late (an int when on time, so plain
+        rounds keep exactly the arithmetic they had)."""
+        return self.tokens if not self.staleness else self.tokens * self.discount
+
+
+def fold_key(island_id: str, contribution: Contribution) -> str:
+    """Names a contribution in a closing round: an island may have an on-time and a late one in the same round."""
+    return island_id if not contribution.staleness else f"{island_id} (late from round {contribution.origin})"
+
+
+@dataclass
+class Closing:
+    """A round that stopped taking pushes: why, and the contributions to fold, in canonical order."""
+
+    reason: str
+    contributions: list[tuple[str, Contribution]]
+    waited_s: float = 0.0  # from the round's opening to its close
+
+
+@dataclass
+class Closed:
+    """What the driver learns when a round closed."""
+
+    summary: pb.RoundSummary
+    total_rounds: int  # rounds closed so far over every fragment (the checkpoint step)
+    run_finished: bool
+
+
+def lr_sum(header: pb.PushHeader, cfg: RunConfig) -> float:
+    """The inner learning rates of the steps a push claims, summed (1.0 when that is not positive): a
+    pseudo-gradient's norm grows with them (warmup, a fragment's shorter first round), so the norm guard
+    compares norm / lr_sum. Where the steps sit on the schedule is the coordinator's to know (the push's
+    fragment and round), not the island's word: a first_step claimed at the lr's peak would let an update
+    through unclipped at many times an honest norm."""
+    total = cfg.rounds.rounds * cfg.inner.steps_per_round
+    first = min(max(round_first_position(header.fragment, header.round, cfg), 0), total)
+    # The positions the island trained at (diloco/pace.py): a round's extra steps sit at its last position.
+    steps = (lr_position(first, j, cfg) for j in range(min(max(1, header.inner_steps), total)))
+    s = sum(inner_lr(t, total, cfg.inner) for t in steps)
+    return s if s > 0 else 1.0
+
+
+def check_claim(header: pb.PushHeader, cfg: RunConfig, ranks: int) -> None:
+    """Refuses a push claiming more tokens or inner steps than the island's ranks can train in a round."""
+    per_step = cfg.inner.batch_size * cfg.data.seq_len
+    steps = max_round_steps(cfg)  # time-boxed rounds and islands with their own H: up to inner.max_steps
+    if header.inner_steps > steps or header.tokens > header.inner_steps * per_step * ranks or header.tokens % per_step:
+        raise Refused(Reason.BAD_REQUEST, f"{header.tokens} tokens in {header.inner_steps} inner steps: not what {ranks} "
+                      f"rank(s) train with batch {cfg.inner.batch_size} x seq_len {cfg.data.seq_len} in at most {steps} steps")
+
+
+def close_reason(done: list[str], live: list[str], dropped: set[str], overdue: bool, min_islands: int,
+                 max_islands: int) -> str | None:
+    """Why a round may close, from who contributed (done), who is live and dropped, and the deadline; or None."""
+    if not done:
+        return None
+    if len(done) >= max_islands:
+        return "max_islands reached"
+    if len(done) >= min_islands and all(i in done or i in dropped for i in live):
+        return "every live island contributed"
+    if overdue and len(done) >= min_islands:
+        return "deadline"
+    return None
+
+
+def round_summary(round_: int, fragment: int, contributions: list, numel: int, cfg: RunConfig) -> pb.RoundSummary:
+    """What a closing round is made of: its islands (contributions: (island_id, Contribution)), tokens, loss."""
+    tokens = sum(c.tokens for _, c in contributions)
+    n = len(contributions)
+    return pb.RoundSummary(
+        round=round_,
+        islands=sorted({i for i, _ in contributions}),
+        tokens=tokens,
+        train_loss=sum(c.train_loss * c.tokens for _, c in contributions) / tokens if tokens else math.nan,
+        eval_loss=math.nan,
+        # A ring all-reduce of fp32 gradients every inner step over the same islands (this fragment's share).
+        ddp_bytes=2.0 * (n - 1) * 4 * numel * cfg.inner.steps_per_round,
+        fragment=fragment,
+        fragments=cfg.streaming.fragments,
+        contributions=[pb.IslandContribution(island_id=i, tokens=c.tokens, train_loss=c.train_loss, staleness=c.staleness,
+                                             weight=float(c.weight), codec=c.codecs[0].name if c.codecs else "")
+                       for i, c in contributions],
+    )
+
+
+def traffic_into(summary: pb.RoundSummary, traffic: dict[tuple[int, str], list[int]], round_: int) -> dict:
+    """Moves round_'s per-island byte counts ((round, island) -> [up, down]) into its summary; returns the rest."""
+    for (r, island_id), (up, down) in sorted(traffic.items()):
+        if r == round_:
+            summary.traffic.add(island_id=island_id, bytes_up=up, bytes_down=down)
+            summary.bytes_up += up
+            summary.bytes_down += down
+    return {k: v for k, v in traffic.items() if k[0] > round_}
+
+
+class ReadWriteLock:
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._readers = 0
+        self._writer = False
+
+    def acquire_read(self) -> None:
+        with self._cond:
+            self._cond.wait_for(lambda: not self._writer)
+            self._readers += 1
+
+    def release_read(self) -> None:
+        with self._cond:
+            self._readers -= 1
+            self._cond.notify_all()
+
+    @contextmanager
+    def read(self) -> Iterator[None]:
+        self.acquire_read()
+        try:
+            yield
+        finally:
+            self.release_read()
+
+    def acquire_write(self) -> None:
+        with self._cond:
+            self._cond.wait_for(lambda: not self._writer)
+            self._writer = True
+            self._cond.wait_for(lambda: self._readers == 0)
+
+    def release_write(self) -> None:
+        with self._cond:
+            self._writer = False
+            self._cond.notify_all()
+
+
+# === 2. One fragment's round machine ========================================================================
+
+
+@dataclass
+class FragmentContext:
+    """What a fragment's round machine shares with the rest of the coordinator."""
+
+    cfg: RunConfig
+    codec: Codec
+    cond: threading.Condition
+    clock: Callable[[], float]
+    spools: Spools
+    members: Membership
+    run_finished: Callable[[], bool] = lambda: False  # every fragment finished (read holding cond)
+    fragment_of: Callable[[str], int | None] = lambda name: None  # for messages about another fragment's parameter
+    ledger: DataLedger | None = None  # token corpus: who trains on which samples
+    codecs: dict[str, Codec] | None = None  # what islands may push with, by name (wire.link_codecs; None: the run's codec)
+    links: LinkAdvisor | None = None  # compression per link: throughput measured, codecs advised (coordinator/links.py)
+    pool: Executor | None = None  # threads a close's folds and lossy publications run on (None: the driver's)
+
+
+class FragmentRounds:
+    def __init__(self, ctx: FragmentContext, index: int, params: dict[str, torch.Tensor]):
+        cfg = ctx.cfg
+        self.ctx, self.cfg, self.index = ctx, cfg, index
+        self.codec, self.cond, self.clock, self.members = ctx.codec, ctx.cond, ctx.clock, ctx.members
+        # Messages name the fragment only when there is more than one.
+        self.label = f"fragment {index} " if cfg.streaming.fragments > 1 else ""
+        self.manifest = Manifest.of(params)
+        self.outer = OuterOptimizer(params, cfg.outer)
+        self.publication = Publication(params, downlink_codec(cfg.wire), cfg.wire.chunk_bytes, ctx.pool)
+        self.accumulator = PseudoGradientAccumulator(self.manifest.shapes)
+        self.ahead = FoldAhead()  # what of the open round is folded already (the driver's thread only)
+        self.guard = NormGuard(cfg.robust)
+        self.sketcher = Sketcher(os.urandom(16))  # keys only this process knows (diloco/robust.py)
+        self.param_lock = ReadWriteLock()
+        self.phase, self.round, self.round_opened_at = Phase.OPEN, 0, self.clock()
+        self.contributions: dict[str, Contribution] = {}
+        # Late contributions (rounds.late_rounds) to fold at this round's close, by (island, round trained for), and
+        # the checksum each recent round started from (what a late push must have trained from).
+        self.late: dict[tuple[str, int], Contribution] = {}
+        # Islands whose last contribution came late: a round does not wait for them (they are folded late again if
+        # they miss it), so the islands that keep pace never idle for one that does not.
+        self.behind: set[str] = set()
+        self.published: dict[int, str] = {self.round: self.checksum}
+        self.dropped: set[str] = set()
+        self.traffic: dict[tuple[int, str], list[int]] = {}  # (round, island) -> [up, down]
+        # The last closed round: islands and tokens in it, and (eager updates) its mean pseudo-gradient.
+        self.last_islands = self.last_tokens = 0
+        self.last_round_s = 0.0  # open to close (compression per link sizes pushes to it)
+        self.mean_chunks: list[pb.TensorChunk] = []
+        self.streaming: DeltaStream | None = None  # the next round's lossy update while it is made (apply)
+        # Set by a restore: where the fragment restarted, and the latest round islands had reached.
+        self.restored_round: int | None = None
+        self.restored_at = self._last_wait_log = 0.0
+        self.max_round_seen = 0
+
+    @property
+    def checksum(self) -> str:
+        return self.publication.checksum
+
+    def state_proto(self) -> pb.FragmentState:
+        return pb.FragmentState(index=self.index, round=self.round, checksum=self.checksum)
+
+    # --- intake: a push's header checked, its chunks spooled, its contribution made whole ---------
+
+    def begin_push(self, header: pb.PushHeader) -> None:
+        """Checks a push's header before any chunk is read."""
+        island = self.members.touch(header.island_id)
+        if self.cfg.robust.enabled and self.cfg.robust.check_claims:
+            check_claim(header, self.cfg, island.ranks)
+        with self.cond:
+            self.max_round_seen = max(self.max_round_seen, header.round)
+            if self.phase is Phase.FINISHED:
+                raise Refused(Reason.RUN_FINISHED, f"the run has finished{' for ' + self.label.strip() if self.label else ''}")
+            late = self.lateness(header.round, "is closed")
+            if header.island_id in self.dropped:
+                raise Refused(Reason.DROPPED, f"{header.island_id} was dropped from {self.label}round {self.round}")
+            if header.codec not in self.push_codecs:
+                raise Refused(Reason.CODEC_MISMATCH, f"codec {header.codec!r} is not one the run takes ({', '.join(self.push_codecs)})")
+            if header.tokens < 0:
+                raise Refused(Reason.BAD_REQUEST, f"tokens must be >= 0, got {header.tokens}")
+            if not math.isfinite(header.train_loss):  # it would make the round's reported loss NaN
+                raise Refused(Reason.NOT_FINITE, f"train_loss {header.train_loss} is not finite: resync and go on")
+            # A late push was trained from the parameters its own round started from.
+            trained_from = self.published.get(header.round, "") if late else self.checksum
+            if not header.global_checksum:  # it would skip the check below: trained from parameters nobody can name
+                raise Refused(Reason.BAD_REQUEST, "the push names no global_checksum (of the global parameters it was trained "
+                              "from): fetch the global parameters and push with their checksum")
+            if header.global_checksum != trained_from:
+                self.members.events.checksum_resyncs += 1
+                log.warning(
+                    "%s trained %sround %d from global parameters with checksum %s, not the coordinator's %s; "
+                    "it must resync", header.island_id, self.label, header.round, header.global_checksum[:12], trained_from[:12],
+                )
+                raise Refused(
+                    Reason.CHECKSUM_MISMATCH,
+                    "your global parameters differ from the coordinator's (checksum mismatch); fetch them again",
+                )
+            existing = self.late.get((header.island_id, header.round)) if late else self.contributions.get(header.island_id)
+            if existing is not None and existing.state != "pending":
+                raise Refused(Reason.DUPLICATE, f"{header.island_id} already contributed to {self.label}round {header.round}")
+            if existing is not None and existing.tokens != header.tokens:
+                raise Refused(Reason.BAD_REQUEST, f"tokens {header.tokens} differ from {existing.tokens} sent earlier for this round")
+        if self.ctx.ledger is not None:
+            self.ctx.ledger.check(header.island_id, self.index, ranges_of(header.samples), header.tokens)
+
+    @property
+    def push_codecs(self) -> dict:
+        """The codecs pushes may come in, by name: the run's, and with compression per link wire.link_codecs."""
+        return self.ctx.codecs or {self.codec.name: self.codec}
+
+    def _verify(self, chunk: pb.TensorChunk, payload: bytes, codec, sketch: np.ndarray | None) -> float:
+        """ChunkError when malformed; else the values' sum of squares (the norm guard's, when it is on; else 0),
+        not finite when a value is not. With a sketch, the values are decoded once and added to it."""
+        if chunk.name not in self.manifest.shapes and (owner := self.ctx.fragment_of(chunk.name)) is not None:
+            raise ChunkError(f"{chunk.name} belongs to fragment {owner}, not to fragment {self.index}")
+        if sketch is None:
+            return verify_chunk(chunk, self.manifest, codec, payload, sumsq=self.cfg.robust.enabled)
+        sumsq, values = verify_and_decode(chunk, self.manifest, codec, payload)
+        if math.isfinite(sumsq):  # the guard's direction check (diloco/robust.py), off the close's path
+            self.sketcher.add(sketch, chunk.name, chunk.offset, values.numpy())
+        return sumsq
+
+    def receive(self, header: pb.PushHeader, chunks: Iterator[pb.TensorChunk]) -> pb.PushResponse:
+        """Spools one push stream; the contribution is complete once every element arrived exactly once.
+
+        A broken stream or a bad chunk discards this stream's spool, so the
+        aggregate never sees part of a contribution. A corrupt chunk keeps the
+        chunks before it and tells the island how many to skip when it resends.
+        """
+        self.begin_push(header)
+        codec, started, received = self.push_codecs[header.codec], time.monotonic(), 0
+        # The island's spools hold at most its share: the spool split over the members (coordinator/spool.py).
+        spool: Spool | None = self.ctx.spools.open(self.manifest.total_numel(), header.island_id, len(self.members.islands))
+        ranges: list[tuple[str, int, int, float]] = []  # each chunk's address and sum of squares (the norm guard)
+        # The guard's direction check needs three contributions (a majority): a run of fewer members pays nothing for it.
+        robust = self.cfg.robust
+        sketch = self.sketcher.empty() if robust.enabled and robust.direction_check and len(self.members.islands) >= 3 else None
+        try:
+            for chunk in chunks:
+                payload = chunk.payload
+                try:
+                    sumsq = self._verify(chunk, payload, codec, sketch)
+                except ChunkCorrupt as e:
+                    self._attach(header, spool, ranges, codec, sketch)
+                    spool = None  # the contribution owns the chunks kept so far
+                    raise Refused(Reason.CORRUPT_CHUNK, f"{e}; resend from chunk {len(ranges)}", resend_from_chunk=len(ranges)) from e
+                except ChunkError as e:
+                    raise Refused(Reason.BAD_CHUNK, str(e)) from e
+                if not math.isfinite(sumsq):
+                    self._drop_nonfinite(header, chunk)
+                spool.write(chunk.name, chunk.offset, chunk.numel, chunk.xxh3, payload)
+                ranges.append((chunk.name, chunk.offset, chunk.numel, sumsq))
+                size = framed_size(chunk, len(payload))
+                received += size
+                self._count(header.round, header.island_id, up=size)
+            if self.ctx.links is not None:  # what this island's link delivers (compression per link)
+                self.ctx.links.observe(header.island_id, received, time.monotonic() - started)
+            return self._attach(header, spool, ranges, codec, sketch)
+        except BaseException:
+            if spool is not None:
+                spool.discard()
+            raise
+
+    def _drop_nonfinite(self, header: pb.PushHeader, chunk: pb.TensorChunk) -> None:
+        with self.cond:
+            if self.phase is Phase.OPEN and header.island_id in self.contributions:
+                self.drop(header.island_id)
+            self.dropped.add(header.island_id)
+            self.members.events.dropped_nonfinite += 1
+            self.cond.notify_all()
+        log.error(
+            "%s pushed a pseudo-gradient with NaN/Inf in %s (elements %d..%d); dropped from %sround %d",
+            header.island_id, chunk.name, chunk.offset, chunk.offset + chunk.numel, self.label, header.round,
+        )
+        raise Refused(Reason.NOT_FINITE, f"pseudo-gradient is not finite in {chunk.name}; dropped from {self.label}round {header.round}: "
+                      "resync and go on")
+
+    def _attach(self, header: pb.PushHeader, spool: Spool, ranges: list[tuple[str, int, int, float]], codec,
+                sketch: np.ndarray | None) -> pb.PushResponse:
+        spool.close()
+        with self.cond:
+            if self.phase is Phase.CLOSING and self.cfg.rounds.late_rounds:
+                # The round is being folded (a short while): this push joins the next round, late.
+                self.cond.wait_for(lambda: self.phase is not Phase.CLOSING, 600)
+            late = self.lateness(header.round, "closed while the push was in flight")
+            if not self.members.is_member(header.island_id) or header.island_id in self.dropped:
+                raise Refused(Reason.DROPPED, f"{header.island_id} left {self.label}round {header.round} while pushing")
+            bucket, key = (self.late, (header.island_id, header.round)) if late else (self.contributions, header.island_id)
+            contribution = bucket.get(key)
+            if contribution is None:
+                contribution = Contribution(header.tokens, header.train_loss, Coverage(self.manifest), samples=ranges_of(header.samples),
+                                            lr_sum=lr_sum(header, self.cfg), origin=header.round)
+                bucket[key] = contribution
+            trial = contribution.coverage.copy()
+            for name, offset, numel, _ in ranges:
+                trial.add(name, offset, numel)
+            if trial.overlaps():
+                raise Refused(Reason.DUPLICATE, f"push overlaps data already received: {trial.problem()}")
+            contribution.coverage = trial
+            contribution.spools.append(spool)
+            contribution.codecs.append(codec)
+            contribution.sumsq += sum(r[3] for r in ranges)
+            if sketch is None:
+                contribution.sketched = False
+            else:
+                contribution.sketch = sketch if contribution.sketch is None else contribution.sketch + sketch
+            elements = sum(r[2] for r in ranges)
+            response = pb.PushResponse(accepted=True, elements=elements, late=bool(late), folded_into=self.round)
+            if trial.problem():  # more streams of this island's contribution are still to come
+                return response
+            contribution.state, response.contribution_complete = "complete", True
+            self.members.pushed(header.island_id)
+            log.info("%sround %d: %s contributed %d tokens%s", self.label, header.round, header.island_id, header.tokens,
+                     f", {late} round(s) late: folded into round {self.round}" if late else "")
+            self.cond.notify_all()
+        return response
+
+    def lateness(self, round_: int, what: str) -> int:
+        """0 for a push to the open round; s > 0 for one s rounds late that the current round takes (rounds.late_rounds,
+        and the coordinator knows what that round started from); else refuses ROUND_CLOSED. Caller holds cond."""
+        if round_ == self.round and self.phase is Phase.OPEN:
+            return 0
+        if round_ > self.round:  # only after a restart from a checkpoint: the island must go back to our round
+            raise Refused(Reason.ROUND_AHEAD, f"{self.label}round {round_} is ahead of the coordinator's round {self.round} "
+                          "(it restarted from a checkpoint); resync", current_round=self.round)
+        late = self.round - round_ + (self.phase is Phase.CLOSING)  # while a round is folded, pushes join the next one
+        if self.phase is not Phase.FINISHED and 0 < late <= self.cfg.rounds.late_rounds and round_ in self.published:
+            return late
+        self.members.events.late_pushes += 1
+        beyond = f" and more than rounds.late_rounds={self.cfg.rounds.late_rounds} rounds ago" if self.cfg.rounds.late_rounds else ""
+        raise Refused(Reason.ROUND_CLOSED, f"{self.label}round {round_} {what}{beyond} (current round {self.round}); "
+                      "fetch the global parameters and train for the current round", current_round=self.round)
+
+    def drop(self, island_id: str) -> None:
+        """Forgets an island's contribution to this round. Caller holds cond."""
+        contribution = self.contributions.pop(island_id)
+        for spool in contribution.spools:
+            spool.discard()
+
+    def drop_pending(self, island_id: str) -> None:
+        """An island left: its half-pushed contributions go (late ones too). Caller holds cond."""
+        contribution = self.contributions.get(island_id)
+        if contribution is not None and contribution.state == "pending" and self.phase is Phase.OPEN:
+            self.drop(island_id)
+        for key in [k for k, c in self.late.items() if k[0] == island_id and c.state == "pending"]:
+            for spool in self.late.pop(key).spools:
+                spool.discard()
+
+    def _count(self, round_: int, island_id: str, up: int = 0, down: int = 0) -> None:
+        with self.cond:
+            entry = self.traffic.setdefault((round_, island_id), [0, 0])
+            entry[0] += up
+            entry[1] += down
+
+    def count_down(self, round_: int, island_id: str, n: int) -> None:
+        self._count(round_, island_id, down=n)
+
+    # --- reading the parameters ---------------------------------------------------
+
+    def wait_for_result(self, island_id: str, round_: int, timeout_s: float, ranges: list[FlatRange] | None = None,
+                        interrupted: Callable[[], bool] = lambda: False) -> float:
+        """Blocks until round_ has closed; returns the seconds it waited. Refuses at once if the island's push of
+        these ranges (all of the fragment, when None) is not here: after a restart every rank pushes its own again.
+        Returns early once interrupted() holds, looked at whenever cond is notified (the caller was revoked)."""
+        with self.cond:
+            self.max_round_seen = max(self.max_round_seen, round_)
+            if round_ > self.round:
+                raise Refused(
+                    Reason.ROUND_AHEAD,
+                    f"{self.label}round {round_} is ahead of the coordinator's round {self.round} "
+                    "(it restarted from a checkpoint); resync", current_round=self.round,
+                )
+            mine = self.contributions.get(island_id)
+            if self.round == round_ and self.phase is Phase.OPEN and (mine is None or not mine.coverage.covers(ranges)):
+                raise Refused(
+                    Reason.PUSH_AGAIN,
+                    f"no contribution from {island_id} in {self.label}round {round_} (the coordinator may have restarted); push again",
+                    current_round=self.round,
+                )
+            started = self.clock()
+            if not self.cond.wait_for(lambda: interrupted() or self.round > round_ or self.phase is Phase.FINISHED or (
+                    self.streaming is not None and self.streaming.round > round_), timeout_s):
+                raise Refused(Reason.STILL_OPEN, f"{self.label}round {round_} still open after {timeout_s:.0f}s", current_round=self.round)
+            return self.clock() - started
+
+    @contextmanager
+    def reading(
+        self, delta_from_round: int | None = None, want_mean: bool = False, ranges: list[FlatRange] | None = None,
+        cancel: Callable[[], None] = lambda: None,
+    ) -> Iterator[Reading]:
+        """What a result of the fragment sends (publish.py Reading): its header; the delta chunks when the caller can
+        take a delta, else the value messages; the last round's mean pseudo-gradient chunks when asked (eager
+        updates); and, when the header's checksum is empty, the DeltaStream whose trailer completes it. With
+        ranges, the header carries their checksum.
+
+        Taken under the parameters' read lock, held only while it is taken: the caller sends it without the lock,
+        at its client's pace, and the outer step never waits for that (the values are an immutable version,
+        publish.py PublishedValues; cancel ends the caller's call should that version be dropped while it still
+        reads it). A delta asked for while the next round's update is being made (apply) streams as it is made:
+        the header then has no checksum and the caller sends the stream's trailer after the chunks (with ranges,
+        their checksum: ranges_checksum_after).
+        """
+        reading = None
+        with self.cond:
+            stream = self.streaming
+            if stream is not None and delta_from_round == stream.round - 1:
+                reading = Reading(pb.ResultHeader(
+                    round=stream.round, islands=stream.islands, tokens=stream.tokens, mode=pb.ResultHeader.DELTA,
+                    codec=self.publication.codec.name, base_checksum=stream.base_checksum, fragment=self.index,
+                ), delta=stream, mean=self.mean_chunks if want_mean else [], stream=stream)
+        if reading is None:
+            with self.param_lock.read():
+                with self.cond:
+                    reading = Reading(pb.ResultHeader(
+                        round=self.round, checksum=self.checksum, run_finished=self.ctx.run_finished(),
+                        islands=self.last_islands, mode=pb.ResultHeader.VALUES, codec="fp32", fragment=self.index,
+                        tokens=self.last_tokens,
+                    ))
+                    pub, header = self.publication, reading.header
+                    if delta_from_round is not None and delta_from_round == self.round - 1 and pub.delta_base:
+                        header.mode, header.codec, header.base_checksum = pb.ResultHeader.DELTA, pub.codec.name, pub.delta_base
+                        reading.delta = pub.delta_chunks  # a new list each round: never changed once published
+                    reading.mean = self.mean_chunks if want_mean and delta_from_round == self.round - 1 else []
+                if ranges is not None:
+                    header.ranges_checksum = ranges_checksum(
+                        (r.name, r.offset, pub.params[r.name].view(-1)[r.offset : r.end]) for r in ranges)
+                if reading.delta is None:
+                    reading.add_values(pub, cancel)
+        try:
+            yield reading
+        finally:
+            reading.done()
+
+    def ranges_checksum_after(self, stream: DeltaStream, ranges: list[FlatRange]) -> str:
+        """The ranges' checksum of the parameters a streamed update led to, once it was made (under the read lock,
+        held only for the checksum: the caller sends it after)."""
+        with self.param_lock.read():
+            if self.round != stream.round:  # the run went on meanwhile (this island was dropped from a round)
+                raise Refused(Reason.STILL_OPEN, f"{self.label}round {stream.round} is over; pull again", current_round=self.round)
+            params = self.publication.params
+            return ranges_checksum((r.name, r.offset, params[r.name].view(-1)[r.offset : r.end]) for r in ranges)
+
+    # --- closing a round: close, then apply ------------------------------------------------
+
+    def close_reason(self) -> str | None:
+        """Why the current round may close now, or None. Caller holds cond."""
+        behind = (self.behind | {i for i, _ in self.late}) - set(self.contributions)  # pushing on time now: waited for
+        live = [i for i in self.members.waited_for() if i not in behind]
+        overdue = self.clock() - self.round_opened_at > self.cfg.rounds.deadline_s
+        done = [i for i, c in self.contributions.items() if c.state == "complete"]
+        quorum = min(self.guard.quorum(), self.cfg.rounds.max_islands)  # the first outer step's (diloco/robust.py)
+        least = max(self.cfg.rounds.min_islands, quorum)
+        reason = close_reason(done, live, self.dropped, overdue, least, self.cfg.rounds.max_islands)
+        if reason is None and done and self.clock() - self._last_wait_log > 10:
+            if len(done) < quorum and self.cfg.rounds.min_islands < quorum:
+                self._last_wait_log = self.clock()
+                log.warning("%sround %d has %d contribution(s); the run's first outer step waits for robust.first_quorum=%d "
+                            "(a lone first push has nothing to be judged against; a one-island run sets "
+                            "robust.first_quorum=1)", self.label, self.round, len(done), quorum)
+            elif overdue:
+                self._last_wait_log = self.clock()
+                log.warning("%sround %d is past its %gs deadline with %d of min_islands=%d contributions; still waiting",
+                            self.label, self.round, self.cfg.rounds.deadline_s, len(done), least)
+        return reason
+
+    def close(self, poll_s: float = 0.2) -> Closing | None:
+        """Waits up to poll_s for the close condition; when it holds, stops taking pushes and returns what to fold."""
+        with self.cond:
+            if self.phase is not Phase.OPEN:
+                return None
+            reason = self.close_reason()
+            if reason is None:
+                self.cond.wait(poll_s)
+                reason = self.close_reason()
+                if reason is None:
+                    return None
+            self.phase = Phase.CLOSING
+            k = self.cfg.rounds.late_rounds
+            for island_id in [i for i, c in self.contributions.items() if c.state == "pending"]:
+                if k:  # its other streams may still come: it is folded late, into a later round
+                    self.late[(island_id, self.round)] = self.contributions.pop(island_id)
+                    continue
+                log.warning("%sround %d: %s's contribution was incomplete; dropped", self.label, self.round, island_id)
+                self.drop(island_id)
+            for key in [key for key, c in self.late.items() if c.state == "pending" and self.round + 1 - c.origin > k]:
+                log.warning("%sround %d: %s's late contribution to round %d was incomplete; dropped", self.label, self.round, *key)
+                for spool in self.late.pop(key).spools:
+                    spool.discard()
+            complete = [(i, self.contributions[i]) for i in canonical_order(self.contributions)]
+            # Late ones after the on-time ones, in canonical island order, then by the round they trained for.
+            rank = {i: n for n, i in enumerate(canonical_order({i for i, _ in self.late}))}
+            for key in sorted((key for key, c in self.late.items() if c.state == "complete"), key=lambda key: (rank[key[0]], key[1])):
+                late = self.late.pop(key)
+                late.staleness = self.round - late.origin
+                late.discount = self.cfg.rounds.late_discount ** late.staleness
+                complete.append((key[0], late))
+            late_now = {i for i, c in complete if c.staleness} | {i for i, _ in self.late}
+            self.behind = (self.behind | late_now) - set(self.contributions)
+            self.contributions.clear()
+            return Closing(reason, complete, self.clock() - self.round_opened_at)
+
+    def fold_ahead(self) -> bool:
+        """While the round is open: folds the next contribution in canonical order if it is complete (FoldAhead);
+        returns whether it folded one. Called by the round's driver between its close checks, so the
+        accumulator is never folded ahead and closed at once."""
+        with self.cond:
+            if self.phase is not Phase.OPEN:
+                return False
+            nxt = self.ahead.next(self.contributions, self.members.waited_for())
+        if nxt is None:
+            return False
+        self.ahead.fold(self.accumulator, self.codec, *nxt, self.manifest.total_numel(), self.ctx.pool)
+        return True
+
+    def apply(self, closing: Closing) -> pb.RoundSummary:
+        """Folds, takes the outer step, publishes the result and opens the next round; returns the round's summary."""
+        verdict = judge(self.guard, closing.contributions, self.label)
+        kept = [(i, c) for i, c in closing.contributions if fold_key(i, c) not in verdict.dropped]
+        summary = round_summary(self.round, self.index, kept, self.manifest.total_numel(), self.cfg)
+        summary.clipped.extend(verdict.clipped)
+        self.dropped.update(verdict.dropped)
+        self.publication.release_values()
+        summary.wait_s, started = closing.waited_s, time.perf_counter()
+        delayed = self.cfg.rounds.late_mode == "delayed_nesterov"  # late ones apart (diloco/outer.py)
+        ahead = self.ahead.take(self.accumulator, closing.contributions, verdict)  # folded while the round was open
+        for _, contribution in closing.contributions[:ahead]:
+            for spool in contribution.spools:
+                spool.discard()
+        folded = fold(self.accumulator, self.codec, closing.contributions[ahead:], verdict, self.manifest.total_numel(), delayed,
+                      self.ctx.pool)
+        folded += ahead * self.manifest.total_numel()
+        summary.fold_s, summary.folded_ahead = time.perf_counter() - started, ahead
+        # A round that folds no weight (every contribution trained on 0 tokens, or dropped) takes no outer step: a step
+        # on momentum alone would move the parameters with no data behind it. The parameters, momentum and checksum
+        # stay; the round moves on.
+        skipped = not any(c.weight for _, c in kept)
+        if skipped:
+            log.warning("%sround %d folds no tokens (%d contribution(s), none with weight): no outer step", self.label,
+                        self.round, len(closing.contributions))
+        # Step, publication and round change happen under the write lock, so no
+        # reader ever sees new parameters under an old round number or the reverse.
+        self.param_lock.acquire_write()
+        try:
+            started = time.perf_counter()
+            # Streamed (a lossy downlink, Nesterov): each chunk's span is divided into the mean, stepped and published
+            # in one go, on every core, while pulls send the chunks made so far. Else the whole step, then publication.
+            streamed = not skipped and not delayed and not self.publication.lossless and self.outer.steps_by_parameter
+            eager_s = 0.0  # counted with the publication, as it is sent with it
+            if self.cfg.streaming.eager and not skipped:
+                # Eager updates: islands build their provisional update from this (downlink codec, no feedback).
+                # Encoded before the step, which may overwrite the mean (the accumulator is reset after it).
+                eager_s = time.perf_counter()
+                self.mean_chunks = list(tensor_chunks(self.accumulator.mean(), self.publication.codec, self.cfg.wire.chunk_bytes))
+                eager_s = time.perf_counter() - eager_s
+            stream = None
+            if skipped:
+                self.mean_chunks = []
+                self.publication.unchanged()
+            elif streamed:
+                stream = DeltaStream(self.round + 1, self.checksum, len({i for i, _ in closing.contributions}), summary.tokens)
+                with self.cond:
+                    self.streaming = stream
+                    self.cond.notify_all()
+                try:
+                    summary.step_s, summary.publish_s = step_and_publish(self.publication, self.accumulator, self.outer, stream)
+                except BaseException:
+                    stream.fail()
+                    with self.cond:
+                        self.streaming = None
+                    raise
+                summary.publish_s += eager_s
+            else:
+                mean, late = self.accumulator.parts()
+                if delayed:
+                    self.outer.step_delayed(mean, late)
+                else:
+                    self.outer.step(mean, consume=True)
+                summary.step_s, started = time.perf_counter() - started - eager_s, time.perf_counter() - eager_s
+                self.publication.publish()
+                summary.publish_s = time.perf_counter() - started
+            summary.closed_at = time.time()
+            with self.cond:
+                self.traffic = traffic_into(summary, self.traffic, self.round)
+                summary.checksum = self.checksum
+                summary.seconds = self.clock() - self.round_opened_at
+                summary.dropped.extend(sorted(self.dropped))
+                summary.elements_folded = folded
+                summary.elements_expected = self.manifest.total_numel() * len(kept)
+                if self.ctx.ledger is not None:
+                    summary.data.CopyFrom(self.ctx.ledger.settle(self.index, [c.samples for _, c in kept], self.members.live()))
+                self._count_restart_cost()
+                self.members.after_round(self.round_opened_at, [i for i, _ in closing.contributions])
+                self.members.events.late_folded += sum(1 for i, c in kept if c.staleness)
+                self.last_islands = len({i for i, _ in closing.contributions})  # an island may be in it on time and late
+                self.last_tokens, self.last_round_s = summary.tokens, summary.seconds
+                self.accumulator.reset()
+                self.dropped.clear()
+                self.round += 1
+                self.round_opened_at = self.clock()
+                self.published = {r: c for r, c in self.published.items() if r >= self.round - self.cfg.rounds.late_rounds}
+                self.published[self.round] = self.checksum
+                self.phase = Phase.FINISHED if self.round >= self.cfg.rounds.rounds else Phase.OPEN
+                # Decided with the phase change, so exactly one fragment's summary finishes the run.
+                summary.run_finished = self.ctx.run_finished()
+                if stream is not None:
+                    self.streaming = None
+                    stream.finish(self.checksum, summary.run_finished)
+                self.cond.notify_all()
+        finally:
+            self.param_lock.release_write()
+        log.info("%sround %d closed (%s) with %d islands", self.label, summary.round, closing.reason, len(closing.contributions))
+        return summary
+
+    def _count_restart_cost(self) -> None:
+        """The first round closed since a restart: count what the restart cost. Caller holds cond."""
+        if self.restored_round is not None:
+            events = self.members.events
+            events.rounds_lost += max(0, self.max_round_seen - self.restored_round)
+            events.recovery_s += self.clock() - self.restored_at
+            self.restored_round = None
+
+    # --- checkpoints ----------------------------------------------------------------------------
+
+    def state_dict(self) -> dict:
+        """The fragment's round and outer state (its parameters are saved by the caller, whole-model)."""
+        return {
+            # Copied: another fragment's driver may step while the checkpoint is written.
+            "round": self.round, "last": [self.last_islands, self.last_tokens], "outer": copy.deepcopy(self.outer.state_dict()),
+            "published": self.publication.state_dict(), "guard": self.guard.state_dict(),
+        }
+
+    def load_state_dict(self, state: dict, finished: bool) -> None:
+        """Restores a checkpoint's round (its outer parameters already copied in); the round reopens now."""
+        self.outer.load_state_dict(state["outer"], delayed=self.cfg.rounds.late_mode == "delayed_nesterov")
+        self.accumulator.reset()
+        self.ahead.reset()
+        self.publication.load_state_dict(state["published"])
+        self.guard.load_state_dict(state.get("guard", {}))
+        with self.cond:
+            now = self.clock()
+            self.round = state["round"]
+            self.phase = Phase.FINISHED if finished or self.round >= self.cfg.rounds.rounds else Phase.OPEN
+            self.round_opened_at = self.restored_at = now
+            # What earlier rounds started from is not in the checkpoint: a push for them is refused (ROUND_CLOSED).
+            self.published = {self.round: self.checksum}
+            self.restored_round = self.round
+            self.last_islands, self.last_tokens = state["last"]
+
+
+# === 3. Folding ==============================================================================================
+
+
+def judge(guard: NormGuard, contributions: list[tuple[str, Contribution]], label: str) -> Verdict:
+    """The guard's verdict on norms per unit of inner learning rate (comparable across warmup and a
+    fragment's shorter first round) and on directions (the sketches made at intake); contributions trained on no
+    tokens (zero weight) are not judged."""
+    judged = [(fold_key(island, c), c) for island, c in contributions if c.tokens]
+    return guard.judge({key: math.sqrt(c.sumsq) / c.lr_sum for key, c in judged}, label,
+                       {key: c.sketch for key, c in judged if c.sketched and c.sketch is not None})
+
+
+def fold(accumulator: PseudoGradientAccumulator, codec: Codec, contributions: list[tuple[str, Contribution]],
+         verdict: Verdict, numel: int, split_late: bool = False, pool: Executor | None = None) -> int:
+    """Folds the kept contributions in the given (canonical) order; returns the elements folded. split_late: late
+    contributions go to the accumulator's late part (PseudoGradientAccumulator.parts()). pool: threads that decode
+    and add a contribution's chunks at once (each element still gets the contributions in canonical order)."""
+    folded = 0
+    for island, contribution in contributions:
+        late = split_late and contribution.staleness > 0
+        factor = verdict.factors.get(fold_key(island, contribution), 1.0)
+        if factor == 0.0:
+            for spool in contribution.spools:
+                spool.discard()
+            continue
+        _fold_one(accumulator, codec, contribution, factor, numel, late, pool)
+        for spool in contribution.spools:
+            spool.discard()
+        folded += numel
+    if not accumulator.contributions:  # every contribution dropped: the round's mean is zero
+        accumulator.commit(0)
+    return folded
+
+
+def _fold_one(accumulator: PseudoGradientAccumulator, codec: Codec, contribution: Contribution, factor: float, numel: int,
+              late: bool, pool: Executor | None = None) -> None:
+    # Token-weighted; a late contribution's weight carries its staleness discount (Contribution.weight).
+    scale = accumulator.scale_for(contribution.weight) * factor
+    accumulator.part(late)  # allocated here, not by one of the threads
+    elements, pending = 0, []
+
+    def add(chunk: SpooledChunk, decoder: Codec) -> None:
+        accumulator.add_encoded(chunk.name, chunk.offset, chunk.numel, chunk.payload, decoder, scale, late)
+
+    try:
+        for k, spool in enumerate(contribution.spools):
+            # Each push stream in the codec it came in (compression per link), else the run's.
+            decoder = contribution.codecs[k] if k < len(contribution.codecs) else codec
+            for chunk in spool.read():  # verified on arrival; the spool checks its own digests
+                if pool is not None and chunk.stable:  # the codecs' kernels and torch's add release the GIL
+                    pending.append(pool.submit(add, chunk, decoder))
+                else:  # read from disk into a buffer the next chunk reuses
+                    add(chunk, decoder)
+                elements += chunk.numel
+    finally:
+        wait(pending)  # every chunk of this contribution is in before the next contribution's
+    for done in pending:
+        done.result()
+    # Coverage proved exactly-once already; this is the invariant the summary reports.
+    assert elements == numel, (elements, numel)
+    accumulator.commit(contribution.weight, late)
+
+
+class FoldAhead:
+    """The contributions of the open round folded already, in canonical order (module docstring)."""
+
+    def __init__(self) -> None:
+        self.done: list[tuple[str, Contribution]] = []
+        self.broken = False  # a fold ahead failed part-way: the close starts over
+
+    def reset(self) -> None:
+        self.done, self.broken = [], False
+
+    def next(self, contributions: dict[str, Contribution], waited_for: list[str]) -> tuple[str, Contribution] | None:
+        """The contribution to fold now, if the one next in canonical order among the islands that may still contribute
+        on time is complete. Caller holds the round's condition."""
+        if self.broken:
+            return None
+        order = canonical_order(set(waited_for) | set(contributions))
+        n = len(self.done)
+        if n >= len(order) or [i for i, _ in self.done] != order[:n]:
+            return None  # an island before those folded came back: the close will fold from the spools
+        island = order[n]
+        contribution = contributions.get(island)
+        if contribution is None or contribution.state != "complete" or not contribution.tokens:
+            return None
+        return island, contribution
+
+    def fold(self, accumulator: PseudoGradientAccumulator, codec: Codec, island: str, contribution: Contribution,
+             numel: int, pool: Executor | None = None) -> None:
+        """Folds one contribution as fold() would (factor 1, on time); its spools stay for a close that starts over."""
+        try:
+            _fold_one(accumulator, codec, contribution, 1.0, numel, False, pool)
+        except (OSError, SpoolCorrupt) as e:  # dropped meanwhile (spool gone), or the disk: the close decides
+            log.warning("folding %s ahead of the close failed (%s); the close folds the round from the spools", island, e)
+            self.broken = True
+            return
+        self.done.append((island, contribution))
+
+    def take(self, accumulator: PseudoGradientAccumulator, contributions: list[tuple[str, Contribution]], verdict: Verdict) -> int:
+        """How many of the closing round's first contributions the accumulator holds, folded exactly as fold() would
+        fold them; when it holds anything else, resets it and returns 0."""
+        n = len(self.done)
+        kept = not self.broken and n <= len(contributions) and all(
+            island == contributions[k][0] and contribution is contributions[k][1] and not contribution.staleness
+            and verdict.factors.get(fold_key(island, contribution), 1.0) == 1.0
+            for k, (island, contribution) in enumerate(self.done))
+        self.reset()
+        if kept:
+            return n
+        if n:
+            log.info("a round's contributions were not those folded ahead of its close; folding it from the spools")
+        accumulator.reset()
+        return 0
+
+
+# === 4. The driver ===========================================================================================
+
+
+class RoundDriver:
+    """One thread per fragment: closes and applies its rounds (close_round: CoordinatorState.step_round, which adds
+    the eval and the run's summary list), and hands each closed round to after_close (the process's run log,
+    checkpoint and health). A fragment's driver ends when its rounds are done or stop is set."""
+
+    def __init__(self, fragments: list[FragmentRounds], close_round: Callable[[int], Closed | None],
+                 after_close: Callable[[Closed], None], stop: threading.Event):
+        self.fragments, self.close_round, self.after_close, self.stop = fragments, close_round, after_close, stop
+        self.threads = [threading.Thread(target=self._drive, args=(f,), name=f"round-driver-{f}", daemon=True)
+                        for f in range(len(fragments))]
+
+    def start(self) -> RoundDriver:
+        for thread in self.threads:
+            thread.start()
+        return self
+
+    def wait(self, timeout_s: float | None = None) -> bool:
+        """Blocks until every fragment's driver ended (or timeout_s passed); returns whether they all did."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        for thread in self.threads:
+            thread.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        return not any(thread.is_alive() for thread in self.threads)
+
+    def _drive(self, fragment: int) -> None:
+        while not self.stop.is_set():
+            closed = self.close_round(fragment)
+            if closed is None:
+                if self.fragments[fragment].phase is Phase.FINISHED:
+                    return  # this fragment is done; the others' drivers go on
+                continue
+            self.after_close(closed)
+            if closed.run_finished:
+                return
