@@ -114,7 +114,8 @@ def load(args) -> RunConfig:
     path = Path(args.config)
     if not path.is_file() and (REPO_ROOT / path).is_file():
         path = REPO_ROOT / path
-    forced = [f"rounds.rounds={args.rounds}", f"inner.steps_per_round={args.steps_per_round}"]
+    # One island: its first outer step has no second to wait for (robust.first_quorum, as diloco-sim sets for one).
+    forced = [f"rounds.rounds={args.rounds}", f"inner.steps_per_round={args.steps_per_round}", "robust.first_quorum=1"]
     try:
         # The synthetic language at the preset's shapes: throughput needs no corpus (--set data.* to read one).
         synthetic = ["data.source=synthetic", "model.vocab_size=50304"]

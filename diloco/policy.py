@@ -27,9 +27,8 @@ class RobustConfig:
     direction_check: bool = True
     direction_cosine: float = -0.1
     # Until the guard has a reference (no round judged yet), a round closes only with this many contributions:
-    # a lone first push has nothing to be judged against. Set 2 for a run across the internet (the README's quick
-    # start does); 1 (the default until the tests that run one island say so one by one) folds a lone first push.
-    first_quorum: int = 1
+    # a lone first push has nothing to be judged against. A run of one island sets 1 (diloco-sim does).
+    first_quorum: int = 2
 
 
 @dataclass

@@ -38,8 +38,7 @@ norms alone.
 With no reference at all (no earlier round, one contribution) a lone push
 would be folded whole: whoever joins first could move the parameters as far as
 it likes. So until the guard has a reference, a round closes only with at least
-`first_quorum` contributions: set 2 for a run across the internet (default 1 for now; diloco-sim sets
-min(2, islands)).
+`first_quorum` contributions (default 2; a run of one island sets 1, as diloco-sim does for one).
 """
 
 from __future__ import annotations

@@ -74,10 +74,9 @@ def tiny_config(*overrides: str):
 
 
 def one_island_config(*overrides: str):
-    """tiny_config for a run of one island: robust.first_quorum 1, said where a test needs it, as diloco-sim sets for
-    one island. With 2 (the README's quick start, and the default once every such test says so) the run's first outer
-    step waits for a second island to judge the first against (diloco/robust.py); a test whose subject is something
-    else and that runs one island has no second."""
+    """tiny_config for a run of one island: robust.first_quorum 1, as diloco-sim sets for one island. With the default
+    2 the run's first outer step waits for a second island to judge the first against (diloco/robust.py); a test whose
+    subject is something else and that runs one island has no second."""
     return tiny_config("robust.first_quorum=1", *overrides)
 
 

@@ -235,8 +235,9 @@ def islands_on_threads(coordinator, cfg, specs: list[ReplicaSpec], gates: dict[i
 def late_island_run(make_coordinator, *overrides: str):
     """A real island beside a puppet, k = 1: its round-0 push is held until round 0 closed without it (folded late into
     round 1), its round-2 push until round 4 is open (refused). Returns (state, puppet's id, the island, its result)."""
+    # robust.first_quorum 1: round 0 must close with the puppet alone, the island's push held back.
     cfg = tiny_config("rounds.rounds=5", "rounds.late_rounds=1", "rounds.late_discount=0.5", "rounds.deadline_s=120",
-                      "rounds.lease_s=600", *overrides)
+                      "rounds.lease_s=600", "robust.first_quorum=1", *overrides)
     coordinator = make_coordinator(cfg)
     puppet = Puppet(coordinator.port, cfg)
     gates = {0: threading.Event(), 2: threading.Event()}

@@ -107,9 +107,9 @@ def test_honest_rounds_fold_the_same_bits_with_the_direction_check_on_and_off(ma
 
 def test_a_lone_first_push_waits_for_a_second_island_and_is_judged_against_it(make_coordinator, channel_to):
     """Item 2: with the default min_islands (1) an attacker that joins first and pushes 1,000x its update alone in
-    round 0 was folded whole (no reference yet). With robust.first_quorum 2 (what the README's quick start sets) the
-    run's first outer step waits for two contributions, and the second is the reference the first is clipped to."""
-    coordinator = make_coordinator(tiny_config("rounds.rounds=3", "robust.first_quorum=2"))
+    round 0 was folded whole (no reference yet). With the default robust.first_quorum (2) the run's first outer step
+    waits for two contributions, and the second is the reference the first is clipped to."""
+    coordinator = make_coordinator(tiny_config("rounds.rounds=3"))
     stub = channel_to(coordinator)
     attacker = _join(stub, "m")
     shapes = coordinator.state.manifest.shapes

@@ -53,8 +53,10 @@ def test_unequal_contributions_are_weighted_by_tokens_exactly(tmp_path):
 @pytest.mark.unit
 def test_a_late_push_is_folded_with_its_discount_and_one_later_than_k_is_refused(tmp_path):
     clock = Clock()
+    # robust.first_quorum 1: round 0 closes at its deadline with a alone (b's push comes late).
     state = make_state(tmp_path, *NESTEROV, "rounds.rounds=4", "rounds.late_rounds=1", "rounds.late_discount=0.5",
-                       "rounds.deadline_s=30", "rounds.lease_s=10000", "limits.idle_rounds=0", clock=clock)
+                       "rounds.deadline_s=30", "rounds.lease_s=10000", "limits.idle_rounds=0", "robust.first_quorum=1",
+                       clock=clock)
     a, b, c = join_all(state, "abc")
     shapes, reference = state.manifest.shapes, Reference(state.cfg)
     start = [state.checksum]

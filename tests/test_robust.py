@@ -113,7 +113,7 @@ def test_the_first_outer_step_waits_for_a_quorum_until_the_guard_has_a_reference
     assert guard.quorum() == 2
     guard.judge({"a": 1.0, "b": 1.0})
     assert guard.quorum() == 1  # from now on a lone push is judged against the run's history
-    assert NormGuard(RobustConfig()).quorum() == 1  # the default, for now (robust.first_quorum)
+    assert NormGuard(RobustConfig()).quorum() == 2  # the default (robust.first_quorum)
     assert NormGuard(RobustConfig(first_quorum=2, enabled=False)).quorum() == 1
 
 

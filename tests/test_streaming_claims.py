@@ -121,7 +121,9 @@ def test_coordinator_restarted_behind_its_islands_replays_rounds_with_their_weig
 def test_an_island_joining_mid_run_is_taken_with_its_weight(tmp_path):
     """An island that joins after round 1 closed starts every fragment at the earliest of their round starts
     (diloco/fragments.py start_step): its first round of fragment 0 holds H + o_1 steps, an honest claim."""
-    cfg = _config(2, 1, "rounds.rounds=20", "rounds.min_islands=1", "rounds.heartbeat_s=0.5", "rounds.lease_s=30")
+    # robust.first_quorum 1: island 0 trains the first rounds alone, island 1 joining after round 1 closed.
+    cfg = _config(2, 1, "rounds.rounds=20", "rounds.min_islands=1", "rounds.heartbeat_s=0.5", "rounds.lease_s=30",
+                  "robust.first_quorum=1")
     # Island 0 at 0.1 s a step (0.6 s a round): the run is still going when island 1 is up.
     sim = Simulation(cfg, 2, tmp_path, island_args={0: ["--throttle", "0.1"]})
     try:

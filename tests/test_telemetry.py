@@ -19,7 +19,7 @@ import fsspec
 import pytest
 import torch
 
-from conftest import island_on, tiny_config
+from conftest import island_on, one_island_config, tiny_config
 from coordinator.runlog import RunLog
 from diloco.checkpoint import CheckpointStore
 from diloco.jsonlog import JsonLines, LogError, check_tensorboard, tensorboard_writer
@@ -191,8 +191,8 @@ class HeldUntilReported(IslandTelemetry):
 @pytest.mark.integration
 def test_island_exports_metrics_logs_tensorboard_and_heartbeat_report(make_coordinator, tmp_path, monkeypatch):
     rounds, h, window = 3, 4, 2
-    cfg = tiny_config(f"rounds.rounds={rounds}", f"inner.steps_per_round={h}", "rounds.heartbeat_s=0.05",
-                      "rounds.lease_s=60")
+    cfg = one_island_config(f"rounds.rounds={rounds}", f"inner.steps_per_round={h}", "rounds.heartbeat_s=0.05",
+                            "rounds.lease_s=60")
     coordinator = make_coordinator(cfg)
     options = TelemetryOptions(metrics_port=0, log_url=str(tmp_path / "log"), tensorboard_dir=str(tmp_path / "tb"),
                                window_steps=window, label="east", flush_s=3600)
@@ -375,8 +375,8 @@ def test_run_island_with_streaming_logs_every_fragments_exchanges_and_closes(mak
     from islands.world import IslandWorld
 
     rounds, h = 3, 4
-    cfg = tiny_config("model.n_layers=2", f"rounds.rounds={rounds}", f"inner.steps_per_round={h}", "streaming.fragments=2",
-                      "streaming.tau=1")
+    cfg = one_island_config("model.n_layers=2", f"rounds.rounds={rounds}", f"inner.steps_per_round={h}", "streaming.fragments=2",
+                            "streaming.tau=1")
     coordinator = make_coordinator(cfg)
     world = IslandWorld.init("cpu")
     try:

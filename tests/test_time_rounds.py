@@ -26,8 +26,9 @@ HONEST = 2 * PER_STEP  # push_tokens()'s default two inner steps on one rank
 @pytest.mark.unit
 def test_a_round_does_not_wait_for_an_island_whose_last_contribution_came_late(tmp_path):
     clock = Clock()
+    # robust.first_quorum 1: round 0 closes at its deadline with a alone.
     state = make_state(tmp_path, *NESTEROV, "rounds.rounds=6", "rounds.late_rounds=2", "rounds.deadline_s=30",
-                       "rounds.lease_s=10000", "limits.idle_rounds=0", clock=clock)
+                       "rounds.lease_s=10000", "limits.idle_rounds=0", "robust.first_quorum=1", clock=clock)
     a, b = (state.join(h).island_id for h in "ab")
     pg = {k: random_like(state.manifest.shapes, k) for k in range(8)}
     start = [state.checksum]

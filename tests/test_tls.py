@@ -12,7 +12,7 @@ import grpc
 import pytest
 import torch
 
-from conftest import claim, tiny_config, trained_from
+from conftest import claim, one_island_config, tiny_config, trained_from
 from coordinator.server import start_coordinator
 from diloco import credentials
 from diloco.codec import Fp32Codec
@@ -43,7 +43,7 @@ def _refusal(call) -> int:
 
 
 def test_an_island_trains_over_mutual_tls_and_ends_on_the_coordinators_parameters(run_ca, tls_coordinator):
-    cfg = tiny_config("rounds.rounds=2")
+    cfg = one_island_config("rounds.rounds=2")  # one island
     coordinator = tls_coordinator(cfg)
     world = IslandWorld.init("cpu")
     client = CoordinatorClient(f"127.0.0.1:{coordinator.port}", connect_timeout_s=10, tls=credentials.island_files(run_ca, "east"))

@@ -31,7 +31,8 @@ def _positions(ranges) -> list[int]:
 def test_an_island_trains_every_leased_sample_once_and_the_account_adds_up(where, corpus, tmp_path, make_coordinator, request):
     if where == "s3":  # prepared into a real S3 API (moto on 127.0.0.1), streamed from there by both sides
         corpus = write_corpus(tmp_path, docs=200, url=f"{request.getfixturevalue('s3')}/tokens")
-    cfg = token_config(corpus, tmp_path, "rounds.rounds=3", "inner.steps_per_round=3", "eval.batches=2")
+    cfg = token_config(corpus, tmp_path, "rounds.rounds=3", "inner.steps_per_round=3", "eval.batches=2",
+                       "robust.first_quorum=1")  # one island
     coordinator = make_coordinator(cfg)
     assert cfg.model.vocab_size == read_manifest(corpus)[0].vocab_size > 256  # resolved from the corpus's manifest
     with island_on(coordinator, cfg) as island:

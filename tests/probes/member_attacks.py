@@ -115,11 +115,11 @@ def attack(mode: str, join_argv: list[str]) -> None:
 
 
 def run(mode: str, seed: int, workdir: Path) -> dict:
-    # min_islands 2: an attacker refused at join leaves a run of the two honest islands; lone runs the default (1).
-    # lone: the default min_islands (1), with robust.first_quorum 2 as the README's quick start sets it.
+    # min_islands 2: an attacker refused at join leaves a run of the two honest islands; lone runs the defaults
+    # (min_islands 1, robust.first_quorum 2).
     min_islands = 1 if mode == "lone" else 2
     cfg = load_config(None, ["wire.codec=e3m0", "wire.zstd=true", "rounds.rounds=12", f"rounds.min_islands={min_islands}",
-                             "robust.first_quorum=2", "data.shards=3", f"seed={seed}"])
+                             "data.shards=3", f"seed={seed}"])
     sim = AttackedSimulation(cfg, 3, workdir, mode=mode)
     try:
         sim.start()
