@@ -8,7 +8,7 @@
    best of --repeat runs; "enc+dec" is the rate of encoding then decoding.
 2. Wire bytes. A real pseudo-gradient (theta_global - theta_local after H=50
    AdamW steps of the byte-level model on tinyshakespeare, after two earlier
-   rounds) is pushed through `diloco.wire.tensor_chunks` with each codec, and
+   rounds) is pushed through `diloco.wire.messages.tensor_chunks` with each codec, and
    the protobuf messages are measured, as the coordinator counts them.
 
 Run from the repository root:  python -m benchmarks.codecs
@@ -27,22 +27,22 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from diloco.codec import get_codec
+from diloco.wire.codec import get_codec
 from diloco.config import load_config
-from diloco.data import train_stream
+from diloco.data.sources import train_stream
 from diloco.inner import build_inner_optimizer, inner_lr, train_step
-from diloco.model import Transformer
+from diloco.models.llama import Transformer
 from diloco.outer import pseudo_gradient
 from diloco.params import fp32_copy
 from diloco.v1 import diloco_pb2 as pb
-from diloco.wire import payload_digest, tensor_chunks
+from diloco.wire.messages import payload_digest, tensor_chunks
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 CHUNK_BYTES = 1 << 20
 BLOCK = 256
 
 
-# --- straightforward torch references (same formats as diloco.codec) ---------------------
+# --- straightforward torch references (same formats as diloco.wire.codec) ---------------------
 
 
 def ref_int8_encode(x: torch.Tensor) -> bytes:
@@ -103,7 +103,7 @@ REFERENCES: dict[str, tuple[Callable, Callable]] = {
 
 def chunked(encode: Callable, decode_into: Callable, x: torch.Tensor, step: int, out: torch.Tensor) -> tuple[float, float]:
     """Seconds to encode x chunk by chunk, and to decode the chunks back into out, a tensor
-    that already exists (as the global parameters do when `diloco.wire.apply_chunks`
+    that already exists (as the global parameters do when `diloco.wire.messages.apply_chunks`
     decodes each chunk straight into its range)."""
     started = time.perf_counter()
     payloads = [encode(x[s : s + step]) for s in range(0, x.numel(), step)]
@@ -151,7 +151,7 @@ def throughput(names: list[str], sizes: list[int], repeat: int) -> list[str]:
 
 
 def digest_rates(n: int, repeat: int) -> str:
-    """What checking a chunk costs: the chunk digest (diloco.wire.payload_digest, XXH3-64) against the CRC-32 it
+    """What checking a chunk costs: the chunk digest (diloco.wire.messages.payload_digest, XXH3-64) against the CRC-32 it
     replaced (protocol 8), over n fp32 elements in CHUNK_BYTES chunks."""
     data = memoryview(torch.randn(n).numpy()).cast("B")
     chunks = [data[i : i + CHUNK_BYTES] for i in range(0, len(data), CHUNK_BYTES)]

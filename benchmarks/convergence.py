@@ -1,13 +1,13 @@
 """Convergence benchmark: DiLoCo against DDP, a single island and FedAvg at equal tokens.
 
-Every method trains the same byte-level `diloco.model.Transformer` on
+Every method trains the same byte-level `diloco.models.llama.Transformer` on
 tinyshakespeare with the same inner optimizer (`diloco.inner`: AdamW, warmup +
 cosine indexed by the inner step across the whole run, gradient clipping) for
 the same number of inner steps T, and is scored by the eval loss of its final
-(global) parameters on the same fixed held-out batches (`diloco.data.eval_batches`,
+(global) parameters on the same fixed held-out batches (`diloco.data.sources.eval_batches`,
 the last 10% of the file). A global batch of B sequences is split B/M across
 M islands; each island reads its own disjoint shard of the training split
-(`diloco.data.train_stream(cfg.data, seed, shard, M)`: every M-th 4 KiB stripe).
+(`diloco.data.sources.train_stream(cfg.data, seed, shard, M)`: every M-th 4 KiB stripe).
 With --tokens URL every method reads a token corpus (`diloco-data prepare`) in
 place of the bytes: the islands read disjoint position ranges of its samples as
 the coordinator's leases would (benchmarks/convergence_data.py), the eval is its
@@ -31,7 +31,7 @@ eval split, and the vocabulary is its manifest's.
 
 This is an in-process simulation of the arithmetic the coordinator and islands
 run over gRPC: the same modules, no networking (the pseudo-gradients go through
-`diloco.wire` chunks and `coordinator.publish`, so --codecs measures the codecs
+`diloco.wire.messages` chunks and `coordinator.publish`, so --codecs measures the codecs
 exactly as deployed). Independent (method, seed) jobs
 run in a spawn-context process pool, one torch thread each.
 
@@ -53,15 +53,15 @@ from pathlib import Path
 
 import torch
 
-from diloco.cli import fail
+from diloco.cli.common import fail
 from diloco.config import ConfigError, RunConfig, load_config
-from diloco.data import Batch, eval_batches
+from diloco.data.sources import Batch, eval_batches
 from diloco.inner import build_inner_optimizer, evaluate, inner_lr, train_step
-from diloco.model import Transformer
+from diloco.models.llama import Transformer
 from diloco.outer import OuterOptimizer, PseudoGradientAccumulator, pseudo_gradient
 from diloco.robust import NormGuard
 from diloco.params import fp32_copy
-from diloco.shards import DataError
+from diloco.data.shards import DataError
 
 # Beside this file (split from it to keep each file short).
 from benchmarks.convergence_data import corpus_vocab, data_overrides, island_streams

@@ -4,7 +4,7 @@ Split from benchmarks/convergence.py (which runs the jobs) to keep each file sho
 
 A token corpus (`data.source = "tokens"`, made by `diloco-data prepare`) is read
 the way a real run's coordinator hands it out (coordinator/ledger.py): as
-disjoint ranges of stream positions of `diloco.samples.WindowSamples`. Island m
+disjoint ranges of stream positions of `diloco.data.samples.WindowSamples`. Island m
 of M reads its k-th batch of b samples from positions (k * M + m) * b ... + b,
 so at inner step k the M islands together read positions k * M * b ... + M * b
 and DDP, whose batch is the concatenation of the islands' batches, trains on
@@ -18,8 +18,8 @@ import logging
 from pathlib import Path
 
 from diloco.config import RunConfig
-from diloco.data import Batch, TokenStream, open_corpus, open_store, train_stream
-from diloco.samples import WindowSamples
+from diloco.data.sources import Batch, TokenStream, open_corpus, open_store, train_stream
+from diloco.data.samples import WindowSamples
 
 log = logging.getLogger("convergence")
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from diloco.config import RunConfig
-from diloco.model import Transformer
+from diloco.models.llama import Transformer
 
 if TYPE_CHECKING:
     from convergence import JobResult, Setup

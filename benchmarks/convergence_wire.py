@@ -11,13 +11,13 @@ import numpy as np
 import torch
 
 from coordinator.publish import Publication  # the coordinator's own downlink arithmetic
-from diloco.codec import get_codec
+from diloco.wire.codec import get_codec
 from diloco.config import ConfigError, RunConfig
-from diloco.feedback import ErrorFeedback
+from diloco.wire.feedback import ErrorFeedback
 from diloco.outer import PseudoGradientAccumulator
 from diloco.robust import NormGuard, Sketcher, cosines
 from diloco.v1 import diloco_pb2 as pb
-from diloco.wire import Manifest, decode_chunk, downlink_codec, tensor_chunks, uplink_codec
+from diloco.wire.messages import Manifest, decode_chunk, downlink_codec, tensor_chunks, uplink_codec
 
 
 class Wire:

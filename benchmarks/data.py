@@ -13,7 +13,7 @@
    under 1 s.
 3. The island's loader: what an island's feed does each inner step (islands/feed.py): a batch of
    --batch windows of 1024 + 1 tokens at consecutive stream positions (a lease), read through
-   WindowSamples's shuffled epoch order (diloco/samples.py) into an int64 tensor, for
+   WindowSamples's shuffled epoch order (diloco/data/samples.py) into an int64 tensor, for
    --loader-steps steps. "first step" is the wait from opening the corpus with an empty cache to
    the first batch in hand (what a cold start adds to the first step); then steps/s and tokens/s.
 
@@ -29,8 +29,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from diloco.prepare import PrepareConfig, prepare
-from diloco.shards import open_store
+from diloco.data.prepare import PrepareConfig, prepare
+from diloco.data.shards import open_store
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DATA = REPO_ROOT.parent / "shared" / "data"
@@ -77,7 +77,7 @@ def bench_reads(url: str, label: str, cache: Path, seq: int = 1025, batch: int =
 
 
 def bench_loader(url: str, label: str, cache: Path, batch: int, steps: int, seq_len: int = 1024) -> None:
-    from diloco.samples import WindowSamples
+    from diloco.data.samples import WindowSamples
 
     for state in ("cold", "warm"):
         if state == "cold":

@@ -46,12 +46,12 @@ from pathlib import Path
 import grpc
 import torch
 
-from diloco.cli import ArgumentParser, fail
+from diloco.cli.common import ArgumentParser, fail
 from diloco.config import RunConfig, load_config
 from diloco.v1 import diloco_pb2 as pb
 from diloco.v1 import diloco_pb2_grpc as pb_grpc
-from diloco.frames import push_frames
-from diloco.wire import FlatRange, Manifest, downlink_codec, tensor_chunks, uplink_codec
+from diloco.wire.frames import push_frames
+from diloco.wire.messages import FlatRange, Manifest, downlink_codec, tensor_chunks, uplink_codec
 from islands.client import CoordinatorClient
 from islands.round import Exchange, FragmentShard, Wire, pg_chunks, pull, push
 from islands.sim.wan import LinkSpec, WanSpecError, parse_link

@@ -50,9 +50,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from diloco.config import RunConfig, load_config
-from diloco.data import StepIndexedStream
+from diloco.data.sources import StepIndexedStream
 from diloco.inner import build_inner_optimizer, train_step
-from diloco.model import Transformer
+from diloco.models.llama import Transformer
 from islands.sim.simulation import Simulation
 from islands.sim.wan import parse_link
 

@@ -49,9 +49,9 @@ from pathlib import Path
 import torch
 
 from coordinator.server import Coordinator, start_coordinator
-from diloco.cli import ArgumentParser, add_config_flags, fail, setup_logging
+from diloco.cli.common import ArgumentParser, add_config_flags, fail, setup_logging
 from diloco.config import ConfigError, RunConfig, load_config
-from diloco.model import Transformer
+from diloco.models.llama import Transformer
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 

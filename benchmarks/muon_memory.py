@@ -1,4 +1,4 @@
-"""What Muon's whole-matrix step costs a sharded island rank in memory (diloco/muon.py), on CPU.
+"""What Muon's whole-matrix step costs a sharded island rank in memory (diloco/models/muon.py), on CPU.
 
     python -m benchmarks.muon_memory [--config configs/125m.toml] [--vocab 50304] [--ranks 1,2]
 
@@ -27,7 +27,7 @@ import torch.multiprocessing as mp
 
 from diloco.config import load_config
 from diloco.inner import build_inner_optimizer
-from diloco.muon import split_parameters
+from diloco.models.muon import split_parameters
 from islands.fsdp import build_island_model
 from islands.memwatch import PeakRss
 
@@ -69,7 +69,7 @@ def _rank(rank: int, world_size: int, config: str, overrides: list[str], workdir
 def analytic(config: str, overrides: list[str]) -> dict:
     cfg = load_config(config, overrides)
     with torch.device("meta"):
-        from diloco.model import Transformer
+        from diloco.models.llama import Transformer
 
         model = Transformer(cfg.model)
     shapes = [tuple(p.shape) for p in split_parameters(model)[0]]

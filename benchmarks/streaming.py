@@ -55,7 +55,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from diloco.config import RunConfig, load_config
-from diloco.model import Transformer
+from diloco.models.llama import Transformer
 from islands.sim.simulation import SimResult, Simulation
 from islands.sim.wan import WanSpecError, parse_link
 

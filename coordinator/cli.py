@@ -6,12 +6,12 @@ import json
 from pathlib import Path
 
 # First: it quiets gRPC's C core (GRPC_VERBOSITY), which takes effect only before grpc is imported.
-from diloco.cli import ArgumentParser, add_config_flags, config_from_args, fail, setup_logging  # isort: skip
+from diloco.cli.common import ArgumentParser, add_config_flags, config_from_args, fail, setup_logging  # isort: skip
 
 import torch
 
 from coordinator.server import Observe, raise_open_file_limit, serve
-from diloco.credentials import RevocationList, coordinator_files
+from diloco.security.credentials import RevocationList, coordinator_files
 
 
 def build_parser() -> ArgumentParser:

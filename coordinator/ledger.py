@@ -1,7 +1,7 @@
 """Who trains on which samples: leases of the data stream's positions, and the account of what was folded.
 
 With a token corpus the run reads its samples through positions 0, 1, 2, ...
-(diloco/samples.py: position p is a sample of epoch p // n). The ledger leases
+(diloco/data/samples.py: position p is a sample of epoch p // n). The ledger leases
 islands ranges of positions that nobody else gets: an island asks for its
 lease number k (every rank and replica group of an island asks, and gets the
 same answer), trains its inner steps on the positions in order, and names the
@@ -28,7 +28,7 @@ from __future__ import annotations
 import bisect
 import threading
 
-from diloco.refusal import Reason, Refused
+from diloco.wire.refusal import Reason, Refused
 from diloco.v1 import diloco_pb2 as pb
 
 Range = tuple[int, int]  # positions [start, stop)

@@ -1,6 +1,6 @@
 """What one island may take of the coordinator: open streams, heartbeats, joins, time between chunks.
 
-Each bound is refused with its own reason (diloco/refusal.py), so a client
+Each bound is refused with its own reason (diloco/wire/refusal.py), so a client
 sees a precise status and an honest island, which never comes near a bound,
 never pays for one. The spool's disk bound lives with the spool
 (coordinator/spool.py); idle islands are removed by membership.
@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 from diloco.policy import LimitsConfig
-from diloco.refusal import Reason, Refused
+from diloco.wire.refusal import Reason, Refused
 
 
 class TokenBucket:

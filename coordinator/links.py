@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import threading
 
-from diloco.codec import Codec
+from diloco.wire.codec import Codec
 
 _SMOOTHING = 0.5  # weight of the newest measurement in the running throughput
 _KEEP_ROUNDS = 4  # advice kept per island and fragment (rounds an island may still pull)

@@ -16,9 +16,9 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from diloco.refusal import Reason, Refused
+from diloco.wire.refusal import Reason, Refused
 from diloco.policy import LimitsConfig
-from diloco.untrusted import HOSTNAME_MAX, KEY_MAX, bounded
+from diloco.security.untrusted import HOSTNAME_MAX, KEY_MAX, bounded
 
 log = logging.getLogger(__name__)
 
@@ -161,7 +161,7 @@ class Membership:
         one credential are one island, and only the owner may rejoin as an island it made. ranks: what the
         island declares it trains on (the most its pushes may claim tokens for), bounded by the caller (the
         service: the credential's certificate, or rounds.max_island_ranks). hostname and key are the client's
-        word: kept and logged bounded (diloco/untrusted.py)."""
+        word: kept and logged bounded (diloco/security/untrusted.py)."""
         hostname, key = bounded(hostname, HOSTNAME_MAX), bounded(key, KEY_MAX)
         island = self._admit(hostname, island_id, key, run_finished, round_, owner)
         with self.cond:

@@ -19,13 +19,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from diloco.codec import Codec, get_codec
+from diloco.wire.codec import Codec, get_codec
 from diloco.outer import OuterOptimizer, PseudoGradientAccumulator
-from diloco.refusal import Reason, Refused
+from diloco.wire.refusal import Reason, Refused
 from diloco.params import checksum
 from diloco.v1 import diloco_pb2 as pb
-from diloco.frames import chunk_of, frame_chunk, parse_chunk_message, serialized_values
-from diloco.wire import FlatRange, chunk_spans, make_chunk
+from diloco.wire.frames import chunk_of, frame_chunk, parse_chunk_message, serialized_values
+from diloco.wire.messages import FlatRange, chunk_spans, make_chunk
 
 
 class SharedStream:

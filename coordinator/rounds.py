@@ -89,16 +89,16 @@ from coordinator.links import LinkAdvisor
 from coordinator.membership import Membership, canonical_order
 from coordinator.publish import DeltaStream, Publication, Reading, step_and_publish
 from coordinator.spool import Spool, SpoolCorrupt, SpooledChunk, Spools
-from diloco.codec import Codec
+from diloco.wire.codec import Codec
 from diloco.config import RunConfig
 from diloco.inner import inner_lr
 from diloco.outer import OuterOptimizer, PseudoGradientAccumulator
 from diloco.pace import lr_position, max_round_steps, round_first_position
 from diloco.params import ranges_checksum
-from diloco.refusal import Reason, Refused
+from diloco.wire.refusal import Reason, Refused
 from diloco.robust import NormGuard, Sketcher, Verdict
 from diloco.v1 import diloco_pb2 as pb
-from diloco.wire import (ChunkCorrupt, ChunkError, Coverage, FlatRange, Manifest, downlink_codec, framed_size, tensor_chunks,
+from diloco.wire.messages import (ChunkCorrupt, ChunkError, Coverage, FlatRange, Manifest, downlink_codec, framed_size, tensor_chunks,
                          verify_and_decode, verify_chunk)
 
 log = logging.getLogger(__name__)

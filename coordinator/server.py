@@ -28,12 +28,12 @@ from coordinator.state import CoordinatorState
 from coordinator.web import RunWebServer
 from diloco.checkpoint import CheckpointStore
 from diloco.config import RunConfig
-from diloco.credentials import RevocationList, TlsFiles
-from diloco.net import is_loopback
-from diloco.data import eval_batches, open_corpus, resolve_vocab
-from diloco.evaluation import make_task_evaluator
+from diloco.security.credentials import RevocationList, TlsFiles
+from diloco.security.net import is_loopback
+from diloco.data.sources import eval_batches, open_corpus, resolve_vocab
+from diloco.models.evaluation import make_task_evaluator
 from diloco.inner import evaluate
-from diloco.model import Transformer
+from diloco.models.llama import Transformer
 from diloco.params import fp32_copy
 
 log = logging.getLogger(__name__)

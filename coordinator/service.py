@@ -15,15 +15,15 @@ from coordinator.audit import NoAudit
 from coordinator.ledger import ranges_of
 from coordinator.limits import Limits, idle_bounded
 from coordinator.publish import Reading
-from diloco.refusal import Reason, Refused
+from diloco.wire.refusal import Reason, Refused
 from coordinator.state import CoordinatorState
 from coordinator.streams import OpenStreams, Ticket
-from diloco.credentials import CredentialError, identity_from_auth_context, ranks_from_auth_context
-from diloco.frames import ChunkView, chunk_deserializer, frame_chunk, serialized
-from diloco.untrusted import CHECKSUM_MAX, ID_MAX, bounded
+from diloco.security.credentials import CredentialError, identity_from_auth_context, ranks_from_auth_context
+from diloco.wire.frames import ChunkView, chunk_deserializer, frame_chunk, serialized
+from diloco.security.untrusted import CHECKSUM_MAX, ID_MAX, bounded
 from diloco.v1 import diloco_pb2 as pb
 from diloco.v1 import diloco_pb2_grpc as pb_grpc
-from diloco.wire import (
+from diloco.wire.messages import (
     PROTOCOL_VERSION,
     ChunkError,
     FlatRange,
@@ -253,7 +253,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
 
     def _messages(self, reading: Reading, ranges: list[FlatRange] | None, fragment: int | None) -> Iterator[pb.ResultMessage | bytes]:
         """A result's messages: its header, the update's or the values' chunks, the mean's, and a streamed update's
-        trailer. Chunks are framed by hand (diloco/frames.py): a ResultMessage around each would copy it through upb."""
+        trailer. Chunks are framed by hand (diloco/wire/frames.py): a ResultMessage around each would copy it through upb."""
         yield pb.ResultMessage(header=reading.header)
         if reading.delta is not None:
             chunks = reading.delta if ranges is None else overlapping_chunks(reading.delta, ranges)
@@ -297,7 +297,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         def chunks() -> Iterator[pb.TensorChunk]:
             n = 0
             for message in request_iterator:
-                if isinstance(message, ChunkView):  # parsed by hand (diloco/frames.py): its payload not copied
+                if isinstance(message, ChunkView):  # parsed by hand (diloco/wire/frames.py): its payload not copied
                     n += 1
                     yield message
                     continue
@@ -378,7 +378,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
 
 def add_to_server(service: CoordinatorService, server: grpc.Server) -> None:
     """The generated registration, except that result streams also take messages serialized already, and a
-    push's chunk messages arrive as ChunkViews (diloco/frames.py)."""
+    push's chunk messages arrive as ChunkViews (diloco/wire/frames.py)."""
 
     class Capture:
         def add_generic_rpc_handlers(self, handlers) -> None:

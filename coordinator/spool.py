@@ -32,8 +32,8 @@ from pathlib import Path
 
 import numpy as np
 
-from diloco.refusal import Reason, Refused
-from diloco.wire import payload_digest
+from diloco.wire.refusal import Reason, Refused
+from diloco.wire.messages import payload_digest
 
 _RECORD = struct.Struct("<QQQHI")  # offset, numel, XXH3-64 of the payload, name bytes, payload bytes
 BLOCK_PAYLOAD = 8 << 20  # a pool block holds about this much payload: a whole number of the largest chunks
@@ -188,7 +188,7 @@ class Spool:
         self.path, self._file = Path(path), os.fdopen(fd, "wb")
 
     def write(self, name: str, offset: int, numel: int, digest: int, payload: bytes) -> None:
-        """One chunk whose payload was verified against its digest (diloco.wire.payload_digest) already."""
+        """One chunk whose payload was verified against its digest (diloco.wire.messages.payload_digest) already."""
         encoded = name.encode()
         if self.max_numel is not None and self.numel + numel > self.max_numel:
             # Bounds a stream that repeats chunks: overlaps are only found once the stream ends.

@@ -1,7 +1,7 @@
 """The coordinator's state: membership, the fragments' round machines, the run's history.
 
 Networking lives in service.py; this module takes calls and raises Refused with
-a typed reason (diloco/refusal.py).
+a typed reason (diloco/wire/refusal.py).
 
 The model's parameters are split into fragments (diloco/fragments.py; one
 fragment holding everything without streaming), each with its own round
@@ -34,9 +34,9 @@ from coordinator.spool import Spools
 from diloco.config import RunConfig
 from diloco.fragments import layout_for
 from diloco.params import checksum, ranges_checksum
-from diloco.refusal import Reason, Refused
+from diloco.wire.refusal import Reason, Refused
 from diloco.v1 import diloco_pb2 as pb
-from diloco.wire import FlatRange, Manifest, link_codecs, uplink_codec
+from diloco.wire.messages import FlatRange, Manifest, link_codecs, uplink_codec
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +70,7 @@ class CoordinatorState:
         self.layout = layout_for(self.manifest.shapes, cfg)
         self.spool_dir = spool_dir
         self.evaluate = evaluate
-        self.tasks = tasks  # downstream task scores (diloco/evaluation.py), every eval.tasks_every_rounds rounds
+        self.tasks = tasks  # downstream task scores (diloco/models/evaluation.py), every eval.tasks_every_rounds rounds
         self.clock = clock
         # A token corpus: who trains on which samples (coordinator/ledger.py), and the corpus's digest.
         self.ledger, self.data_digest = ledger, data_digest

@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 from diloco.policy import LimitsConfig
-from diloco.refusal import Reason, Refused
+from diloco.wire.refusal import Reason, Refused
 
 log = logging.getLogger(__name__)
 

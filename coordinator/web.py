@@ -29,7 +29,7 @@ from urllib.parse import parse_qs, urlsplit
 
 from coordinator.snapshot import run_snapshot
 from coordinator.state import CoordinatorState
-from diloco.net import is_loopback
+from diloco.security.net import is_loopback
 
 log = logging.getLogger(__name__)
 

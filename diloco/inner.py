@@ -9,8 +9,8 @@ import torch
 import torch.nn as nn
 
 from diloco.config import InnerConfig
-from diloco.data import Batch
-from diloco.muon import MuonAdamW
+from diloco.data.sources import Batch
+from diloco.models.muon import MuonAdamW
 
 
 def build_inner_optimizer(model: nn.Module, cfg: InnerConfig) -> torch.optim.Optimizer:
@@ -79,7 +79,7 @@ def train_step(
     if grad_clip > 0:
         torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip, foreach=True)
     for group in optimizer.param_groups:
-        group["lr"] = lr * group.get("lr_scale", 1.0)  # Muon's group: muon_lr / lr (diloco/muon.py)
+        group["lr"] = lr * group.get("lr_scale", 1.0)  # Muon's group: muon_lr / lr (diloco/models/muon.py)
     optimizer.step()
     return value
 

@@ -93,7 +93,7 @@ class PseudoGradientAccumulator:
 
     def add_encoded(self, name: str, offset: int, numel: int, payload: bytes | memoryview, codec, scale: float,
                     late: bool = False) -> None:
-        """add_chunk of codec's decoding of payload (a diloco.codec.Codec); at unit scale decoded and added in one pass
+        """add_chunk of codec's decoding of payload (a diloco.wire.codec.Codec); at unit scale decoded and added in one pass
         (codec.decode_add: the same bits as adding the decoded values, without them)."""
         flat = self.part(late)[name].view(-1)[offset : offset + numel]
         if scale == 1.0:

@@ -54,7 +54,7 @@ class LimitsConfig:
     idle_rounds: int = 3
     # Records of islands that left or whose lease ran out, kept for the run's report, the dashboard and the
     # checkpoint (with mutual TLS each credential has one, which carries its idle count and probation): the
-    # most recent this many; older ones are forgotten. A client's strings in them are bounded (diloco/untrusted.py).
+    # most recent this many; older ones are forgotten. A client's strings in them are bounded (diloco/security/untrusted.py).
     departed_kept: int = 256
     # Disk the spooled pushes may use, all islands together; a chunk beyond it: SPOOL_FULL.
     spool_gb: float = 64.0

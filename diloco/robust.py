@@ -52,7 +52,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from diloco.config import RobustConfig
-from diloco.kernels import _count_sketch
+from diloco.wire.kernels import _count_sketch
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +67,7 @@ class Verdict:
     reference: float = math.nan
 
 
-SKETCH_DIM = 1 << 14  # the kernel's buckets (diloco/kernels.py _count_sketch): cosines to about +-0.01
+SKETCH_DIM = 1 << 14  # the kernel's buckets (diloco/wire/kernels.py _count_sketch): cosines to about +-0.01
 
 
 class Sketcher:

@@ -22,7 +22,7 @@ class ModelConfig:
     # The output projection reuses the embedding matrix; false gives it its own (as Llama 2 7B).
     tie_embeddings: bool = True
     norm_eps: float = 1e-5
-    # Mixture of experts (diloco/moe.py): 0 is the dense MLP; n >= 2 makes every block's MLP n SwiGLU
+    # Mixture of experts (diloco/models/moe.py): 0 is the dense MLP; n >= 2 makes every block's MLP n SwiGLU
     # experts of d_ff each and a router. Each token takes moe_top_k of them; an expert takes at most
     # ceil(moe_capacity_factor * seq_len * top_k / n) tokens of a sequence (the rest skip it); the
     # training loss adds moe_aux_loss_coef times the load-balancing loss (1 at uniform routing).
@@ -48,7 +48,7 @@ class DataConfig:
     source: str = "synthetic"
     path: str = ""
     url: str = ""
-    # Tokens: samples per shuffled block of the epoch order (diloco/samples.py).
+    # Tokens: samples per shuffled block of the epoch order (diloco/data/samples.py).
     shuffle_block: int = 256
     # Tokens, local to each process (not part of the config digest): where shards are cached, how
     # many bytes of them, how many shards ahead to download in the background.
@@ -74,7 +74,7 @@ class DataConfig:
 @dataclass
 class InnerConfig:
     # "adamw", "sgd", or "muon": Muon for the blocks' matrices, AdamW (lr, betas, weight_decay below)
-    # for the embedding, output head and norm gains, as MuLoCo does (diloco/muon.py).
+    # for the embedding, output head and norm gains, as MuLoCo does (diloco/models/muon.py).
     optimizer: str = "adamw"
     lr: float = 3e-3
     min_lr_ratio: float = 0.1
@@ -237,7 +237,7 @@ class EvalConfig:
     batches: int = 8
     batch_size: int = 16
     every_rounds: int = 1
-    # Downstream tasks (diloco/evaluation.py make_task_evaluator): a HellaSwag-format JSON-lines
+    # Downstream tasks (diloco/models/evaluation.py make_task_evaluator): a HellaSwag-format JSON-lines
     # file (a path or fsspec URL) scored every tasks_every_rounds rounds (0: never); with
     # hellaswag_examples > 0 only its first that many (the validation set is 10,042 x 4 endings).
     hellaswag: str = ""

@@ -8,16 +8,16 @@ import sys
 from pathlib import Path
 
 # First: it quiets gRPC's C core (GRPC_VERBOSITY), which takes effect only before grpc is imported.
-from diloco.cli import ArgumentParser, add_config_flags, fail, setup_logging  # isort: skip
+from diloco.cli.common import ArgumentParser, add_config_flags, fail, setup_logging  # isort: skip
 
 import grpc
 import torch
 
 from diloco.checkpoint import CheckpointError
 from diloco.config import ConfigError, load_config
-from diloco.credentials import TlsFiles, island_files
+from diloco.security.credentials import TlsFiles, island_files
 from diloco.jsonlog import LogError, check_tensorboard
-from diloco.net import is_loopback
+from diloco.security.net import is_loopback
 from islands.client import CoordinatorUnreachable
 from islands.launch import LaunchError, LaunchOptions, claim_island, is_launched_rank, launch, replica_spec, run_island
 from islands.telemetry import TelemetryOptions

@@ -11,14 +11,14 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 import grpc
 import torch
 
-from diloco.codec import Codec, get_codec
-from diloco.credentials import TlsFiles
-from diloco.frames import ChunkView, ResultRest, ResultStreamError, push_frames, stub_for
+from diloco.wire.codec import Codec, get_codec
+from diloco.security.credentials import TlsFiles
+from diloco.wire.frames import ChunkView, ResultRest, ResultStreamError, push_frames, stub_for
 from diloco.params import checksum, ranges_checksum
 from diloco.progress import WORTH_SHOWING, Progress
-from diloco.refusal import Reason, is_transport_failure, refusal_of, status_of
+from diloco.wire.refusal import Reason, is_transport_failure, refusal_of, status_of
 from diloco.v1 import diloco_pb2 as pb
-from diloco.wire import PROTOCOL_VERSION, FlatRange, Manifest, apply_chunks, framed_size, ranges_to_proto
+from diloco.wire.messages import PROTOCOL_VERSION, FlatRange, Manifest, apply_chunks, framed_size, ranges_to_proto
 from islands.handshake import CoordinatorUnreachable, await_tls
 
 log = logging.getLogger(__name__)

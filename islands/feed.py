@@ -2,7 +2,7 @@
 
 - Endless sources (the embedded synthetic language, byte-level text): the
   batch is a pure function of the island's shard, the rank's slot and the
-  inner step (diloco.data.StepIndexedStream). Nothing is counted.
+  inner step (diloco.data.sources.StepIndexedStream). Nothing is counted.
 - A token corpus: the coordinator leases the island ranges of sample
   positions (coordinator/ledger.py) and the island reads them in order from
   its data cursor (IslandState). A committed inner step reads the next
@@ -20,8 +20,8 @@ import logging
 
 import torch
 
-from diloco.data import Batch, StepIndexedStream, open_corpus
-from diloco.samples import WindowSamples
+from diloco.data.sources import Batch, StepIndexedStream, open_corpus
+from diloco.data.samples import WindowSamples
 from islands.joining import JoinRefused
 from islands.state import IslandState
 

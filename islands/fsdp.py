@@ -24,8 +24,8 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from diloco.config import ModelConfig
-from diloco.model import Transformer, rope_tables
-from diloco.wire import FlatRange
+from diloco.models.llama import Transformer, rope_tables
+from diloco.wire.messages import FlatRange
 
 log = logging.getLogger(__name__)
 

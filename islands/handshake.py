@@ -13,7 +13,7 @@ import socket
 import ssl
 import time
 
-from diloco.credentials import TlsFiles
+from diloco.security.credentials import TlsFiles
 
 
 class CoordinatorUnreachable(ConnectionError):

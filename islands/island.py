@@ -37,13 +37,13 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from diloco.feedback import ErrorFeedback
+from diloco.wire.feedback import ErrorFeedback
 from diloco.config import RunConfig
 from diloco.inner import build_inner_optimizer, inner_lr, train_step
 from diloco.params import checksum
 from diloco.streaming import EagerState
 from diloco.v1 import diloco_pb2 as pb
-from diloco.wire import Manifest, downlink_codec, link_codecs, uplink_codec
+from diloco.wire.messages import Manifest, downlink_codec, link_codecs, uplink_codec
 from islands.client import CoordinatorClient
 from islands.evidence import Evidence, digest
 from islands.feed import make_feed

@@ -10,10 +10,10 @@ import logging
 import grpc
 
 from diloco.config import RunConfig, config_from_toml
-from diloco.data import resolve_vocab
+from diloco.data.sources import resolve_vocab
 from diloco.fragments import FragmentLayout, layout_for
 from diloco.v1 import diloco_pb2 as pb
-from diloco.wire import Manifest, uplink_codec
+from diloco.wire.messages import Manifest, uplink_codec
 from islands.client import CoordinatorClient
 from islands.outcome import Next, next_step, reason_name
 from islands.world import IslandWorld

@@ -40,7 +40,7 @@ from dataclasses import dataclass
 import torch
 
 from diloco.config import RunConfig
-from diloco.credentials import TlsFiles
+from diloco.security.credentials import TlsFiles
 from islands.client import CoordinatorClient
 from islands.joining import join_run
 from islands.replicas import FT_HOST_ENV, LIGHTHOUSE_ENV, FtConfig, start_lighthouse

@@ -1,7 +1,7 @@
 """What an island does next: one vocabulary, from the coordinator's refusal to what every rank agrees on.
 
 `Next` is the one outcome type of the island. A refusal's typed reason
-(diloco/refusal.py, never the text of a message) maps to it in one table
+(diloco/wire/refusal.py, never the text of a message) maps to it in one table
 below; a push reports it; at a landing the ranks of a group and the replica
 groups agree on it by reducing its integer values with MAX, so the values are
 ordered by severity and `Next(int(reduced))` reads the agreement back.
@@ -13,7 +13,7 @@ import enum
 
 import grpc
 
-from diloco.refusal import Reason, reason_of
+from diloco.wire.refusal import Reason, reason_of
 from diloco.v1 import diloco_pb2 as pb
 
 

@@ -71,15 +71,15 @@ import grpc
 import torch
 import torch.distributed as dist
 
-from diloco.codec import Codec
+from diloco.wire.codec import Codec
 from diloco.config import RunConfig
-from diloco.feedback import ErrorFeedback
+from diloco.wire.feedback import ErrorFeedback
 from diloco.fragments import FragmentLayout
-from diloco.frames import Chunk, chunk_of, fp32_payload
+from diloco.wire.frames import Chunk, chunk_of, fp32_payload
 from diloco.pace import lr_position, max_round_steps, paced
 from diloco.streaming import EagerState, eager_gradient, mix_, swap_estimate_
 from diloco.v1 import diloco_pb2 as pb
-from diloco.wire import FlatRange, Manifest, chunk_spans
+from diloco.wire.messages import FlatRange, Manifest, chunk_spans
 from islands.client import CoordinatorClient, MeanBuffer, RegeneratingChunks
 from islands.evidence import Evidence, digest, fault_due, maybe_fault
 from islands.outcome import Next, next_step, reason_name

@@ -45,7 +45,7 @@ from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 import torch
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, make_wsgi_app
 
-from diloco.moe import inactive_parameters
+from diloco.models.moe import inactive_parameters
 from diloco.jsonlog import JsonLines, LogError, check_tensorboard, tensorboard_writer
 
 log = logging.getLogger(__name__)

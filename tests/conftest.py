@@ -24,7 +24,7 @@ from coordinator.server import start_coordinator
 from diloco.config import load_config
 from diloco.v1 import diloco_pb2 as pb
 from diloco.v1 import diloco_pb2_grpc as pb_grpc
-from diloco.wire import PROTOCOL_VERSION
+from diloco.wire.messages import PROTOCOL_VERSION
 
 KINDS = ("unit", "integration")  # pyproject.toml's markers: `-m unit` and `-m integration` select each half
 
@@ -48,7 +48,7 @@ def island_on(coordinator, cfg):
     from islands.island import Island
     from islands.world import IslandWorld
 
-    from diloco.wire import uplink_codec
+    from diloco.wire.messages import uplink_codec
 
     world = IslandWorld.init("cpu")
     client = CoordinatorClient(f"127.0.0.1:{coordinator.port}", connect_timeout_s=10)
@@ -148,7 +148,7 @@ def make_coordinator(tmp_path):
 def run_ca(tmp_path) -> Path:
     """A run's CA and certificates: the coordinator's for 127.0.0.1; one-rank islands east, west and mallory (the
     attacker's: a valid key); a two-rank (FSDP) island, sharded; and legacy, issued before certificates carried ranks."""
-    from diloco import credentials
+    from diloco.security import credentials
 
     d = tmp_path / "tls"
     credentials.create_ca(d)
@@ -164,7 +164,7 @@ def run_ca(tmp_path) -> Path:
 def tls_coordinator(run_ca, tmp_path):
     """Starts coordinators with mutual TLS (run_ca's certificates, its revoked.json re-read at every check) on
     127.0.0.1, and stops every one of them after the test."""
-    from diloco import credentials
+    from diloco.security import credentials
 
     started = []
 

@@ -29,9 +29,9 @@ import torch  # noqa: E402
 
 from conftest import claim, one_island_config, tiny_config  # noqa: E402
 from coordinator.server import start_coordinator  # noqa: E402
-from diloco.codec import Fp32Codec  # noqa: E402
+from diloco.wire.codec import Fp32Codec  # noqa: E402
 from diloco.v1 import diloco_pb2 as pb  # noqa: E402
-from diloco.wire import Manifest, tensor_chunks  # noqa: E402
+from diloco.wire.messages import Manifest, tensor_chunks  # noqa: E402
 from islands.client import CoordinatorClient, ReplayableChunks  # noqa: E402
 
 log = logging.getLogger("scenario")

@@ -29,13 +29,13 @@ from coordinator import durable
 from coordinator.server import initial_parameters
 from coordinator.state import CoordinatorState
 from diloco.checkpoint import CheckpointStore
-from diloco.codec import Fp32Codec
-from diloco.exportcli import main as export_main
-from diloco.prepare import PrepareConfig, prepare
-from diloco.refusal import Refused
+from diloco.wire.codec import Fp32Codec
+from diloco.cli.export import main as export_main
+from diloco.data.prepare import PrepareConfig, prepare
+from diloco.wire.refusal import Refused
 from diloco.v1 import diloco_pb2 as pb
 from diloco.v1 import diloco_pb2_grpc as pb_grpc
-from diloco.wire import PROTOCOL_VERSION, Manifest, tensor_chunks, uplink_codec
+from diloco.wire.messages import PROTOCOL_VERSION, Manifest, tensor_chunks, uplink_codec
 from islands.client import CoordinatorClient, ReplayableChunks
 from islands.island import Island
 from islands.state import ReplicaSpec

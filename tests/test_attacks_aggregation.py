@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from conftest import claim, tiny_config, wait_for_round
-from diloco.codec import Fp32Codec
+from diloco.wire.codec import Fp32Codec
 from diloco.v1 import diloco_pb2 as pb
-from diloco.wire import PROTOCOL_VERSION, push_messages, tensor_chunks
+from diloco.wire.messages import PROTOCOL_VERSION, push_messages, tensor_chunks
 
 pytestmark = pytest.mark.integration
 

@@ -28,12 +28,12 @@ import torch
 from conftest import ROOT, claim, one_island_config, tiny_config, trained_from, wait_for_round
 from coordinator.server import HANDSHAKE_TIMEOUT_S, initial_parameters, start_coordinator
 from coordinator.spool import FLOOR_PUSHES
-from diloco import credentials
-from diloco.codec import Fp32Codec
-from diloco.refusal import Reason, reason_of
+from diloco.security import credentials
+from diloco.wire.codec import Fp32Codec
+from diloco.wire.refusal import Reason, reason_of
 from diloco.v1 import diloco_pb2 as pb
 from diloco.v1 import diloco_pb2_grpc as pb_grpc
-from diloco.wire import PROTOCOL_VERSION, push_messages, tensor_chunks, uplink_codec
+from diloco.wire.messages import PROTOCOL_VERSION, push_messages, tensor_chunks, uplink_codec
 from islands import telemetry
 from islands.telemetry import METRICS_HANDLERS, MetricsServer
 

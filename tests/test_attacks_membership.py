@@ -24,13 +24,13 @@ from conftest import claim, tiny_config, wait_for_round
 from kit import Clock
 from coordinator.membership import Membership
 from coordinator.web import RunWebServer
-from diloco import credentials
-from diloco.codec import Fp32Codec
-from diloco.refusal import Reason, reason_of
-from diloco.untrusted import HOSTNAME_MAX, bounded
+from diloco.security import credentials
+from diloco.wire.codec import Fp32Codec
+from diloco.wire.refusal import Reason, reason_of
+from diloco.security.untrusted import HOSTNAME_MAX, bounded
 from diloco.v1 import diloco_pb2 as pb
 from diloco.v1 import diloco_pb2_grpc as pb_grpc
-from diloco.wire import PROTOCOL_VERSION, push_messages, tensor_chunks
+from diloco.wire.messages import PROTOCOL_VERSION, push_messages, tensor_chunks
 
 MB = 1 << 20
 

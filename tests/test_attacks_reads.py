@@ -19,13 +19,13 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from conftest import claim, tiny_config
-from diloco import credentials
-from diloco.codec import Fp32Codec
+from diloco.security import credentials
+from diloco.wire.codec import Fp32Codec
 from diloco.params import ranges_checksum
-from diloco.refusal import Reason, reason_of
+from diloco.wire.refusal import Reason, reason_of
 from diloco.v1 import diloco_pb2 as pb
 from diloco.v1 import diloco_pb2_grpc as pb_grpc
-from diloco.wire import PROTOCOL_VERSION, Manifest, push_messages, tensor_chunks
+from diloco.wire.messages import PROTOCOL_VERSION, Manifest, push_messages, tensor_chunks
 
 pytestmark = pytest.mark.integration
 

@@ -12,10 +12,10 @@ import torch
 from conftest import claim, ended, one_island_config, random_like, trained_from, wait_for_round
 from coordinator.server import start_coordinator
 from diloco.checkpoint import CheckpointError, CheckpointStore
-from diloco.codec import Fp32Codec
+from diloco.wire.codec import Fp32Codec
 from diloco.v1 import diloco_pb2 as pb
 from diloco.v1 import diloco_pb2_grpc as pb_grpc
-from diloco.wire import PROTOCOL_VERSION, tensor_chunks
+from diloco.wire.messages import PROTOCOL_VERSION, tensor_chunks
 
 
 @pytest.fixture(params=[pytest.param("local", marks=pytest.mark.unit),

@@ -86,8 +86,8 @@ def test_installed_console_scripts_exist():
 def _old_release_island(port: int) -> list[str]:
     """An island of the previous protocol release (PROTOCOL_VERSION - 1), as a separate process."""
     code = (
-        "import diloco.wire, islands.client; "
-        "diloco.wire.PROTOCOL_VERSION = islands.client.PROTOCOL_VERSION = diloco.wire.PROTOCOL_VERSION - 1; "
+        "import diloco.wire.messages, islands.client; "
+        "diloco.wire.messages.PROTOCOL_VERSION = islands.client.PROTOCOL_VERSION = diloco.wire.messages.PROTOCOL_VERSION - 1; "
         f"from islands.cli import main; main(['join', '--coordinator', '127.0.0.1:{port}', '--device', 'cpu'])"
     )
     return [sys.executable, "-c", code]
@@ -102,7 +102,7 @@ def test_island_of_an_older_release_gets_a_one_line_refusal(make_coordinator):
     assert out.returncode == 2, out.stderr
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1 and "Traceback" not in out.stderr, out.stderr
-    from diloco.wire import PROTOCOL_VERSION
+    from diloco.wire.messages import PROTOCOL_VERSION
 
     expected = f"protocol version {PROTOCOL_VERSION - 1} is not {PROTOCOL_VERSION}"
     assert "PROTOCOL_MISMATCH" in lines[0] and expected in lines[0], lines[0]
@@ -112,7 +112,7 @@ def test_island_of_an_older_release_gets_a_one_line_refusal(make_coordinator):
 def test_joining_a_finished_run_ends_quietly(make_coordinator, channel_to):
     from conftest import claim, ended, join, one_island_config, random_like, trained_from, wait_for_round
     from diloco.v1 import diloco_pb2 as pb
-    from diloco.wire import Manifest, tensor_chunks, uplink_codec
+    from diloco.wire.messages import Manifest, tensor_chunks, uplink_codec
 
     cfg = one_island_config("rounds.rounds=1")
     coordinator = make_coordinator(cfg)
@@ -138,7 +138,7 @@ def test_commands_touching_s3_fail_in_one_line_without_the_s3_librarys_chatter(s
         "join", "--coordinator", "127.0.0.1:9", "--connect-timeout", "1", "--device", "cpu",
         "--resume", "--checkpoint", f"{s3}/island-missing",  # lists the bucket before connecting
     ]
-    evaluate = [sys.executable, "-m", "diloco.evalcli", f"{s3}/missing", "--log-level", "info"]
+    evaluate = [sys.executable, "-m", "diloco.cli.eval", f"{s3}/missing", "--log-level", "info"]
     for argv, message in [(island, "cannot reach the coordinator at 127.0.0.1:9"), (evaluate, f"{s3}/missing")]:
         out = _run(argv)
         lines = out.stderr.strip().splitlines()

@@ -7,10 +7,10 @@ import math
 import pytest
 import torch
 
-from diloco.codec import CODECS, get_codec
-from diloco.feedback import ErrorFeedback
+from diloco.wire.codec import CODECS, get_codec
+from diloco.wire.feedback import ErrorFeedback
 from diloco.config import ConfigError
-from diloco.wire import ChunkCorrupt, Manifest, tensor_chunks, verify_and_decode, verify_chunk
+from diloco.wire.messages import ChunkCorrupt, Manifest, tensor_chunks, verify_and_decode, verify_chunk
 
 pytestmark = pytest.mark.unit
 

@@ -14,12 +14,12 @@ import pytest
 import torch
 
 from conftest import claim, island_on, one_island_config, random_like, tiny_config, trained_from, wait_for_round
-from diloco.codec import get_codec
+from diloco.wire.codec import get_codec
 from diloco.params import checksum
 from islands.sim.simulation import run_sim
 from diloco.v1 import diloco_pb2 as pb
-from diloco.wire import Manifest, downlink_codec, tensor_chunks, uplink_codec
-from diloco.frames import stub_for
+from diloco.wire.messages import Manifest, downlink_codec, tensor_chunks, uplink_codec
+from diloco.wire.frames import stub_for
 from islands.client import CoordinatorClient, ReplayableChunks
 from islands.island import Island
 from islands.world import IslandWorld
@@ -253,7 +253,7 @@ def test_islands_keep_error_feedback_for_topk_however_it_is_spelled(make_coordin
 @pytest.mark.unit
 @pytest.mark.parametrize("payload", [0, 100, 20_000, 3_000_000])
 def test_framed_size_is_the_wrapping_messages_byte_size(payload):
-    from diloco.wire import framed_size
+    from diloco.wire.messages import framed_size
 
     for chunk in (pb.TensorChunk(name="blocks.0.w", offset=12345, numel=payload // 4, payload=b"\x01" * payload, xxh3=7),
                   pb.TensorChunk(name="", offset=0, numel=2**40, payload=b"\x02" * payload, xxh3=2**64 - 1),
@@ -304,11 +304,11 @@ def test_a_pull_waiting_at_the_close_streams_the_update_while_it_is_made_and_end
     publication would wait for it, and this test would fail. Every round the island ends holding exactly the
     coordinator's parameters."""
     from diloco.params import ranges_checksum
-    from diloco.wire import FlatRange
+    from diloco.wire.messages import FlatRange
     import threading
 
     import islands.client as client_module
-    from diloco.frames import ResultRest
+    from diloco.wire.frames import ResultRest
 
     cfg = one_island_config("wire.codec='int8'", "wire.downlink_codec='e3m0'", "outer.lr=0.7", "rounds.rounds=3")
     coordinator = make_coordinator(cfg)

@@ -14,10 +14,10 @@ import pytest
 import torch
 
 from diloco.config import load_config
-from diloco.data import eval_batches, open_corpus
+from diloco.data.sources import eval_batches, open_corpus
 from diloco.inner import evaluate
-from diloco.model import Transformer
-from diloco.prepare import PrepareConfig, prepare
+from diloco.models.llama import Transformer
+from diloco.data.prepare import PrepareConfig, prepare
 
 from benchmarks.convergence_data import LeasedStream
 

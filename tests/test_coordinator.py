@@ -11,10 +11,10 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from conftest import claim, ended, join, random_like, tiny_config, trained_from, wait_for_round
-from diloco.codec import Fp32Codec
-from diloco.refusal import Reason, reason_of, refusal_of
+from diloco.wire.codec import Fp32Codec
+from diloco.wire.refusal import Reason, reason_of, refusal_of
 from diloco.v1 import diloco_pb2 as pb
-from diloco.wire import Manifest, make_chunk, tensor_chunks
+from diloco.wire.messages import Manifest, make_chunk, tensor_chunks
 
 
 def _header(coordinator, island_id, round_=0):

@@ -1,4 +1,4 @@
-"""A run's mTLS credentials (diloco.credentials, diloco-certs): issuing, checking, identity,
+"""A run's mTLS credentials (diloco.security.credentials, diloco-certs): issuing, checking, identity,
 revocation, and a real gRPC server on loopback that verifies islands against the run's CA."""
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-from diloco import credentials as cr
-from diloco.credentials import CredentialError, RevocationList, TlsFiles
+from diloco.security import credentials as cr
+from diloco.security.credentials import CredentialError, RevocationList, TlsFiles
 
 
 @pytest.fixture
@@ -258,7 +258,7 @@ def test_a_broken_revocation_file_is_an_error_at_load(tmp_path: Path):
 
 
 def certs(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "diloco.certcli", *args], capture_output=True, text=True, timeout=60)
+    return subprocess.run([sys.executable, "-m", "diloco.cli.certs", *args], capture_output=True, text=True, timeout=60)
 
 
 @pytest.mark.integration

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from diloco.config import ConfigError, DataConfig
-from diloco.data import MarkovLanguage, eval_batches, train_stream
+from diloco.data.sources import MarkovLanguage, eval_batches, train_stream
 
 pytestmark = pytest.mark.unit
 

@@ -11,10 +11,10 @@ import torch
 
 from conftest import claim, ended, one_island_config, random_like, straight_and_resumed, tiny_config, trained_from, wait_for_round
 from islands.sim.chaos import ChaosPlan, parse_chaos, run_chaos
-from diloco.codec import Fp32Codec
+from diloco.wire.codec import Fp32Codec
 from islands.sim.simulation import run_sim
 from diloco.v1 import diloco_pb2 as pb
-from diloco.wire import PROTOCOL_VERSION, tensor_chunks
+from diloco.wire.messages import PROTOCOL_VERSION, tensor_chunks
 
 
 def _sim_config(rounds: int, islands: int, *extra: str):

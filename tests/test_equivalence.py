@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from conftest import one_island_config
-from diloco.data import StepIndexedStream
-from diloco.model import Transformer
+from diloco.data.sources import StepIndexedStream
+from diloco.models.llama import Transformer
 from islands.launch import run_island
 from islands.state import ReplicaSpec
 from islands.world import IslandWorld

@@ -1,4 +1,4 @@
-"""`diloco-eval` and diloco/evaluation.py: held-out loss, HellaSwag scored as lm-evaluation-harness scores it,
+"""`diloco-eval` and diloco/models/evaluation.py: held-out loss, HellaSwag scored as lm-evaluation-harness scores it,
 the command on coordinator checkpoints (text and token runs) and exported folders, and one-line errors."""
 
 from __future__ import annotations
@@ -23,13 +23,13 @@ from conftest import one_island_config, tiny_config
 from coordinator import durable
 from diloco.checkpoint import CheckpointStore
 from diloco.config import ConfigError
-from diloco.data import eval_batches
-from diloco.evalcli import main
-from diloco.evaluation import (ByteTokenizer, EvalError, Example, choice_loglikelihoods, corpus_tokenizer, encode_pair,
+from diloco.data.sources import eval_batches
+from diloco.cli.eval import main
+from diloco.models.evaluation import (ByteTokenizer, EvalError, Example, choice_loglikelihoods, corpus_tokenizer, encode_pair,
                                heldout_loss, load_hellaswag, loglikelihoods, make_task_evaluator, multiple_choice)
 from diloco.inner import evaluate
-from diloco.model import Transformer
-from diloco.prepare import PrepareConfig, prepare
+from diloco.models.llama import Transformer
+from diloco.data.prepare import PrepareConfig, prepare
 
 ROOT = Path(__file__).resolve().parents[1]
 WORDS = ("the man sits on a roof and pulls up shingles while a dog runs across the yard near a river under "
@@ -242,7 +242,7 @@ def test_the_command_on_a_text_run_checkpoint_and_on_its_export(text_run, capsys
     assert "perplexity" in out and "acc_norm" in out and "step 0 (round 0)" in out
     check(run_cli(f"{r.url}/step-0000000000", "--text", r.text, "--hellaswag", r.hellaswag, capsys=capsys)[0], want)
 
-    from diloco.export import export
+    from diloco.models.export import export
 
     folder = r.tmp / "exported"
     export(r.url, folder)
@@ -253,7 +253,7 @@ def test_the_command_on_a_text_run_checkpoint_and_on_its_export(text_run, capsys
 
 @pytest.mark.integration
 def test_a_checkpoint_without_its_config_needs_the_runs_and_refuses_another(make_coordinator, tmp_path, capsys):
-    from diloco.datacli import main as datacli
+    from diloco.cli.data import main as datacli
 
     corpus = tmp_path / "corpus.txt"
     rng = random.Random(1)
@@ -311,7 +311,7 @@ def test_bad_input_exits_2_with_one_line(text_run, capsys):
         assert e.value.code == 2, args
         assert err.startswith("diloco-eval: error: ") and err.count("\n") == 1 and message in err, (args, err)
     # As a command: one line on stderr, status 2.
-    done = subprocess.run([sys.executable, "-m", "diloco.evalcli", str(tmp / "absent")], cwd=ROOT, capture_output=True,
+    done = subprocess.run([sys.executable, "-m", "diloco.cli.eval", str(tmp / "absent")], cwd=ROOT, capture_output=True,
                           text=True, timeout=120)
     assert done.returncode == 2 and done.stderr.count("\n") == 1 and "no checkpoint at" in done.stderr
 
@@ -336,9 +336,9 @@ def test_the_coordinators_task_evaluator(tmp_path):
 
 @pytest.mark.integration
 def test_the_coordinator_scores_the_tasks_every_n_rounds_and_logs_them(make_coordinator, channel_to, tmp_path):
-    from diloco.codec import Fp32Codec
+    from diloco.wire.codec import Fp32Codec
     from diloco.v1 import diloco_pb2 as pb
-    from diloco.wire import PROTOCOL_VERSION, push_messages, tensor_chunks
+    from diloco.wire.messages import PROTOCOL_VERSION, push_messages, tensor_chunks
 
     from conftest import claim, trained_from, wait_for_round
 
@@ -386,8 +386,8 @@ def train(model: nn.Module, ids: list[int], seq_len: int, steps: int = 200) -> N
 def bpe_folder(make_coordinator, tmp_path):
     """A diloco-export folder (with tokenizer.json) of a token run on a BPE corpus of a text, its weights
     trained on the BPE tokens of the text's head, and the text."""
-    from diloco.export import export
-    from diloco.hf import from_hf_folder
+    from diloco.models.export import export
+    from diloco.models.hf import from_hf_folder
 
     text = tmp_path / "river.txt"
     sentences = [f"the river {i % 13} runs past the stone island {i % 7}." for i in range(600)]
@@ -469,7 +469,7 @@ def test_text_on_a_model_without_a_tokenizer_is_refused_unless_it_is_byte_level(
         assert "no tokenizer.json" in err and "--tokenizer FILE" in err, err
         assert f"vocabulary of {bpe_folder.model_cfg.vocab_size} " in err, err
     # A model of 256 tokens without one is byte-level: the text's bytes, as a byte-level run reads them.
-    from diloco.export import export
+    from diloco.models.export import export
 
     export(text_run.url, text_run.tmp / "bytes-hf")
     report, _ = run_cli(text_run.tmp / "bytes-hf", "--text", text_run.text, capsys=capsys)

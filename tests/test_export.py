@@ -14,9 +14,9 @@ import torch
 from conftest import claim, tiny_config
 from kit import coordinator_checkpoint, export_cli, one_error_line
 from diloco.checkpoint import CheckpointStore
-from diloco.hf import from_hf_folder
-from diloco.model import Transformer
-from diloco.prepare import PrepareConfig, prepare
+from diloco.models.hf import from_hf_folder
+from diloco.models.llama import Transformer
+from diloco.data.prepare import PrepareConfig, prepare
 
 pytestmark = pytest.mark.integration
 
@@ -111,7 +111,7 @@ def test_uncommitted_missing_or_corrupt_checkpoints_are_refused_with_one_line(ma
     line = one_error_line(capsys, export_cli(url, tmp_path / "b"))
     assert "corrupt" in line and not (tmp_path / "b").exists()
     # The console script says the same, as one line, exit status 2.
-    out = subprocess.run([sys.executable, "-m", "diloco.exportcli", url, str(tmp_path / "c")], capture_output=True, text=True, timeout=120)
+    out = subprocess.run([sys.executable, "-m", "diloco.cli.export", url, str(tmp_path / "c")], capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1 and "corrupt" in out.stderr, out.stderr
 
 

@@ -6,7 +6,7 @@ import pytest
 
 from diloco.config import ConfigError, load_config
 from diloco.fragments import layout_for
-from diloco.model import Transformer
+from diloco.models.llama import Transformer
 
 pytestmark = pytest.mark.unit
 

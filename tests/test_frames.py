@@ -1,4 +1,4 @@
-"""Chunk messages framed by hand (diloco/frames.py) against protobuf's own serializing and parsing."""
+"""Chunk messages framed by hand (diloco/wire/frames.py) against protobuf's own serializing and parsing."""
 
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ import pytest
 import torch
 from google.protobuf.message import DecodeError
 
-from diloco.codec import get_codec
-from diloco.frames import ChunkView, chunk_of, fp32_payload, frame_chunk, parse_chunk_message, push_frames, serialized_values
+from diloco.wire.codec import get_codec
+from diloco.wire.frames import ChunkView, chunk_of, fp32_payload, frame_chunk, parse_chunk_message, push_frames, serialized_values
 from diloco.v1 import diloco_pb2 as pb
-from diloco.wire import make_chunk, push_messages, tensor_chunks
+from diloco.wire.messages import make_chunk, push_messages, tensor_chunks
 
 pytestmark = pytest.mark.unit
 

@@ -92,7 +92,7 @@ def test_fsdp2_on_cuda_computes_in_bf16_over_fp32_masters():
         pytest.skip("a process group is already initialised in this process")
     cfg = tiny_config("model.d_model=128", "model.n_heads=4", "model.d_ff=256", "model.n_layers=2").model
     torch.manual_seed(0)
-    from diloco.model import Transformer
+    from diloco.models.llama import Transformer
 
     reference = Transformer(cfg)
     inputs = torch.randint(0, cfg.vocab_size, (4, 32))

@@ -19,9 +19,9 @@ from kit import NESTEROV, T, Clock, Reference, islands_on_threads, join_all, lat
 from coordinator.links import LinkAdvisor
 from diloco.config import ConfigError, load_config
 from diloco.pace import lr_position
-from diloco.refusal import Reason
+from diloco.wire.refusal import Reason
 from diloco.v1 import diloco_pb2 as pb
-from diloco.wire import link_codecs
+from diloco.wire.messages import link_codecs
 from islands.round import PaceError, RoundPace
 from islands.state import ReplicaSpec
 

@@ -8,7 +8,7 @@ import torch
 from conftest import one_island_config, tiny_config
 from diloco.config import InnerConfig
 from diloco.inner import build_inner_optimizer, inner_lr
-from diloco.model import Transformer
+from diloco.models.llama import Transformer
 from diloco.params import checksum
 from islands.client import CoordinatorClient
 from islands.island import Island

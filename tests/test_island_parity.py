@@ -93,10 +93,10 @@ def _landings(reports: Path) -> dict[tuple[int, int, int], set[str]]:
 def _reference(cfg, slots: int) -> dict[str, torch.Tensor]:
     """Streaming DiLoCo for one island whose inner step averages the gradients of `slots` ranks' batches,
     written out in this process (fp32 both ways, the island alone in the run)."""
-    from diloco.data import StepIndexedStream
+    from diloco.data.sources import StepIndexedStream
     from diloco.fragments import layout_for
     from diloco.inner import build_inner_optimizer, inner_lr
-    from diloco.model import Transformer
+    from diloco.models.llama import Transformer
     from diloco.outer import OuterOptimizer
     from diloco.params import fp32_copy
 

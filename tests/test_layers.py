@@ -11,7 +11,7 @@ import pytest
 pytestmark = pytest.mark.unit
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("diloco", "coordinator", "islands")
+PACKAGES = ("diloco", "coordinator", "islands", "benchmarks", "tests/probes")
 GENERATED = ("diloco/v1/",)  # protoc output
 
 
@@ -118,12 +118,26 @@ def test_the_harness_sits_above_what_it_launches(graph):
         if (src.startswith("diloco") and dst.split(".")[0] in ("coordinator", "islands"))
         or (src.startswith("coordinator") and dst.startswith("islands"))
         or (src.startswith("islands") and dst.startswith("coordinator"))
-        or (dst.startswith("islands.sim") and not src.startswith("islands.sim"))
+        or (dst.startswith("islands.sim") and not src.startswith(("islands.sim", "benchmarks", "tests")))
+        # benchmarks and probes sit above everything they measure or attack
+        or (dst.split(".")[0] in ("benchmarks", "tests") and src.split(".")[0] in ("diloco", "coordinator", "islands"))
     }
     assert offenders == set()
     # and the harness really does use the layers beneath it, so the rules above have something to hold
     assert any(d.startswith("diloco") for d in graph["islands.sim.simulation"])
     assert "islands.sim.simulation" in graph["islands.sim.chaos"]
+
+
+def test_the_core_library_is_in_wings_each_saying_what_it_holds():
+    """diloco/: what a reader of DiLoCo needs at the top; the wire, data, models, security and the command lines in
+    subpackages, each with a docstring."""
+    wings = sorted(p.parent.name for p in (ROOT / "diloco").glob("*/__init__.py") if p.parent.name != "v1")
+    assert wings == ["cli", "data", "models", "security", "wire"]
+    for wing in wings:
+        doc = ast.get_docstring(ast.parse((ROOT / "diloco" / wing / "__init__.py").read_text()))
+        assert doc and len(doc) > 80, f"diloco/{wing}/__init__.py needs a paragraph saying what the wing holds"
+    top = {p.stem for p in (ROOT / "diloco").glob("*.py")} - {"__init__"}
+    assert {"config", "outer", "inner", "fragments", "streaming"} <= top and len(top) <= 14, sorted(top)
 
 
 def _defines(path: Path, symbol: str) -> bool:

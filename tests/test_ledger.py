@@ -7,8 +7,8 @@ import random
 import pytest
 
 from coordinator.ledger import DataLedger, RangeSet
-from diloco.refusal import Refused
-from diloco.refusal import Reason
+from diloco.wire.refusal import Refused
+from diloco.wire.refusal import Reason
 
 pytestmark = pytest.mark.unit
 

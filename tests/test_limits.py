@@ -14,12 +14,12 @@ from conftest import one_island_config, tiny_config, trained_from, wait_for_roun
 from kit import Clock
 from coordinator.server import start_coordinator
 from coordinator.limits import TokenBucket
-from diloco import credentials
-from diloco.codec import Fp32Codec
-from diloco.refusal import Reason, reason_of
+from diloco.security import credentials
+from diloco.wire.codec import Fp32Codec
+from diloco.wire.refusal import Reason, reason_of
 from diloco.v1 import diloco_pb2 as pb
 from diloco.v1 import diloco_pb2_grpc as pb_grpc
-from diloco.wire import PROTOCOL_VERSION, push_messages, tensor_chunks
+from diloco.wire.messages import PROTOCOL_VERSION, push_messages, tensor_chunks
 
 
 def _join(stub, **fields) -> str:

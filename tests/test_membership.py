@@ -11,10 +11,10 @@ import torch
 import pytest
 
 from conftest import PER_STEP, claim, ended, join, one_island_config, random_like, tiny_config, trained_from, wait_for_round
-from diloco.codec import Fp32Codec
+from diloco.wire.codec import Fp32Codec
 from islands.sim.simulation import Simulation
 from diloco.v1 import diloco_pb2 as pb
-from diloco.wire import Manifest, tensor_chunks
+from diloco.wire.messages import Manifest, tensor_chunks
 
 pytestmark = pytest.mark.integration
 
@@ -120,7 +120,7 @@ def test_island_keeps_waiting_for_a_round_held_open_below_min_islands(make_coord
     import threading
 
     from diloco.params import checksum
-    from diloco.wire import FlatRange
+    from diloco.wire.messages import FlatRange
     from islands.client import CoordinatorClient
     from islands.outcome import Next
     from islands.round import Exchange, FragmentShard, Wire, pull, push

@@ -11,9 +11,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from conftest import claim, one_island_config, tiny_config, trained_from, wait_for_round
 from coordinator.metrics import CheckpointStats, coordinator_metrics
-from diloco.codec import Fp32Codec
+from diloco.wire.codec import Fp32Codec
 from diloco.v1 import diloco_pb2 as pb
-from diloco.wire import PROTOCOL_VERSION, push_messages, tensor_chunks
+from diloco.wire.messages import PROTOCOL_VERSION, push_messages, tensor_chunks
 
 pytestmark = pytest.mark.integration
 

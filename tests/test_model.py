@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from diloco.config import ModelConfig, load_config
-from diloco.model import Transformer
+from diloco.models.llama import Transformer
 
 pytestmark = pytest.mark.unit
 

@@ -1,4 +1,4 @@
-"""Mixture of experts (diloco/moe.py): routing, capacity overflow, the load-balancing loss, gradients,
+"""Mixture of experts (diloco/models/moe.py): routing, capacity overflow, the load-balancing loss, gradients,
 parameter counts; a 1 x 2 FSDP group against one rank; a run through every codec."""
 
 from __future__ import annotations
@@ -14,10 +14,10 @@ import torch.nn.functional as F
 from conftest import island_on, one_island_config, run_scenario, spawn_gloo_ranks, tiny_config
 from coordinator.server import initial_parameters
 from diloco.config import ConfigError, ModelConfig, load_config
-from diloco.data import StepIndexedStream
+from diloco.data.sources import StepIndexedStream
 from diloco.inner import build_inner_optimizer, inner_lr, train_step
-from diloco.model import Block, Transformer
-from diloco.moe import MoE, expert_capacity, load_balancing_loss, route
+from diloco.models.llama import Block, Transformer
+from diloco.models.moe import MoE, expert_capacity, load_balancing_loss, route
 from diloco.params import checksum
 
 MOE = ("model.moe_experts=4", "model.moe_top_k=2")
@@ -224,7 +224,7 @@ def test_config_validates_and_a_dense_run_hashes_as_before():
 def test_export_refuses_a_mixture_of_experts_with_one_line(make_coordinator, tmp_path, capsys):
     from kit import coordinator_checkpoint, export_cli, one_error_line
 
-    from diloco.hf import HFError, to_hf
+    from diloco.models.hf import HFError, to_hf
 
     url = str(tmp_path / "ckpt")
     cfg, params = coordinator_checkpoint(make_coordinator, url, *MOE, push=False)

@@ -1,4 +1,4 @@
-"""Muon as the inner optimizer (diloco/muon.py): which parameters it takes, torch's arithmetic exactly,
+"""Muon as the inner optimizer (diloco/models/muon.py): which parameters it takes, torch's arithmetic exactly,
 state that round-trips, and a 1 x 2 FSDP group stepping exactly as one rank does (healing included).
 
 The resume tests (tests/test_shard_checkpoint.py) run a Muon case too.
@@ -14,10 +14,10 @@ import pytest
 import torch
 
 from conftest import spawn_gloo_ranks, tiny_config
-from diloco.data import StepIndexedStream
+from diloco.data.sources import StepIndexedStream
 from diloco.inner import build_inner_optimizer, inner_lr, train_step
-from diloco.model import Transformer
-from diloco.muon import MuonAdamW, split_parameters
+from diloco.models.llama import Transformer
+from diloco.models.muon import MuonAdamW, split_parameters
 
 STEPS = 6
 

@@ -9,11 +9,11 @@ import pytest
 import torch
 
 from conftest import claim, one_island_config, random_like, tiny_config, trained_from
-from diloco.codec import Fp32Codec
+from diloco.wire.codec import Fp32Codec
 from diloco.config import OuterConfig
 from diloco.outer import OuterOptimizer, PseudoGradientAccumulator
 from diloco.v1 import diloco_pb2 as pb
-from diloco.wire import Manifest, tensor_chunks
+from diloco.wire.messages import Manifest, tensor_chunks
 from islands.client import CoordinatorClient, ReplayableChunks
 
 

@@ -15,11 +15,11 @@ import numpy as np
 import pytest
 import zstandard
 
-from diloco.bpe import train_bpe
-from diloco.corpus import documents, is_eval
-from diloco.datacli import main
-from diloco.prepare import KILL_AT_SHARD
-from diloco.shards import open_store
+from diloco.data.bpe import train_bpe
+from diloco.data.corpus import documents, is_eval
+from diloco.cli.data import main
+from diloco.data.prepare import KILL_AT_SHARD
+from diloco.data.shards import open_store
 
 ROOT = Path(__file__).resolve().parents[1]
 SHARED = ROOT.parent / "shared" / "data"
@@ -122,7 +122,7 @@ def test_prepare_from_and_to_s3_equals_local(corpus, tmp_path, s3):
 
 
 def prepare_cmd(*args: str) -> list[str]:
-    return [sys.executable, "-m", "diloco.datacli", "prepare", *args]
+    return [sys.executable, "-m", "diloco.cli.data", "prepare", *args]
 
 
 @pytest.mark.integration

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from coordinator.publish import Publication
-from diloco.codec import get_codec
+from diloco.wire.codec import get_codec
 from diloco.v1 import diloco_pb2 as pb
 
 pytestmark = pytest.mark.unit
@@ -89,8 +89,8 @@ def test_a_pull_of_an_update_that_failed_half_way_is_refused_and_waits_for_none_
     """A publication that raised part-way fails its stream: a pull that took chunks of it is refused (STILL_OPEN:
     it pulls again), so an island never applies part of an update."""
     from coordinator.publish import DeltaStream
-    from diloco.refusal import Refused
-    from diloco.refusal import Reason
+    from diloco.wire.refusal import Refused
+    from diloco.wire.refusal import Reason
 
     stream = DeltaStream(3, "base", 1, 10)
     stream.extend([pb.TensorChunk(name="w", offset=0, numel=1, payload=b"x")])

@@ -11,12 +11,12 @@ import pytest
 import torch
 
 from conftest import tiny_config, trained_from, wait_for_round
-from diloco.codec import Fp32Codec
+from diloco.wire.codec import Fp32Codec
 from diloco.config import RobustConfig
-from diloco.refusal import Reason, reason_of
+from diloco.wire.refusal import Reason, reason_of
 from diloco.robust import NormGuard, Sketcher, opposed
 from diloco.v1 import diloco_pb2 as pb
-from diloco.wire import PROTOCOL_VERSION, push_messages, tensor_chunks
+from diloco.wire.messages import PROTOCOL_VERSION, push_messages, tensor_chunks
 
 
 @pytest.mark.unit

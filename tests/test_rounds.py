@@ -18,9 +18,9 @@ from conftest import claim, random_like, trained_from
 from kit import SHARES, Clock, join_shares, make_state, push, push_share, refusal, share_tokens
 from coordinator.publish import SharedStream
 from coordinator.spool import Spool, SpoolCorrupt
-from diloco.refusal import Reason
+from diloco.wire.refusal import Reason
 from diloco.v1 import diloco_pb2 as pb
-from diloco.wire import payload_digest, tensor_chunks, uplink_codec
+from diloco.wire.messages import payload_digest, tensor_chunks, uplink_codec
 
 pytestmark = pytest.mark.unit
 
@@ -139,7 +139,7 @@ def test_nonfinite_push_drops_the_island_from_the_round(tmp_path):
 def test_a_pull_for_ranges_the_coordinator_lacks_asks_for_them_again(tmp_path):
     """After a restart each rank of a sharded island pushes its own shard again: a rank whose ranges
     are not here is told to push again, even when another rank's part of the contribution arrived."""
-    from diloco.wire import FlatRange
+    from diloco.wire.messages import FlatRange
 
     state = make_state(tmp_path, "rounds.min_islands=1")
     a = state.join("a").island_id

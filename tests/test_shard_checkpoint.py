@@ -17,8 +17,8 @@ import torch.distributed as dist
 
 from conftest import run_scenario, tiny_config
 from diloco.checkpoint import CheckpointError
-from diloco.feedback import ErrorFeedback
-from diloco.data import StepIndexedStream
+from diloco.wire.feedback import ErrorFeedback
+from diloco.data.sources import StepIndexedStream
 from diloco.inner import build_inner_optimizer
 from islands.checkpoint import IslandCheckpoint
 from islands.fsdp import ShardLayout, build_island_model, local_views

@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from conftest import claim, one_island_config, random_like, tiny_config, wait_for_round
-from diloco.codec import Fp32Codec
+from diloco.wire.codec import Fp32Codec
 from diloco.params import ranges_checksum
-from diloco.refusal import Reason, reason_of
-from diloco.wire import FlatRange, Manifest, downlink_codec, encode_chunks
+from diloco.wire.refusal import Reason, reason_of
+from diloco.wire.messages import FlatRange, Manifest, downlink_codec, encode_chunks
 from islands.client import CoordinatorClient, RegeneratingChunks
 from diloco.v1 import diloco_pb2 as pb
 

@@ -6,10 +6,10 @@ import random
 
 import pytest
 
-from diloco.refusal import Refused
+from diloco.wire.refusal import Refused
 from coordinator.spool import BLOCK_PAYLOAD, SpoolCorrupt, Spools
-from diloco.refusal import Reason
-from diloco.wire import payload_digest
+from diloco.wire.refusal import Reason
+from diloco.wire.messages import payload_digest
 
 pytestmark = pytest.mark.unit
 
@@ -53,8 +53,8 @@ def test_pushes_fill_the_memory_pool_then_go_to_disk_and_read_back_in_order(tmp_
 def test_a_pool_of_one_models_bytes_holds_a_whole_push_of_that_model_in_full_size_chunks(tmp_path):
     """Blocks fit a whole number of the largest records with their headers: before, 8 MiB blocks held seven 1 MiB
     records and an eighth of every model-sized push went to disk."""
-    from diloco.codec import get_codec
-    from diloco.wire import chunk_spans
+    from diloco.wire.codec import get_codec
+    from diloco.wire.messages import chunk_spans
 
     chunk_bytes, fp32 = 1 << 20, get_codec("fp32")
     shapes = {f"blocks.{k}.mlp.w_down.weight": 3 * (1 << 18) + 7 * k for k in range(11)} | {"norm.weight": 768}
@@ -120,7 +120,7 @@ def test_a_push_cut_off_mid_stream_gives_its_memory_back_and_the_island_pushes_w
     from kit import make_state, push
 
     from diloco.v1 import diloco_pb2 as pb
-    from diloco.wire import tensor_chunks, uplink_codec
+    from diloco.wire.messages import tensor_chunks, uplink_codec
 
     state = make_state(tmp_path, "limits.spool_memory_models=1000", "rounds.deadline_s=1000")
     a, b = state.join("a").island_id, state.join("b").island_id

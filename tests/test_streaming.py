@@ -16,18 +16,18 @@ import pytest
 import torch
 
 from conftest import claim, ended, island_on, kill_all_and_resume, random_like, tiny_config, trained_from
-from diloco.codec import Fp32Codec
+from diloco.wire.codec import Fp32Codec
 from diloco.config import RunConfig
-from diloco.data import StepIndexedStream
+from diloco.data.sources import StepIndexedStream
 from diloco.inner import build_inner_optimizer, inner_lr, train_step
-from diloco.model import Transformer
+from diloco.models.llama import Transformer
 from diloco.outer import OuterOptimizer, PseudoGradientAccumulator
 from diloco.params import checksum, fp32_copy
 from islands.sim.simulation import RoundPrinter, Simulation
 from diloco.streaming import OuterReplica, eager_gradient, mix_, swap_estimate_
 from diloco.v1 import diloco_pb2 as pb
 from islands.sim.wan import WanLink
-from diloco.wire import PROTOCOL_VERSION, tensor_chunks
+from diloco.wire.messages import PROTOCOL_VERSION, tensor_chunks
 from islands.client import CoordinatorClient
 from islands.island import Island
 from islands.launch import run_island

@@ -25,7 +25,7 @@ from diloco.checkpoint import CheckpointStore
 from diloco.jsonlog import JsonLines, LogError, check_tensorboard, tensorboard_writer
 from diloco.progress import Progress
 from diloco.v1 import diloco_pb2 as pb
-from diloco.wire import Manifest
+from diloco.wire.messages import Manifest
 from islands.client import CoordinatorClient
 from islands.telemetry import IslandTelemetry, MetricsServer, TelemetryOptions, flops_per_token, gpu_peak_flops
 

@@ -14,12 +14,12 @@ import torch
 
 from conftest import claim, one_island_config, tiny_config, trained_from
 from coordinator.server import start_coordinator
-from diloco import credentials
-from diloco.codec import Fp32Codec
-from diloco.refusal import Reason, reason_of
+from diloco.security import credentials
+from diloco.wire.codec import Fp32Codec
+from diloco.wire.refusal import Reason, reason_of
 from diloco.v1 import diloco_pb2 as pb
 from diloco.v1 import diloco_pb2_grpc as pb_grpc
-from diloco.wire import PROTOCOL_VERSION, Manifest, push_messages, tensor_chunks
+from diloco.wire.messages import PROTOCOL_VERSION, Manifest, push_messages, tensor_chunks
 from islands.client import CoordinatorClient, CoordinatorUnreachable
 from islands.handshake import CoordinatorTlsRefused
 from islands.island import Island

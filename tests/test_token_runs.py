@@ -8,7 +8,7 @@ import pytest
 from conftest import island_on, tiny_config
 from kit import write_corpus
 from diloco.config import ConfigError
-from diloco.shards import read_manifest
+from diloco.data.shards import read_manifest
 
 pytestmark = pytest.mark.integration
 
@@ -121,7 +121,7 @@ def test_a_chaos_run_on_tokens_folds_every_sample_at_most_once_and_accounts_for_
 
 
 def test_a_corrupt_shard_stops_the_island_with_one_line_naming_it(tmp_path, make_coordinator):
-    from diloco.shards import DataError
+    from diloco.data.shards import DataError
 
     url = write_corpus(tmp_path, docs=150)
     cfg = token_config(url, tmp_path, "rounds.rounds=2")

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import zstandard
 
-from diloco.shards import DataError, Manifest, ShardInfo, SplitInfo, encode_shard, open_store
+from diloco.data.shards import DataError, Manifest, ShardInfo, SplitInfo, encode_shard, open_store
 
 DATA = Path(__file__).resolve().parent / "data"
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import grpc
 
-from diloco.cli import ArgumentParser, add_config_flags, config_from_args, fail
+from diloco.cli.common import ArgumentParser, add_config_flags, config_from_args, fail
 from islands.sim.chaos import describe, parse_chaos, run_chaos
 from islands.sim.simulation import run_sim, summarize
 from islands.sim.wan import LinkSpec, WanSpecError, parse_wan

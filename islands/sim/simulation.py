@@ -25,9 +25,9 @@ from pathlib import Path
 
 import grpc
 
-from diloco import credentials
+from diloco.security import credentials
 from diloco.config import RunConfig
-from diloco.data import entropy_floor
+from diloco.data.sources import entropy_floor
 from diloco.v1 import diloco_pb2 as pb
 from diloco.v1 import diloco_pb2_grpc as pb_grpc
 from islands.sim.wan import LinkSpec, WanLink

@@ -25,13 +25,13 @@ import grpc
 import torch
 
 from coordinator.server import start_coordinator
-from diloco import credentials
-from diloco.codec import Fp32Codec
-from diloco.refusal import reason_of
+from diloco.security import credentials
+from diloco.wire.codec import Fp32Codec
+from diloco.wire.refusal import reason_of
 from diloco.config import load_config
 from diloco.v1 import diloco_pb2 as pb
 from diloco.v1 import diloco_pb2_grpc as pb_grpc
-from diloco.wire import PROTOCOL_VERSION, push_messages, tensor_chunks
+from diloco.wire.messages import PROTOCOL_VERSION, push_messages, tensor_chunks
 
 TINY = ["model.d_model=32", "model.n_layers=1", "model.n_heads=2", "model.d_ff=64", "model.max_seq_len=32",
         "data.seq_len=32", "inner.batch_size=4", "inner.steps_per_round=2", "eval.batches=0", "wire.chunk_bytes=4096",

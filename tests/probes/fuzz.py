@@ -5,7 +5,7 @@ and "west" (the legitimate islands, run in threads of this process) and "fuzzer"
 as its own island, then for a bounded count of calls and seconds sends every RPC of the .proto
 random and mutated requests, push streams, raw bytes, call metadata and short deadlines
 (tests/probes/fuzz_gen.py), through generic calls that take bytes (no island code). Each answer must
-be explained: a typed Refusal with its reason's status (diloco/refusal.py), or gRPC's own answer to
+be explained: a typed Refusal with its reason's status (diloco/wire/refusal.py), or gRPC's own answer to
 input that never reached the servicer (too large, unparseable, bad metadata, the client's deadline
 or cancel). UNKNOWN (an exception in a servicer) is what it hunts for. It never pushes a chunk of
 one reserved parameter, so it never completes a contribution: the legitimate run must end with
@@ -34,7 +34,7 @@ import grpc  # noqa: E402  (after GRPC_VERBOSITY, which gRPC reads as it loads)
 from grpc_health.v1 import health_pb2, health_pb2_grpc  # noqa: E402
 
 from coordinator.server import start_coordinator  # noqa: E402
-from diloco import credentials  # noqa: E402
+from diloco.security import credentials  # noqa: E402
 from diloco.config import RunConfig, load_config  # noqa: E402
 from diloco.v1 import diloco_pb2 as pb  # noqa: E402
 from diloco.v1 import diloco_pb2_grpc as pb_grpc  # noqa: E402

@@ -3,7 +3,7 @@
 It is made from the .proto alone: every RPC of the Coordinator service, called through a
 multicallable with identity serializers, so that what goes out may not even parse; no island code.
 Each answer must be explained (`explain`): a typed Refusal whose status is its reason's
-(diloco/refusal.py), or gRPC's own answer to input that never reached the servicer. Anything else,
+(diloco/wire/refusal.py), or gRPC's own answer to input that never reached the servicer. Anything else,
 UNKNOWN first of all (an exception in a servicer), is a failure, kept with the request's bytes.
 """
 
@@ -19,12 +19,12 @@ from dataclasses import dataclass
 import grpc
 
 from coordinator.server import max_message_bytes
-from diloco import credentials
+from diloco.security import credentials
 from diloco.config import RunConfig
-from diloco.refusal import STATUS, Reason, refusal_of
+from diloco.wire.refusal import STATUS, Reason, refusal_of
 from diloco.v1 import diloco_pb2 as pb
 from diloco.v1 import diloco_pb2_grpc as pb_grpc
-from diloco.wire import PROTOCOL_VERSION, Manifest
+from diloco.wire.messages import PROTOCOL_VERSION, Manifest
 from tests.probes.fuzz_gen import Gen, Target, message_class, parses
 
 SERVICE = pb.DESCRIPTOR.services_by_name["Coordinator"]

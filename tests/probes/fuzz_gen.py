@@ -18,9 +18,9 @@ from google.protobuf import message_factory
 from google.protobuf.descriptor import FieldDescriptor as F
 from google.protobuf.message import DecodeError, Message
 
-from diloco.codec import Fp32Codec
+from diloco.wire.codec import Fp32Codec
 from diloco.v1 import diloco_pb2 as pb
-from diloco.wire import PROTOCOL_VERSION, Manifest, payload_digest, push_messages, tensor_chunks
+from diloco.wire.messages import PROTOCOL_VERSION, Manifest, payload_digest, push_messages, tensor_chunks
 
 INT64 = (-(2**63), 2**63 - 1)
 INTS = [0, 1, -1, 2, 7, 1023, 1024, 4096, 2**31, 2**32, -(2**31), 10**9, *INT64]

@@ -1,6 +1,6 @@
 """Our decoder as Hugging Face's Llama, and back: the one place that knows both sets of names.
 
-diloco/model.py names a block's parameters as LlamaForCausalLM does (q_proj ... down_proj) and uses
+diloco/models/llama.py names a block's parameters as LlamaForCausalLM does (q_proj ... down_proj) and uses
 the same rotate-half rotary layout, so the mapping is a renaming with no reshaping:
 
     embed.weight                         model.embed_tokens.weight
@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from diloco.config import ModelConfig
-from diloco.model import Transformer
+from diloco.models.llama import Transformer
 
 ARCHITECTURE = "LlamaForCausalLM"
 WEIGHTS = "model.safetensors"

@@ -4,7 +4,7 @@
     diloco-export s3://bucket/run/ckpt hf/run --step 40 --shard-gb 2
 
 The folder loads with transformers (AutoModelForCausalLM / LlamaForCausalLM, and AutoTokenizer for a
-run on a token corpus); diloco/export.py says what it holds.
+run on a token corpus); diloco/models/export.py says what it holds.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import argparse
 import logging
 import sys
 
-from diloco.export import DTYPES, SHARD_BYTES, ExportError, export
+from diloco.models.export import DTYPES, SHARD_BYTES, ExportError, export
 
 PROG = "diloco-export"
 

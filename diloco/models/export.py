@@ -3,7 +3,7 @@
 From the newest committed coordinator checkpoint (or --step N) under a CheckpointStore URL, local or
 s3://, it writes a folder that transformers loads as LlamaForCausalLM:
 
-    config.json                       diloco/hf.py's hf_config
+    config.json                       diloco/models/hf.py's hf_config
     model.safetensors                 the global parameters, or, above shard_bytes,
     model-0000k-of-0000n.safetensors  shards and model.safetensors.index.json
     generation_config.json
@@ -33,7 +33,7 @@ import torch
 
 from diloco.checkpoint import CheckpointError, CheckpointStore
 from diloco.config import ConfigError, RunConfig, config_from_toml, load_config
-from diloco.hf import INDEX, WEIGHTS, HFError, hf_config, to_hf
+from diloco.models.hf import INDEX, WEIGHTS, HFError, hf_config, to_hf
 
 log = logging.getLogger(__name__)
 
@@ -164,7 +164,7 @@ def _tokenizer(cfg: RunConfig, corpus_url: str | None, storage_options: dict | N
     """The corpus's tokenizer (None for an MDS dataset, which names none)."""
     import fsspec
 
-    from diloco.shards import MANIFEST, DataError, read_manifest
+    from diloco.data.shards import MANIFEST, DataError, read_manifest
 
     url = (corpus_url or cfg.data.url).rstrip("/")
     fs, root = fsspec.core.url_to_fs(url, **(storage_options or {}))

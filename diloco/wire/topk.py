@@ -1,6 +1,6 @@
 """The top-k encoding of SparseLoCo: per block, the largest magnitudes as positions and a few levels.
 
-diloco/codec.py makes it a codec (TopKCodec)."""
+diloco/wire/codec.py makes it a codec (TopKCodec)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import numpy as np
 import torch
 
 from diloco.config import ConfigError
-from diloco.kernels import _rice_bound_r, _rice_decode, _rice_encode, _topk_fill
+from diloco.wire.kernels import _rice_bound_r, _rice_decode, _rice_encode, _topk_fill
 
 
 class TopK:

@@ -1,7 +1,7 @@
 """Evaluating a model: held-out loss and perplexity, and multiple-choice accuracy on HellaSwag files.
 
 Held-out loss is the token-weighted mean cross-entropy (nats/token) over fixed batches (the ones
-diloco.data.eval_batches builds, the coordinator's own), perplexity its exp.
+diloco.data.sources.eval_batches builds, the coordinator's own), perplexity its exp.
 
 Multiple choice follows lm-evaluation-harness's `hellaswag` task (lm_eval/tasks/hellaswag/utils.py
 and hellaswag.yaml; the scoring in lm_eval/api/task.py and models/huggingface.py), so figures sit
@@ -36,7 +36,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from diloco.config import ConfigError, DataConfig, RunConfig
-from diloco.data import Batch
+from diloco.data.sources import Batch
 from diloco.inner import compute_precision
 
 log = logging.getLogger(__name__)
@@ -94,7 +94,7 @@ class Tokenizer(Protocol):
 
 
 class ByteTokenizer:
-    """Byte-level text runs (data.source = "text"): a token is a byte of the UTF-8 text, as diloco/data.py
+    """Byte-level text runs (data.source = "text"): a token is a byte of the UTF-8 text, as diloco/data/sources.py
     reads a text file."""
 
     name = "bytes"
@@ -136,7 +136,7 @@ class HFTokenizer:
 
 def corpus_tokenizer(url: str) -> HFTokenizer:
     """The tokenizer a corpus made by `diloco-data prepare` was tokenized with (its manifest names it)."""
-    from diloco.shards import DataError, read_manifest
+    from diloco.data.shards import DataError, read_manifest
 
     where = f"{url.rstrip('/')}/"
     try:
@@ -359,11 +359,11 @@ def make_task_evaluator(cfg: RunConfig, device: torch.device | str = "cpu"
     eval.tasks_every_rounds > 0 (when to call it is the caller's: every that many rounds).
     eval.hellaswag_examples > 0 scores only the first that many. The file and the run's tokenizer
     (a token corpus's tokenizer.json, or bytes for text) are read here, once, so that a bad one stops
-    the coordinator at start; call it after diloco.data.resolve_vocab, as make_evaluator is. The
+    the coordinator at start; call it after diloco.data.sources.resolve_vocab, as make_evaluator is. The
     returned function takes the model's state dict and gives {"hellaswag_acc", "hellaswag_acc_norm",
     "hellaswag_n"}; it builds no batch bigger than eval.batch_size sequences.
     """
-    from diloco.model import Transformer
+    from diloco.models.llama import Transformer
 
     ev = cfg.eval
     if ev.tasks_every_rounds < 0 or ev.hellaswag_examples < 0:

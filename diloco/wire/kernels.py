@@ -1,7 +1,7 @@
 """The codecs' numba kernels: block-scaled int8 and e3m0, and Golomb-Rice coded top-k positions.
 
 One-pass kernels that release the GIL (nogil), so encoding on gRPC's threads and
-training go on side by side; diloco/codec.py wraps them as codecs.
+training go on side by side; diloco/wire/codec.py wraps them as codecs.
 """
 
 from __future__ import annotations

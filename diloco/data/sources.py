@@ -1,8 +1,8 @@
 """Training data: an embedded synthetic language, a byte-level text loader, and token corpora.
 
 The first two are endless: each island reads a disjoint shard, a batch a pure
-function of shard, slot and inner step. A token corpus (diloco/shards.py, read
-as numbered samples by diloco/samples.py) is finite, and the coordinator leases
+function of shard, slot and inner step. A token corpus (diloco/data/shards.py, read
+as numbered samples by diloco/data/samples.py) is finite, and the coordinator leases
 its samples to islands (coordinator/ledger.py). Every source gives the
 coordinator a fixed held-out set for evaluating the global parameters.
 
@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from diloco.config import ConfigError, DataConfig
-from diloco.samples import WindowSamples, eval_windows
+from diloco.data.samples import WindowSamples, eval_windows
 
 log = logging.getLogger(__name__)
 
@@ -231,7 +231,7 @@ class Corpus:
 def open_store(cfg: DataConfig, split: str, vocab_size: int | None = None):
     """One split of the corpus at cfg.url. vocab_size: the model's, checked against the corpus's (an MDS
     dataset, which does not say, takes it)."""
-    from diloco.shards import DataError, open_store as open_split
+    from diloco.data.shards import DataError, open_store as open_split
 
     try:
         store = open_split(cfg.url, split, cfg.cache_dir or None, int(cfg.cache_gb * (1 << 30)), cfg.prefetch_shards)
@@ -262,8 +262,8 @@ def corpus_digest(url: str, split: str = "train") -> str:
 
     import fsspec
 
-    from diloco.mds import find_mds_index
-    from diloco.shards import MANIFEST
+    from diloco.data.mds import find_mds_index
+    from diloco.data.shards import MANIFEST
 
     fs, root = fsspec.core.url_to_fs(url.rstrip("/"))
     root = root.rstrip("/")

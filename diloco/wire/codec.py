@@ -31,7 +31,7 @@ import torch
 import zstandard
 
 from diloco.config import ConfigError
-from diloco.kernels import (
+from diloco.wire.kernels import (
     _all_finite,
     _e3m0_decode,
     _e3m0_encode,
@@ -41,7 +41,7 @@ from diloco.kernels import (
     _int8_sumsq,
     _sumsq,
 )
-from diloco.topk import TopK
+from diloco.wire.topk import TopK
 
 
 class Codec(Protocol):
@@ -282,7 +282,7 @@ class E3M0Codec(_BlockScaledCodec):
 
 
 class TopKCodec(_Decoder, TopK):
-    """SparseLoCo's chunked top-k (diloco/topk.py), with decode() and finite() as every codec has them."""
+    """SparseLoCo's chunked top-k (diloco/wire/topk.py), with decode() and finite() as every codec has them."""
 
 
 class ZstdCodec(_Decoder):

@@ -7,7 +7,7 @@ from collections.abc import Mapping
 import numpy as np
 import torch
 
-from diloco.codec import Codec
+from diloco.wire.codec import Codec
 
 
 @torch.no_grad()

@@ -11,8 +11,8 @@ from pathlib import Path
 from cryptography import x509
 from cryptography.x509.oid import ExtendedKeyUsageOID
 
-from diloco import credentials as cr
-from diloco.cli import ArgumentParser, fail
+from diloco.security import credentials as cr
+from diloco.cli.common import ArgumentParser, fail
 
 PROG = "diloco-certs"
 _USAGE_NAMES = {ExtendedKeyUsageOID.SERVER_AUTH: "serverAuth", ExtendedKeyUsageOID.CLIENT_AUTH: "clientAuth"}

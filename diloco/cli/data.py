@@ -11,12 +11,12 @@ import sys
 import fsspec
 import xxhash
 
-from diloco.bpe import TokenizerError
-from diloco.corpus import InputError
-from diloco.mds import find_mds_index, known_hashes
-from diloco.prepare import PrepareConfig, PrepareError, prepare
-from diloco.shards import BLOCK_BYTES, MANIFEST, DataError, read_manifest
-from diloco.shardstore import CHUNK, Shard, check_hashes, hasher
+from diloco.data.bpe import TokenizerError
+from diloco.data.corpus import InputError
+from diloco.data.mds import find_mds_index, known_hashes
+from diloco.data.prepare import PrepareConfig, PrepareError, prepare
+from diloco.data.shards import BLOCK_BYTES, MANIFEST, DataError, read_manifest
+from diloco.data.shardstore import CHUNK, Shard, check_hashes, hasher
 
 
 def parser() -> argparse.ArgumentParser:

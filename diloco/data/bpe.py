@@ -14,7 +14,7 @@ from collections.abc import Iterable
 
 import numpy as np
 
-from diloco.corpus import is_eval
+from diloco.data.corpus import is_eval
 
 
 class TokenizerError(ValueError):

@@ -14,14 +14,14 @@ from dataclasses import dataclass
 import torch
 import xxhash
 
-from diloco.codec import Codec, get_codec
+from diloco.wire.codec import Codec, get_codec
 from diloco.config import WireConfig
-from diloco.feedback import ErrorFeedback
+from diloco.wire.feedback import ErrorFeedback
 from diloco.v1 import diloco_pb2 as pb
 
 # 2: top-k followed by zstd sent its positions as a bitmap above density 1/64.
 # 3: top-k positions travel Golomb-Rice coded, after all levels and codes.
-# 4: every refusal carries a typed Refusal (diloco/refusal.py) in its trailing metadata.
+# 4: every refusal carries a typed Refusal (diloco/wire/refusal.py) in its trailing metadata.
 # 7: the limits' refusals (STREAM_IDLE, RATE_LIMITED, SPOOL_FULL), which older islands cannot read.
 # 8: late contributions (PushResponse.late, folded_into; IslandContribution.staleness, weight), time-boxed rounds and
 #    compression per link (ResultHeader.push_codec; pushes in any of wire.link_codecs).

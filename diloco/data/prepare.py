@@ -1,4 +1,4 @@
-"""`diloco-data prepare`: text in, token shards and a manifest out (the format: diloco/shards.py).
+"""`diloco-data prepare`: text in, token shards and a manifest out (the format: diloco/data/shards.py).
 
 Deterministic: the token stream is the documents' tokens in input order, whatever the number of
 workers (batches are tokenized in parallel and taken back in order), and cut into shards of
@@ -28,10 +28,10 @@ import fsspec
 import numpy as np
 import xxhash
 
-from diloco import bpe
-from diloco.corpus import Position, batches, documents, is_eval, list_inputs
+from diloco.data import bpe
+from diloco.data.corpus import Position, batches, documents, is_eval, list_inputs
 from diloco.progress import Progress
-from diloco.shards import BLOCK_BYTES, MANIFEST, TOKENIZER, Manifest, ShardInfo, SplitInfo, encode_shard, token_dtype
+from diloco.data.shards import BLOCK_BYTES, MANIFEST, TOKENIZER, Manifest, ShardInfo, SplitInfo, encode_shard, token_dtype
 
 log = logging.getLogger(__name__)
 

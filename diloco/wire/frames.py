@@ -30,10 +30,10 @@ from dataclasses import dataclass
 import grpc
 import torch
 
-from diloco.codec import get_codec
+from diloco.wire.codec import get_codec
 from diloco.v1 import diloco_pb2 as pb
 from diloco.v1 import diloco_pb2_grpc as pb_grpc
-from diloco.wire import chunk_spans, framed_size, payload_digest
+from diloco.wire.messages import chunk_spans, framed_size, payload_digest
 
 _LITTLE_ENDIAN = sys.byteorder == "little"  # fp32 values are their own payload
 _FIXED64 = struct.Struct("<Q")
@@ -248,7 +248,7 @@ def chunk_deserializer(message_type, chunk_fields: tuple[int, ...]) -> Callable[
 
 def stub_for(channel: grpc.Channel) -> pb_grpc.CoordinatorStub:
     """The generated stub, except that results arrive as ChunkViews and a push's messages go framed by hand
-    (diloco/frames.py): neither side copies a payload through protobuf objects."""
+    (diloco/wire/frames.py): neither side copies a payload through protobuf objects."""
     stub = pb_grpc.CoordinatorStub(channel)
     for method, request in (("FetchParameters", pb.FetchRequest), ("PullRoundResult", pb.PullRequest)):
         setattr(stub, method, channel.unary_stream(f"/diloco.v1.Coordinator/{method}", request.SerializeToString,

@@ -37,7 +37,7 @@ import numpy as np
 import xxhash
 import zstandard
 
-from diloco.shardstore import DataError, Shard, ShardStore
+from diloco.data.shardstore import DataError, Shard, ShardStore
 
 log = logging.getLogger(__name__)
 

@@ -25,7 +25,7 @@ manifest.json (keys sorted): `format` ("diloco-tokens"), `version` (1), `tokeniz
 `xxh3_128` is the whole shard file's XXH3-128; `blocks_xxh3_64` the XXH3-64 of each
 `block_bytes`-sized block of the file from byte 0 (the last one shorter), so a ranged read is
 verified without downloading the whole shard. The checksums catch corruption and truncation,
-not an adversary. MosaicML MDS datasets (an `index.json` at the URL) are read too: diloco/mds.py.
+not an adversary. MosaicML MDS datasets (an `index.json` at the URL) are read too: diloco/data/mds.py.
 """
 
 from __future__ import annotations
@@ -41,10 +41,10 @@ import fsspec
 import numpy as np
 import xxhash
 
-from diloco.mds import find_mds_index, open_mds
-from diloco.samples import TokenStore
+from diloco.data.mds import find_mds_index, open_mds
+from diloco.data.samples import TokenStore
 # DataError lives with the store (which raises most of them) and is the one error of this module too.
-from diloco.shardstore import BLOCK_BYTES, DataError, Shard, ShardStore
+from diloco.data.shardstore import BLOCK_BYTES, DataError, Shard, ShardStore
 
 MAGIC = b"DLTK"
 FORMAT = "diloco-tokens"

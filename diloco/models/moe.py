@@ -27,7 +27,7 @@ Every expert runs on a fixed (groups, C, d_model) buffer whatever the routing (e
 rows), so every expert and the router get a gradient at every step, shapes never depend on the data,
 and nothing branches on it in Python: FSDP2's reduce-scatter and torchft's all-reduce see every
 parameter every step. Experts are separate 2-D matrices (a ModuleList of the dense model's MLP), not
-one stacked 3-D tensor: each expert is its own linear map to Muon (diloco/muon.py takes 2-D
+one stacked 3-D tensor: each expert is its own linear map to Muon (diloco/models/muon.py takes 2-D
 matrices) and keeps the dense MLP's parameter names and depth-scaled init.
 """
 

@@ -1,9 +1,9 @@
 """A Llama-style decoder: pre-norm RMSNorm, rotary embeddings, grouped-query attention, SwiGLU MLP (or, with
-model.moe_experts, a mixture of SwiGLU experts: diloco/moe.py).
+model.moe_experts, a mixture of SwiGLU experts: diloco/models/moe.py).
 
 Read top to bottom: rope, Attention, MLP, Block, Transformer. Inside a block the parameter names are
 Hugging Face Llama's (q_proj ... down_proj) and rotary embeddings use its rotate-half convention (the
-two halves of each head, not interleaved pairs), so diloco/hf.py maps a state dict to
+two halves of each head, not interleaved pairs), so diloco/models/hf.py maps a state dict to
 LlamaForCausalLM's by renaming prefixes, with no permutation of q or k.
 """
 
@@ -16,7 +16,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from diloco.config import ModelConfig
-from diloco.moe import MoE, inactive_parameters
+from diloco.models.moe import MoE, inactive_parameters
 
 
 def rope_tables(seq_len: int, head_dim: int, theta: float, device=None) -> tuple[torch.Tensor, torch.Tensor]:

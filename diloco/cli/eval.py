@@ -1,5 +1,5 @@
 """`diloco-eval`: held-out loss and perplexity of a coordinator checkpoint or an exported folder, on
-text or token data, and multiple-choice accuracy on HellaSwag-format JSON lines (diloco/evaluation.py).
+text or token data, and multiple-choice accuracy on HellaSwag-format JSON lines (diloco/models/evaluation.py).
 
   diloco-eval CHECKPOINT_OR_FOLDER [--text FILE | --tokens URL] [--hellaswag FILE.jsonl] [--batches N] [--json OUT]
 
@@ -37,12 +37,12 @@ import torch
 import torch.nn as nn
 
 from diloco.checkpoint import CheckpointError, CheckpointStore
-from diloco.cli import ArgumentParser, add_config_flags, fail, setup_logging
+from diloco.cli.common import ArgumentParser, add_config_flags, fail, setup_logging
 from diloco.config import ConfigError, ModelConfig, RunConfig, _apply_override, config_from_dict, load_config
-from diloco.data import eval_batches, resolve_vocab, text_eval_batches
-from diloco.evaluation import (ByteTokenizer, EvalError, HFTokenizer, Tokenizer, check_vocab, corpus_tokenizer,
+from diloco.data.sources import eval_batches, resolve_vocab, text_eval_batches
+from diloco.models.evaluation import (ByteTokenizer, EvalError, HFTokenizer, Tokenizer, check_vocab, corpus_tokenizer,
                                heldout_loss, load_hellaswag, multiple_choice)
-from diloco.shards import DataError
+from diloco.data.shards import DataError
 
 PROG = "diloco-eval"
 _STEP_DIR = re.compile(r"^(?P<root>.*)/step-(?P<step>\d{10})$")
@@ -171,10 +171,10 @@ def checkpoint_config(args: argparse.Namespace, meta: dict[str, Any], where: str
 
 
 def load_folder(args: argparse.Namespace, url: str, fs, path: str) -> Loaded:
-    if importlib.util.find_spec("diloco.hf") is None:
+    if importlib.util.find_spec("diloco.models.hf") is None:
         raise EvalError(f"{url} is an exported Hugging Face folder (config.json), and reading one needs "
-                        "diloco/hf.py (from_hf_folder), which this install lacks")
-    from diloco.hf import from_hf_folder  # lazily: it pulls in safetensors, which checkpoints do not need
+                        "diloco/models/hf.py (from_hf_folder), which this install lacks")
+    from diloco.models.hf import from_hf_folder  # lazily: it pulls in safetensors, which checkpoints do not need
 
     try:
         model_cfg, params = from_hf_folder(url)
@@ -190,7 +190,7 @@ def load_folder(args: argparse.Namespace, url: str, fs, path: str) -> Loaded:
 
 
 def build_model(model_cfg: ModelConfig, params: dict[str, torch.Tensor], where: str) -> nn.Module:
-    from diloco.model import Transformer
+    from diloco.models.llama import Transformer
 
     model = Transformer(model_cfg)
     try:
