@@ -314,6 +314,12 @@ class ShardStore:
                 raise DataError(f"{shard.url}: {n} bytes, expected {shard.nbytes}")
             check_hashes(shard, {a: h.hexdigest() for a, h in hashers.items()})
             os.replace(part, self._file(i))
+        except DataError as e:
+            # Refused from now on, before whoever waits on the future learns it: a read right after must not take
+            # the finished download (still in _futures until _downloaded runs) for one in flight.
+            with self._lock:
+                self._failed[i] = e
+            raise
         finally:
             part.unlink(missing_ok=True)
         with self._lock:
