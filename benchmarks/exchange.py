@@ -19,8 +19,12 @@ the coordinator sends. Nothing is encoded, decoded, stored or summed.
 
 Both run on the same machine, over loopback or (--wan) each island behind an
 emulated link of its own; each figure is the median of --repeat exchanges
-after one warm-up. Peak memory is the coordinator's VmHWM. docs/benchmarks.md:
-"What a round costs".
+after one warm-up. Peak memory is the coordinator's VmHWM; after the grid a
+second table sets beside it what the coordinator accounts for by component
+(coordinator/memory.py, read from its /metrics: the most each part held around
+the closes), their sum and the remainder (VmHWM less the sum: the runtime,
+gRPC's buffers, the allocator's slack). docs/benchmarks.md: "What a round
+costs" and "Coordinator memory by component".
 
 With --stagger S island k starts pushing k x S seconds after the first, as
 islands that finish their inner steps at different times do; what is measured
@@ -41,11 +45,14 @@ import statistics
 import sys
 import tempfile
 import time
+import urllib.request
 from pathlib import Path
 
 import grpc
 import torch
+from prometheus_client.parser import text_string_to_metric_families
 
+from coordinator.memory import COMPONENTS
 from diloco.cli.common import ArgumentParser, fail
 from diloco.config import RunConfig, load_config
 from diloco.v1 import diloco_pb2 as pb
@@ -127,13 +134,44 @@ def round_costs(address: str, repeat: int) -> dict:
             "folded_ahead": statistics.median(s.folded_ahead for s in summaries)}
 
 
+def rss_now(pid: int) -> int:
+    """A process's resident memory now (VmRSS), in bytes."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no VmRSS for pid {pid}")
+
+
+def coordinator_memory(http_port: int) -> dict:
+    """The coordinator's memory by component (coordinator/memory.py), read from its /metrics: now, the most each
+    component held around the closes so far, each at the sample where together they held the most, and the spool
+    pool's allocation and bound."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{http_port}/metrics", timeout=60) as response:
+        text = response.read().decode()
+    found: dict[str, dict[str, int]] = {"now": {}, "peak": {}, "at_peak": {}, "pool": {}}
+    where = {"diloco_coordinator_memory_bytes": ("now", "component"),
+             "diloco_coordinator_memory_peak_bytes": ("peak", "component"),
+             "diloco_coordinator_memory_at_peak_bytes": ("at_peak", "component"),
+             "diloco_coordinator_spool_pool_bytes": ("pool", "kind")}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name in where:
+                key, label = where[sample.name]
+                found[key][sample.labels[label]] = int(sample.value)
+    return found
+
+
 def measure_exchange(cfg: RunConfig, islands: int, repeat: int, workdir: Path, link: LinkSpec | None, stagger_s: float = 0.0) -> dict:
     (workdir / "run.toml").write_text(cfg.to_toml())
+    # The dashboard's port (any free one) serves /metrics: the coordinator's memory by component.
     proc, port = spawn(["-m", "coordinator", "serve", "--config", str(workdir / "run.toml"), "--host", "127.0.0.1",
-                        "--port", "0", "--log-level", "warning", "--linger", "0"], workdir, "coordinator")
+                        "--port", "0", "--log-level", "warning", "--linger", "0", "--http-port", "0",
+                        "--http-port-file", str(workdir / "http.port")], workdir, "coordinator")
     where, links = addresses(port, islands, link)
     try:
         base_rss = peak_rss(proc.pid)
+        http_port = int((workdir / "http.port").read_text())
+        at_start = {"rss": rss_now(proc.pid), **coordinator_memory(http_port)}
         first = Island(where[0], cfg, None)
         members = [first] + [Island(a, cfg, first.pg) for a in where[1:]]
         traffic: dict[int, tuple[int, int, float, float, float, float]] = {}
@@ -154,13 +192,14 @@ def measure_exchange(cfg: RunConfig, islands: int, repeat: int, workdir: Path, l
         checksums = {m.checksum for m in members}
         assert len(checksums) == 1, "islands ended on different parameters"
         peak = peak_rss(proc.pid)
+        memory = coordinator_memory(http_port)
         for m in members:
             m.client.close()
         up, down = traffic[id(first)][:2]
         close = round_costs(f"127.0.0.1:{port}", repeat)
         return {"seconds": statistics.median(seconds), "all_seconds": seconds, "cpu_s": statistics.median(cpu_s),
                 "coordinator_cpu_s": statistics.median(server_cpu_s), "bytes_up": up, "bytes_down": down,
-                "peak_rss": peak, "rss_after_start": base_rss, "_first": first,
+                "peak_rss": peak, "rss_after_start": base_rss, "_first": first, "memory": memory, "memory_at_start": at_start,
                 "push_s": statistics.median(push_s), "pull_s": statistics.median(pull_s), "tail_s": statistics.median(tail_s), **close}
     finally:
         for lk in links:
@@ -212,10 +251,45 @@ def one(size: str, codec: str, islands: int, repeat: int, link: LinkSpec | None 
         "bare_bytes_up_per_island": sum(m.ByteSize() for m in pushed), "bare_bytes_down_per_island": sum(m.ByteSize() for m in pulled),
         "coordinator_peak_rss": ex["peak_rss"], "coordinator_rss_after_start": ex["rss_after_start"],
         "model_fp32_bytes": 4 * params,
+        # The coordinator's memory by component (coordinator/memory.py): the most each held around the closes, now
+        # (after the last exchange), the spool pool, and at start with the process's VmRSS then.
+        "memory_peak": ex["memory"]["peak"], "memory_at_peak": ex["memory"]["at_peak"], "memory_now": ex["memory"]["now"],
+        "spool_pool": ex["memory"]["pool"],
+        "memory_at_start": ex["memory_at_start"],
         # Where one exchange's time goes: the slowest island's push; the coordinator's fold, step and publication;
         # an island's pull (from its push's end: the close is inside it). Medians over the measured exchanges.
         **{k: ex[k] for k in ("push_s", "fold_s", "step_s", "publish_s", "pull_s", "folded_ahead")},
     }
+
+
+def memory_table(rows: list[dict]) -> None:
+    """The coordinator's peak memory (VmHWM) beside its parts (coordinator/memory.py COMPONENTS: the most each held
+    around the closes; those no point held left out), each in GiB and as a multiple of the fp32 model. Then the sum of
+    those peaks (parts need not peak together), the most held at once (the sample whose parts summed the most), and the
+    remainder: VmHWM less that (the Python and torch runtime, gRPC's buffers, the allocator's slack, what is held
+    between the samples). The runtime alone is read at start: the process's VmRSS then less the parts it held then."""
+    shown = [c for c in COMPONENTS if any(r["memory_peak"].get(c, 0) for r in rows)]
+
+    def cell(n: float, model: int) -> str:
+        return f"{n / 2**30:.3f} GiB ({n / model:.2f}x)"
+
+    print()
+    print("coordinator memory by component: the most each held around the closes, in GiB and x the fp32 model; "
+          "remainder = VmHWM - the most held at once; runtime = VmRSS at start - the components then")
+    print("| parameters | codec | islands | VmHWM | " + " | ".join(shown)
+          + " | sum of the peaks | most held at once | remainder | runtime at start |")
+    print("|---|---|---|---|" + "---|" * (len(shown) + 4))
+    for r in rows:
+        model, peak = r["model_fp32_bytes"], r["memory_peak"]
+        at_once = sum(r["memory_at_peak"].values())
+        start = r["memory_at_start"]
+        runtime = start["rss"] - sum(start["now"].values())
+        print(f"| {r['parameters'] / 1e6:.1f}M | {r['codec']} | {r['islands']} | {cell(r['coordinator_peak_rss'], model)} | "
+              + " | ".join(cell(peak.get(c, 0), model) for c in shown)
+              + f" | {cell(sum(peak.values()), model)} | {cell(at_once, model)} | "
+              f"{cell(r['coordinator_peak_rss'] - at_once, model)} | {cell(runtime, model)} |")
+    pools = {(r["spool_pool"]["capacity"], r["model_fp32_bytes"]) for r in rows}
+    print("spool pool bound: " + ", ".join(cell(c, m) for c, m in sorted(pools)), flush=True)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -295,6 +369,8 @@ def main(argv: list[str] | None = None) -> None:
                       flush=True)
                 if args.json:
                     Path(args.json).write_text(json.dumps(rows, indent=1))
+    if not args.stagger:
+        memory_table(rows)
 
 
 if __name__ == "__main__":

@@ -132,6 +132,16 @@ class CoordinatorCollector:
         yield _counter("diloco_clipped", "Contributions the norm guard clipped", [], [((), totals.clipped)])
         yield _counter("diloco_events", "Failures and recoveries seen (resyncs, leases expired, restarts...)", ["event"],
                        [((k,), v) for k, v in events.items()])
+        # Outside cond: counting memory takes no lock (coordinator/memory.py).
+        memory, peaks, pool = state.memory(), state.memory_peaks.report(), state.memory_pool()
+        yield _gauge("diloco_coordinator_memory_bytes", "Bytes each long-lived part of the coordinator holds now",
+                     ["component"], [((k,), v) for k, v in memory.items()])
+        yield _gauge("diloco_coordinator_memory_peak_bytes", "The most each part of the coordinator held, sampled "
+                     "around each round's close", ["component"], [((k,), v) for k, v in peaks["peak"].items()])
+        yield _gauge("diloco_coordinator_memory_at_peak_bytes", "Each part of the coordinator at the sample where all "
+                     "of them together held the most", ["component"], [((k,), v) for k, v in peaks["at_peak_total"].items()])
+        yield _gauge("diloco_coordinator_spool_pool_bytes", "The spool's memory pool: allocated, held by spools now, "
+                     "and its bound", ["kind"], [((k,), v) for k, v in pool.items()])
         c = self.checkpoints
         yield _counter("diloco_checkpoints", "Checkpoints written", [], [((), c.written)])
         yield _counter("diloco_checkpoint_failures", "Checkpoint writes that failed", [], [((), c.failed)])

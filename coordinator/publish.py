@@ -72,6 +72,10 @@ class SharedStream:
         with self._lock:
             self._dropped, self._items, self.complete = error, [], True
 
+    def made(self) -> list:
+        """The items made so far (a copy of the list)."""
+        return list(self._items)
+
 
 class DeltaStream:
     """A round's lossy update while it is made, chunk by chunk: a pull sends the chunks made so far and waits for the
@@ -186,6 +190,10 @@ class PublishedValues:
         """Serializes the rest now: the parameters are about to change."""
         self.stream.finish()
 
+    def held_bytes(self) -> int:
+        """The bytes of the messages made so far (coordinator/memory.py)."""
+        return sum(len(m.data) for m in self.stream.made())
+
     def drop(self, why: str) -> None:
         """Frees the messages: a reader gets ROUND_CLOSED at its next one, and its call is ended (one stalled in a send,
         its client reading nothing, would otherwise hold a server thread and that message for as long as it likes)."""
@@ -270,6 +278,14 @@ class Publication:
         self._superseded: PublishedValues | None = None
         self._closing = False  # release_values was called: the parameters change at the coming step
         self._values_lock = threading.Lock()
+
+    def held_values(self) -> dict[str, int]:
+        """The bytes of value messages held (coordinator/memory.py): this round's version, and the one before it while
+        someone still reads it."""
+        with self._values_lock:
+            values, superseded = self._values, self._superseded
+        return {"published_values": values.held_bytes() if values is not None else 0,
+                "superseded_values": superseded.held_bytes() if superseded is not None else 0}
 
     def value_messages(self) -> PublishedValues:
         """The published parameters as serialized fp32 value messages (ResultMessage), with their sizes.

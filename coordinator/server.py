@@ -137,6 +137,8 @@ class Coordinator:
             "island_stats": {i.island_id: i.stats for i in s.departed},
             "events": dataclasses.asdict(s.events),
             "data": s.data_report(),
+            # What the coordinator held, by component (coordinator/memory.py): now, and the peaks over the rounds.
+            "memory": s.memory_report(),
         }
 
 

@@ -86,6 +86,22 @@ class BlockPool:
     def free_blocks(self) -> int:
         return len(self._free)
 
+    @property
+    def allocated_bytes(self) -> int:
+        """The memory of the blocks allocated so far, held by spools or free (kept once allocated)."""
+        return self.allocated * self.block_bytes
+
+    @property
+    def in_use_bytes(self) -> int:
+        """The memory of the blocks spools hold now."""
+        with self._lock:
+            return (self.allocated - len(self._free)) * self.block_bytes
+
+    @property
+    def capacity_bytes(self) -> int:
+        """The most the pool allocates: max_blocks blocks."""
+        return self.max_blocks * self.block_bytes
+
     def give_back(self, blocks: list[bytearray]) -> None:
         with self._lock:
             self._free.extend(blocks)

@@ -27,9 +27,10 @@ import torch
 
 from coordinator.ledger import DataLedger, account_dict
 from coordinator.links import LinkAdvisor
+from coordinator.memory import MemoryPeaks, state_memory
 from coordinator.membership import Events, Island, Membership, canonical_order
 from coordinator.publish import Reading
-from coordinator.rounds import Closed, FragmentContext, FragmentRounds, Phase
+from coordinator.rounds import Closed, Closing, FragmentContext, FragmentRounds, Phase
 from coordinator.spool import Spools
 from diloco.config import RunConfig
 from diloco.fragments import layout_for
@@ -86,8 +87,8 @@ class CoordinatorState:
         advised = list(codecs.values())[:len(cfg.wire.link_codecs)]
         self.links = LinkAdvisor(advised, cfg.wire.link_fraction) if advised else None
         # Pushes wait in memory up to limits.spool_memory_models fp32 models, then on disk (coordinator/spool.py).
-        spools = Spools(spool_dir, int(cfg.limits.spool_gb * 1e9), int(4 * self.manifest.total_numel() * cfg.limits.spool_memory_models),
-                        cfg.wire.chunk_bytes)
+        self.spools = spools = Spools(spool_dir, int(cfg.limits.spool_gb * 1e9),
+                                      int(4 * self.manifest.total_numel() * cfg.limits.spool_memory_models), cfg.wire.chunk_bytes)
         ctx = FragmentContext(
             cfg, self.codec, self.cond, clock, spools, self.members,
             run_finished=lambda: self.finished, fragment_of=self._fragment_of, ledger=ledger, codecs=codecs, links=self.links,
@@ -101,6 +102,8 @@ class CoordinatorState:
         if len(self.fragments) > 1:
             log.info("streaming: %s", self.layout.describe())
         self.initial_eval_loss = evaluate(self.params) if evaluate else math.nan
+        # The most each part of memory held, sampled by the round drivers around each close (coordinator/memory.py).
+        self.memory_peaks = MemoryPeaks(self.memory)
 
     def _fragment_of(self, name: str) -> int | None:
         return self.layout.fragment_of(name) if name in self.manifest.shapes else None
@@ -250,6 +253,25 @@ class CoordinatorState:
         finally:
             reading.done()
 
+    # --- memory ---------------------------------------------------------------------
+
+    def memory(self, closing: tuple[int, Closing] | None = None) -> dict[str, int]:
+        """The bytes each long-lived part of the coordinator holds now (coordinator/memory.py COMPONENTS, every
+        fragment's summed; a tensor's storage counted once); closing: (fragment, what it is closing), whose
+        contributions the fragment no longer holds itself. Takes no lock: it reads what the driver may be changing,
+        so a figure taken mid-close is that moment's."""
+        return state_memory(self, closing)
+
+    def memory_pool(self) -> dict[str, int]:
+        """The spool's memory pool: the blocks allocated, those spools hold now, and the most it allocates."""
+        pool = self.spools.pool
+        return {"allocated": pool.allocated_bytes, "in_use": pool.in_use_bytes, "capacity": pool.capacity_bytes}
+
+    def memory_report(self) -> dict:
+        """memory() now, its peaks over the run (MemoryPeaks), the pool, and the fp32 model's bytes to compare with."""
+        return {"now": self.memory(), **self.memory_peaks.report(), "spool_pool": self.memory_pool(),
+                "model_fp32_bytes": 4 * self.manifest.total_numel()}
+
     # --- calls for one fragment (fragment 0 without streaming) ---------------------------
 
     def receive(self, header: pb.PushHeader, chunks: Iterator[pb.TensorChunk]) -> pb.PushResponse:
@@ -281,8 +303,11 @@ class CoordinatorState:
             return None
         with self.cond:
             self._wave.pending += 1
+        self.memory_peaks.sample((fragment, closing))  # the round's pushes in the pool, the last round's values maybe held
         summary = f.apply(closing)
-        return self._record(f, summary)
+        closed = self._record(f, summary)
+        self.memory_peaks.sample()  # after the outer step and the publication (and the summary, which watchers wait for)
+        return closed
 
     def _record(self, f: FragmentRounds, summary: pb.RoundSummary) -> Closed:
         """Evaluates where due and appends the summary (the run's last one after every other)."""

@@ -1,0 +1,188 @@
+"""What the coordinator holds in memory, by component, counted from the live objects.
+
+CoordinatorState.memory() walks what each fragment keeps from round to round and
+names each part (COMPONENTS, in the order counted); a tensor's storage is counted
+once, by the first component that holds it, so views and shared tensors (the
+published parameters are the outer optimizer's own with a lossless downlink)
+are not counted twice. Tensors count their storage's bytes exactly; serialized
+messages their sizes; the spool's pool the blocks it allocated (kept once
+allocated, whether a spool holds them now or not).
+
+What is not here is the rest of the process's resident memory: the Python and
+torch runtime, gRPC's buffers (messages being received and sent), the allocator's
+slack (memory freed but kept by malloc), a checkpoint's copies while it is
+written, and what a reader still sending an older update holds. A benchmark
+reports it as the process's peak (VmHWM) less the sum of the components
+(benchmarks/exchange.py).
+
+MemoryPeaks keeps the most each component held over the run, sampled by the
+round driver around each close (CoordinatorState.step_round): before the fold,
+when the round's pushes sit in the pool and the last round's values may still
+be held, and after the outer step and the publication.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Iterable, Iterator, Mapping
+
+import numpy as np
+import torch
+
+log = logging.getLogger(__name__)
+
+# Each component, and what it is: the names the report, /metrics and the exchange benchmark print.
+COMPONENTS = {
+    "outer_params": "the global parameters theta in fp32, the outer optimizer's (with a lossless downlink what islands hold)",
+    "published_params": "the lossy downlink's published copy, what islands hold (theta - it: the downlink's error feedback)",
+    "momentum": "the outer Nesterov momentum (delayed Nesterov's carry)",
+    "accumulator": "the round's token-weighted sum of pseudo-gradients, divided in place into the mean",
+    "accumulator_late": "delayed Nesterov's sum of late contributions (allocated at the first one)",
+    "published_values": "the published parameters serialized as fp32 value messages, once a round, for every pull",
+    "superseded_values": "the version of the values before it, kept while a slow reader still reads it",
+    "delta_chunks": "the lossy downlink's last update, encoded, for pulls that take a delta",
+    "eager_mean": "the round's mean pseudo-gradient, encoded, for eager updates",
+    "sketches": "the direction check's sketch of each contribution held (robust.direction_check, 3+ islands)",
+    "spool_pool": "the spool's memory pool: blocks allocated, kept once filled (limits.spool_memory_models)",
+    "evaluator": "the evaluators' model copies and held-out batches (eval.batches, eval.hellaswag)",
+}
+
+
+class StorageCounter:
+    """Bytes of tensor storage, each storage counted once."""
+
+    def __init__(self) -> None:
+        self._seen: set[tuple[str, int]] = set()
+
+    def count(self, tensors: Iterable[torch.Tensor]) -> int:
+        total = 0
+        for t in tensors:
+            storage = t.untyped_storage()
+            key, size = (str(storage.device), storage.data_ptr()), storage.nbytes()
+            if size and key not in self._seen:
+                self._seen.add(key)
+                total += size
+        return total
+
+
+def held_tensors(obj, depth: int = 3) -> Iterator[torch.Tensor]:
+    """The tensors an object holds: a tensor, a module's parameters and buffers, and what lists, tuples, dicts and a
+    function's closure hold, depth levels down (an evaluator is a closure over its model and batches)."""
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, torch.nn.Module):
+        yield from obj.parameters()
+        yield from obj.buffers()
+    elif depth <= 0:
+        return
+    elif isinstance(obj, (list, tuple)):
+        for item in obj:
+            yield from held_tensors(item, depth - 1)
+    elif isinstance(obj, Mapping):
+        for item in list(obj.values()):
+            yield from held_tensors(item, depth - 1)
+    elif callable(obj) and getattr(obj, "__closure__", None):
+        for cell in obj.__closure__:
+            try:
+                contents = cell.cell_contents
+            except ValueError:  # an empty cell
+                continue
+            yield from held_tensors(contents, depth - 1)
+
+
+def message_bytes(messages: Iterable) -> int:
+    """The serialized size of protocol messages (a chunk's payload and its address), each message once."""
+    seen, total = set(), 0
+    for m in messages:
+        if id(m) not in seen:
+            seen.add(id(m))
+            total += m.ByteSize()
+    return total
+
+
+def fragment_memory(fragment, counter: StorageCounter, closing=None) -> dict[str, int]:
+    """One fragment's components (coordinator/rounds.py FragmentRounds), its tensors counted by counter; closing: the
+    round it is closing (rounds.py Closing), whose contributions it no longer holds itself."""
+    outer, publication, accumulator = fragment.outer, fragment.publication, fragment.accumulator
+    momentum = [state["momentum_buffer"] for state in list(outer.optimizer.state.values())
+                if state.get("momentum_buffer") is not None]
+    late = accumulator.late_sums
+    held = [*list(fragment.contributions.values()), *list(fragment.late.values()),
+            *(c for _, c in (closing.contributions if closing is not None else []))]
+    sketches = {id(c.sketch): c.sketch for c in held if isinstance(c.sketch, np.ndarray)}.values()
+    stream = fragment.streaming  # a lossy update being made: its chunks are delta_chunks once published
+    return {
+        "outer_params": counter.count(outer.params.values()),
+        "published_params": counter.count(publication.params.values()),
+        "momentum": counter.count([*momentum, *(outer.carry or {}).values()]),
+        "accumulator": counter.count(accumulator.sums.values()),
+        "accumulator_late": counter.count(late.values()) if late is not None else 0,
+        **publication.held_values(),
+        "delta_chunks": message_bytes([*publication.delta_chunks, *(list(stream.chunks) if stream is not None else [])]),
+        "eager_mean": message_bytes(fragment.mean_chunks),
+        "sketches": sum(s.nbytes for s in sketches),
+    }
+
+
+def state_memory(state, closing: tuple | None = None) -> dict[str, int]:
+    """The whole coordinator's components (CoordinatorState.memory), each fragment's parts summed; closing: (fragment
+    index, rounds.py Closing) of a round being closed."""
+    counter = StorageCounter()
+    total = dict.fromkeys(COMPONENTS, 0)
+    for f in state.fragments:
+        for name, n in fragment_memory(f, counter, closing[1] if closing and closing[0] == f.index else None).items():
+            total[name] += n
+    total["spool_pool"] = state.spools.pool.allocated_bytes
+    total["evaluator"] = counter.count(t for fn in (state.evaluate, state.tasks) if fn is not None for t in held_tensors(fn))
+    return total
+
+
+def process_rss() -> dict[str, int]:
+    """This process's resident memory now (VmRSS) and at its peak (VmHWM), in bytes; {} where /proc is not there."""
+    try:
+        with open("/proc/self/status") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return {}
+    found = {}
+    for line in lines:
+        key, _, value = line.partition(":")
+        if key in ("VmRSS", "VmHWM"):
+            found[key] = int(value.split()[0]) * 1024
+    return found
+
+
+class MemoryPeaks:
+    """The most each component held over the samples taken, and the sample whose components summed the most (with
+    the process's resident memory then)."""
+
+    def __init__(self, measure: Callable[[], dict[str, int]]):
+        self.measure = measure
+        self.peak: dict[str, int] = {}
+        self.at_peak_total: dict[str, int] = {}
+        self.rss_at_peak_total = 0
+        self.samples = 0
+        self._lock = threading.Lock()
+
+    def sample(self, *args) -> dict[str, int]:
+        """Measures now (measure(*args)) and keeps the peaks; an accounting that fails is logged, never raised (the
+        round driver calls this)."""
+        try:
+            now = self.measure(*args)
+        except Exception:  # noqa: BLE001 - what the run shows must never stop it
+            log.warning("could not account for the coordinator's memory", exc_info=True)
+            return {}
+        rss = process_rss().get("VmRSS", 0)
+        with self._lock:
+            self.samples += 1
+            for name, n in now.items():
+                self.peak[name] = max(self.peak.get(name, 0), n)
+            if sum(now.values()) >= sum(self.at_peak_total.values()):
+                self.at_peak_total, self.rss_at_peak_total = dict(now), rss
+        return now
+
+    def report(self) -> dict:
+        with self._lock:
+            return {"peak": dict(self.peak), "peak_sum": sum(self.peak.values()), "at_peak_total": dict(self.at_peak_total),
+                    "rss_at_peak_total": self.rss_at_peak_total, "samples": self.samples}
