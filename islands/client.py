@@ -137,10 +137,14 @@ class CoordinatorClient:
         self._heartbeat: threading.Thread | None = None
 
     def close(self) -> None:
+        self.stop_heartbeat()
+        self.channel.close()
+
+    def stop_heartbeat(self) -> None:
+        """Stops heartbeating and waits for a heartbeat in flight, so that none reaches the coordinator after it."""
         self._heartbeat_stop.set()
         if self._heartbeat is not None:
             self._heartbeat.join(5.0)
-        self.channel.close()
 
     def _retry(self, what: str, call, retry_local: bool = True):
         """Retries transient failures with backoff for up to reconnect_s (a coordinator restart).
@@ -360,6 +364,9 @@ class CoordinatorClient:
               fragment_checksums: list[str] | None = None, untrained: list[tuple[int, int]] = ()) -> pb.LeaveResponse:
         """Leaves the run holding params_checksum (or, per fragment, fragment_checksums); stats (compute_s,
         wait_s, wall_s, inner_steps) go into the coordinator's report. A failed leave answers "no match"."""
+        # A heartbeat that lands after the Leave is refused NOT_A_MEMBER: the run's report would count a refusal
+        # no island earned.
+        self.stop_heartbeat()
         try:
             request = pb.LeaveRequest(island_id=island_id, checksum=params_checksum, round=round_,
                                       fragment_checksums=fragment_checksums or [], **dict(stats or {}),

@@ -157,3 +157,27 @@ def test_island_keeps_waiting_for_a_round_held_open_below_min_islands(make_coord
     assert len(outcome) == 1 and isinstance(outcome[0], pb.ResultHeader), outcome
     assert outcome[0].round == 1 and outcome[0].checksum == coordinator.state.checksum  # the round closed: now round 1
     assert checksum(targets) == coordinator.state.checksum
+
+
+def test_leave_stops_the_heartbeat_first_so_no_refusal_follows_it(make_coordinator):
+    """A heartbeat sent after Leave is refused NOT_A_MEMBER and counted in the run's report (a CI flake of
+    test_streaming_claims): leave() stops the heartbeat, and waits for one in flight, before it leaves."""
+    from islands.client import CoordinatorClient
+    coordinator = make_coordinator(one_island_config())
+    client = CoordinatorClient(f"127.0.0.1:{coordinator.port}", connect_timeout_s=30)
+    try:
+        joined = client.join()
+        beats = []
+        client.start_heartbeat(lambda: joined.island_id, 0.005, lambda: 0, lambda: beats.append(1) or {})
+        deadline = time.monotonic() + 60
+        while len(beats) < 3 and time.monotonic() < deadline:  # heartbeating for real before we leave
+            time.sleep(0.01)
+        assert len(beats) >= 3
+        client.leave(joined.island_id, "", 0)
+        assert not client._heartbeat.is_alive()
+        sent = len(beats)
+        time.sleep(0.1)  # 20 intervals: a heartbeat thread still running would have beaten again
+        assert len(beats) == sent
+        assert coordinator.state.events.refusals == {}, coordinator.state.events.refusals
+    finally:
+        client.close()
