@@ -11,6 +11,8 @@ feedback, carried into the next round's update.
 from __future__ import annotations
 
 import bisect
+import os
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -24,57 +26,8 @@ from diloco.outer import OuterOptimizer, PseudoGradientAccumulator
 from diloco.wire.refusal import Reason, Refused
 from diloco.params import checksum
 from diloco.v1 import diloco_pb2 as pb
-from diloco.wire.frames import chunk_of, frame_chunk, parse_chunk_message, serialized_values
-from diloco.wire.messages import FlatRange, chunk_spans, make_chunk
-
-
-class SharedStream:
-    """A sequence made once, on demand: whichever reader reaches the next item first makes it for all.
-
-    finish() makes the rest at once (what it is made from is about to change); drop(error) frees the items and
-    every reader raises error at its next item."""
-
-    def __init__(self, source: Iterator):
-        self._source, self._items, self._lock = source, [], threading.Lock()
-        self.complete = False
-        self._dropped: Exception | None = None
-
-    def __iter__(self) -> Iterator:
-        i = 0
-        while True:
-            try:
-                item = self._items[i]  # no reference to the list is kept while suspended: drop() frees it
-            except IndexError:
-                with self._lock:
-                    if self._dropped is None and i >= len(self._items) and not self.complete:
-                        if (made := next(self._source, None)) is None:
-                            self.complete = True
-                        else:
-                            self._items.append(made)
-                    over = i >= len(self._items)
-                if self._dropped is not None:
-                    raise self._dropped
-                if over:
-                    return
-                continue
-            if self._dropped is not None:
-                raise self._dropped
-            yield item
-            i += 1
-
-    def finish(self) -> None:
-        with self._lock:
-            if self._dropped is None:
-                self._items.extend(self._source)
-            self.complete = True
-
-    def drop(self, error: Exception) -> None:
-        with self._lock:
-            self._dropped, self._items, self.complete = error, [], True
-
-    def made(self) -> list:
-        """The items made so far (a copy of the list)."""
-        return list(self._items)
+from diloco.wire.frames import Chunk, chunk_of, fp32_payload, frame_chunk, parse_chunk_message, serialized_values
+from diloco.wire.messages import FlatRange, chunk_spans, make_chunk, payload_digest
 
 
 class DeltaStream:
@@ -145,28 +98,75 @@ def value_messages_of(params: Mapping[str, torch.Tensor], chunk_bytes: int) -> I
         yield ValueMessage(name, lo, hi - lo, data)
 
 
-class PublishedValues:
-    """One version of the published parameters as value messages: serialized once, lazily (the first reader's first
-    message goes out before the rest is made), shared by every reader, and never changed once made.
+def _overlapping(spans: list[tuple[str, int, int]], ranges: list[FlatRange] | None) -> list[int]:
+    """The indices of the spans that overlap any of the ranges (all of them without ranges)."""
+    if ranges is None:
+        return list(range(len(spans)))
+    by_name: dict[str, list[tuple[int, int]]] = {}
+    for r in ranges:
+        by_name.setdefault(r.name, []).append((r.offset, r.end))
+    return [k for k, (name, lo, hi) in enumerate(spans) if any(a < hi and lo < b for a, b in by_name.get(name, ()))]
 
-    A reader registers (open) under the parameters' read lock, holding it only that long, and streams at its own
-    pace without it. The parameters change only at an outer step, and a version still being read is finished
-    (serialized whole) before that (Publication.release_values): its readers then read a copy no step touches.
-    What stalled readers can hold is bounded by Publication (see _supersede).
+
+class PublishedValues:
+    """One version of the published parameters as fp32 value messages, never changed once made.
+
+    Memory: no copy of the values. While the parameters stay, each reader's messages are framed from them as it
+    reads (the chunks' digests are made once and shared). Before the parameters change (finish: the outer step is
+    coming), a version someone still reads is written once, whole, to an unlinked file beside the spool, and its
+    readers go on from there at their own pace: the step never waits for a reader, and what a slow or stalled
+    reader holds is disk and page cache, not the coordinator's resident memory. A version nobody reads is just
+    closed.
+
+    A reader registers (open) under the parameters' read lock, holding it only that long, and streams without it.
+    Framing and finish take the version's own lock, so no message is framed from parameters the step has begun to
+    change. What stalled readers can hold is bounded by Publication (see _supersede).
     """
 
-    def __init__(self, params: Mapping[str, torch.Tensor], chunk_bytes: int):
-        self.stream = SharedStream(value_messages_of(params, chunk_bytes))
+    def __init__(self, params: Mapping[str, torch.Tensor], chunk_bytes: int, spill_dir: str | None = None):
+        fp32 = get_codec("fp32")
+        self._flat = {name: t.detach().reshape(-1) for name, t in params.items()}
+        self._names = {name: name.encode() for name in params}
+        self.spans = [(name, lo, hi) for name, t in self._flat.items() for lo, hi in chunk_spans(t.numel(), fp32, chunk_bytes)]
+        self._digests: list[int | None] = [None] * len(self.spans)
+        self._spill_dir = spill_dir
+        self._file = None  # the version written out (finish, while read): its messages at _index[k] = (start, size)
+        self._index: list[tuple[int, int]] = []
+        self.complete = False  # finish() was called: made from the parameters before they changed
+        self._dropped: Exception | None = None
+        self._frame_lock = threading.Lock()
         self._cuts: dict[int, Callable[[], None]] = {}  # reader -> what ends its call
         self._lock = threading.Lock()
         self._opened = 0
 
     def __iter__(self) -> Iterator[tuple[bytes, int]]:
         """The messages with their sizes."""
-        return ((m.data, len(m.data)) for m in self.stream)
+        return ((m.data, len(m.data)) for m in self.messages())
 
-    def messages(self) -> Iterator[ValueMessage]:
-        return iter(self.stream)
+    def messages(self, ranges: list[FlatRange] | None = None) -> Iterator[ValueMessage]:
+        """The messages in order; with ranges, only those that hold some of their elements."""
+        for k in _overlapping(self.spans, ranges):
+            name, lo, hi = self.spans[k]
+            yield ValueMessage(name, lo, hi - lo, self._message(k))
+
+    def _message(self, k: int) -> bytes:
+        with self._frame_lock:
+            if self._dropped is not None:
+                raise self._dropped
+            if self._file is not None:
+                start, size = self._index[k]
+                return os.pread(self._file.fileno(), size, start)
+            if self.complete:  # finished unread: the parameters may have changed since (Publication opens a new one)
+                raise Refused(Reason.ROUND_CLOSED, "the parameters changed while you read them; fetch again")
+            return self._frame(k)
+
+    def _frame(self, k: int) -> bytes:
+        """Message k framed from the parameters (the caller holds the frame lock)."""
+        name, lo, hi = self.spans[k]
+        payload = fp32_payload(self._flat[name][lo:hi])
+        if self._digests[k] is None:
+            self._digests[k] = payload_digest(payload)
+        return frame_chunk(2, Chunk(name, lo, hi - lo, payload, self._digests[k]), self._names[name])
 
     @property
     def readers(self) -> int:
@@ -187,17 +187,41 @@ class PublishedValues:
         return done
 
     def finish(self) -> None:
-        """Serializes the rest now: the parameters are about to change."""
-        self.stream.finish()
+        """The parameters are about to change: a version someone reads is written out whole now."""
+        with self._frame_lock:
+            if self.complete or self._dropped is not None:
+                return
+            if self.readers:
+                spill = tempfile.TemporaryFile(prefix="values-", dir=self._spill_dir)  # noqa: SIM115 - drop() closes it
+                try:
+                    for k in range(len(self.spans)):
+                        data = self._frame(k)
+                        self._index.append((spill.tell(), len(data)))
+                        spill.write(data)
+                    spill.flush()
+                except BaseException:
+                    spill.close()
+                    self._index = []
+                    raise
+                self._file = spill
+            self.complete = True
 
     def held_bytes(self) -> int:
-        """The bytes of the messages made so far (coordinator/memory.py)."""
-        return sum(len(m.data) for m in self.stream.made())
+        """The bytes this version holds in memory (coordinator/memory.py): its chunks' digests."""
+        return 8 * sum(d is not None for d in self._digests)
+
+    def spilled_bytes(self) -> int:
+        """The bytes it holds on disk (a version read across a step)."""
+        return self._index[-1][0] + self._index[-1][1] if self._file is not None and self._index else 0
 
     def drop(self, why: str) -> None:
-        """Frees the messages: a reader gets ROUND_CLOSED at its next one, and its call is ended (one stalled in a send,
-        its client reading nothing, would otherwise hold a server thread and that message for as long as it likes)."""
-        self.stream.drop(Refused(Reason.ROUND_CLOSED, why))
+        """Frees the version: a reader gets ROUND_CLOSED at its next message, and its call is ended (one stalled in a
+        send, its client reading nothing, would otherwise hold a server thread for as long as it likes)."""
+        with self._frame_lock:
+            self._dropped = Refused(Reason.ROUND_CLOSED, why)
+            if self._file is not None:
+                self._file.close()
+            self._file, self._index = None, []
         with self._lock:
             cuts, self._cuts = list(self._cuts.values()), {}
         for cut in cuts:
@@ -251,7 +275,7 @@ class Reading:
         self.releases.append(release)
 
     def value_messages(self, ranges: list[FlatRange] | None) -> Iterator[bytes]:
-        messages = (m for v in self.values for m in v.messages())
+        messages = (m for v in self.values for m in v.messages(ranges))
         return (m.data for m in messages) if ranges is None else range_messages(messages, ranges)
 
     def done(self) -> None:
@@ -261,8 +285,10 @@ class Reading:
 
 
 class Publication:
-    def __init__(self, outer_params: Mapping[str, torch.Tensor], codec: Codec, chunk_bytes: int, pool: Executor | None = None):
+    def __init__(self, outer_params: Mapping[str, torch.Tensor], codec: Codec, chunk_bytes: int, pool: Executor | None = None,
+                 spill_dir: str | None = None):
         self.outer_params = outer_params
+        self.spill_dir = spill_dir  # where a version of the values read across a step is written (PublishedValues)
         self.pool = pool  # threads a lossy publication makes its chunks on (None: the caller's)
         self.codec = codec
         self.chunk_bytes = chunk_bytes
@@ -280,24 +306,21 @@ class Publication:
         self._values_lock = threading.Lock()
 
     def held_values(self) -> dict[str, int]:
-        """The bytes of value messages held (coordinator/memory.py): this round's version, and the one before it while
-        someone still reads it."""
+        """What the value versions hold (coordinator/memory.py): in memory, this round's and the one before it while
+        someone still reads it; on disk, a version read across a step."""
         with self._values_lock:
-            values, superseded = self._values, self._superseded
-        return {"published_values": values.held_bytes() if values is not None else 0,
-                "superseded_values": superseded.held_bytes() if superseded is not None else 0}
+            versions = [v for v in (self._values, self._superseded) if v is not None]
+        return {"published_values": sum(v.held_bytes() for v in versions),
+                "values_on_disk": sum(v.spilled_bytes() for v in versions)}
 
     def value_messages(self) -> PublishedValues:
-        """The published parameters as serialized fp32 value messages (ResultMessage), with their sizes.
-
-        Serialized once a round, chunk by chunk as the first pull streams them, and
-        shared by every pull after it: one copy of the model however many islands,
-        and no island waits for the whole model to be encoded before its first byte.
-        A reader takes them with open_values.
+        """This round's version of the published parameters as fp32 value messages (ResultMessage): framed from the
+        parameters as each pull reads them, so no copy of the model is held and no island waits for the whole model
+        to be encoded before its first byte. A reader takes them with open_values.
         """
         with self._values_lock:
             if self._values is None:
-                self._values = PublishedValues(self.params, self.chunk_bytes)
+                self._values = PublishedValues(self.params, self.chunk_bytes, self.spill_dir)
             return self._values
 
     def open_values(self, cut: Callable[[], None] = lambda: None) -> tuple[PublishedValues, Callable[[], None]]:
@@ -305,7 +328,7 @@ class Publication:
         reader's call, see _supersede). The caller holds the parameters' read lock, only while it calls this."""
         with self._values_lock:
             if self._values is None:
-                self._values = PublishedValues(self.params, self.chunk_bytes)
+                self._values = PublishedValues(self.params, self.chunk_bytes, self.spill_dir)
             values, closing = self._values, self._closing
             done = values.open(cut)
         if closing:  # the step is coming and the reader may be slow: made whole now, under the caller's read lock
@@ -315,9 +338,9 @@ class Publication:
     def release_values(self) -> None:
         """The round closed and its outer step is coming (apply calls this before it takes the write lock and steps).
 
-        Value messages nobody reads are dropped now, so the step has their memory. Ones being read are finished
-        (serialized whole) now, and any opened from now until the step are finished as they are opened: after the
-        step their readers go on from that copy at their own pace, and the step never waits for them.
+        A version nobody reads is closed now. One being read is finished (written whole to disk) now, and any
+        opened from now until the step are finished as they are opened: after the step their readers go on from
+        that copy at their own pace, and the step never waits for them.
         """
         with self._values_lock:
             self._closing = True
@@ -332,20 +355,20 @@ class Publication:
 
         Memory: a superseded version is kept only while someone reads it, and only one: the version superseded
         before it is dropped now and its readers are cut off (ROUND_CLOSED, or their call cancelled while they are
-        stalled in a send), which frees its messages and their server threads. So a reader has at least one whole
+        stalled in a send), which frees its file and their server threads. So a reader has at least one whole
         round (from the publication after the one it started under to the next) to finish, however slow its link,
-        and a stalled reader holds at most one model's serialized values (4 bytes a parameter) for at most two
-        rounds: with the current version, at most two such copies whatever the number of readers. Chosen over
-        keeping every version a reader holds, whose memory would be the attacker's to choose (one model for every
+        and stalled readers hold at most one model's serialized values (4 bytes a parameter) on disk for at most two
+        rounds, whatever their number. Chosen over
+        keeping every version a reader holds, whose disk would be the attacker's to choose (one model for every
         round it stalls through), and over cutting readers off at the first publication, which would refuse an
         honest island on a slow link a model that takes longer to send than what is left of the round.
         """
         with self._values_lock:
             old, older = self._values, self._superseded
             self._values, self._closing = None, False
-            kept = old is not None and old.readers and old.stream.complete
+            kept = old is not None and old.readers and old.complete
             self._superseded = old if kept else None
-        if old is not None and not old.stream.complete:  # never finished (no release_values): not made from new values
+        if old is not None and not kept:  # unread (its file, if any, goes), or never finished: not made from new values
             old.drop("the parameters changed while you read them; fetch again")
         if older is not None:
             older.drop("the parameters you were reading were superseded twice while you read them (a slow or stalled "

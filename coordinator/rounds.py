@@ -296,7 +296,7 @@ class FragmentRounds:
         self.label = f"fragment {index} " if cfg.streaming.fragments > 1 else ""
         self.manifest = Manifest.of(params)
         self.outer = OuterOptimizer(params, cfg.outer)
-        self.publication = Publication(params, downlink_codec(cfg.wire), cfg.wire.chunk_bytes, ctx.pool)
+        self.publication = Publication(params, downlink_codec(cfg.wire), cfg.wire.chunk_bytes, ctx.pool, ctx.spools.directory)
         self.accumulator = PseudoGradientAccumulator(self.manifest.shapes)
         self.ahead = FoldAhead()  # what of the open round is folded already (the driver's thread only)
         self.guard = NormGuard(cfg.robust)

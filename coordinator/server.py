@@ -198,11 +198,19 @@ def raise_open_file_limit(sensible: int = SENSIBLE_OPEN_FILES) -> int:
 
 
 def server_options(cfg: RunConfig) -> list[tuple[str, int]]:
-    """The gRPC server's options: the largest message (max_message_bytes) and the handshake's time limit."""
+    """The gRPC server's options: the largest message (max_message_bytes), the handshake's time limit and the
+    receive window."""
     return [
         ("grpc.max_receive_message_length", max_message_bytes(cfg)),
         ("grpc.server_handshake_timeout_ms", int(HANDSHAKE_TIMEOUT_S * 1000)),
-    ]
+    ] + receive_window(cfg.limits.receive_window_mb)
+
+
+def receive_window(mb: float) -> list[tuple[str, int]]:
+    """Each incoming stream's HTTP/2 receive window fixed at mb MiB (limits.receive_window_mb); 0: gRPC's probing."""
+    if mb <= 0:
+        return []
+    return [("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", int(mb * 2**20))]
 
 
 def open_ledger(cfg: RunConfig) -> tuple[DataLedger | None, str]:

@@ -27,7 +27,7 @@ import torch
 
 from coordinator.ledger import DataLedger, account_dict
 from coordinator.links import LinkAdvisor
-from coordinator.memory import MemoryPeaks, state_memory
+from coordinator.memory import FreedMemory, MemoryPeaks, state_memory
 from coordinator.membership import Events, Island, Membership, canonical_order
 from coordinator.publish import Reading
 from coordinator.rounds import Closed, Closing, FragmentContext, FragmentRounds, Phase
@@ -104,6 +104,7 @@ class CoordinatorState:
         self.initial_eval_loss = evaluate(self.params) if evaluate else math.nan
         # The most each part of memory held, sampled by the round drivers around each close (coordinator/memory.py).
         self.memory_peaks = MemoryPeaks(self.memory)
+        self.freed_memory = FreedMemory()  # the allocator's slack handed back after each close
 
     def _fragment_of(self, name: str) -> int | None:
         return self.layout.fragment_of(name) if name in self.manifest.shapes else None
@@ -270,7 +271,8 @@ class CoordinatorState:
     def memory_report(self) -> dict:
         """memory() now, its peaks over the run (MemoryPeaks), the pool, and the fp32 model's bytes to compare with."""
         return {"now": self.memory(), **self.memory_peaks.report(), "spool_pool": self.memory_pool(),
-                "model_fp32_bytes": 4 * self.manifest.total_numel()}
+                "model_fp32_bytes": 4 * self.manifest.total_numel(),
+                "values_on_disk": sum(f.publication.held_values()["values_on_disk"] for f in self.fragments)}
 
     # --- calls for one fragment (fragment 0 without streaming) ---------------------------
 
@@ -307,6 +309,7 @@ class CoordinatorState:
         summary = f.apply(closing)
         closed = self._record(f, summary)
         self.memory_peaks.sample()  # after the outer step and the publication (and the summary, which watchers wait for)
+        self.freed_memory.trim()
         return closed
 
     def _record(self, f: FragmentRounds, summary: pb.RoundSummary) -> Closed:

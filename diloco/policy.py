@@ -62,6 +62,12 @@ class LimitsConfig:
     # (coordinator/spool.py): kept once allocated, so the coordinator's memory stays a few models whatever the
     # number of islands. 0: every push waits on disk.
     spool_memory_models: float = 1.0
+    # What the transport may buffer for each incoming stream before the coordinator reads it, in MiB (its HTTP/2
+    # receive window). gRPC otherwise grows the window by probing the link, and on a coordinator whose cores are
+    # busy folding it grows towards whole pushes: memory that scales with the islands pushing at once. A stream
+    # carries at most window / round-trip time: 32 MiB is 2.7 Gbit/s at 100 ms (each rank pushes on a stream of
+    # its own). Raise it for faster, longer links; 0: gRPC's probing, unbounded.
+    receive_window_mb: float = 32.0
     # Round watches (WatchRounds) one credential may hold open at once, and all callers together: each holds one
     # of the coordinator's server threads while it lasts, so the total stays well under the threads kept beyond
     # the islands' own (coordinator/server.py). Beyond either: TOO_MANY_STREAMS. Without mutual TLS only the
@@ -73,4 +79,5 @@ class LimitsConfig:
         if min(self.watch_streams_per_credential, self.watch_streams) <= 0:
             return False
         return (min(self.push_streams_per_rank, self.push_idle_s, self.heartbeats_per_interval, self.joins_per_minute,
-                    self.spool_gb, self.departed_kept) > 0 and self.idle_rounds >= 0 and self.spool_memory_models >= 0)
+                    self.spool_gb, self.departed_kept) > 0 and self.idle_rounds >= 0 and self.spool_memory_models >= 0
+                and self.receive_window_mb >= 0)

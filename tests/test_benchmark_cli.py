@@ -91,6 +91,7 @@ def test_data_benchmark_prepares_reads_and_feeds_from_disk_and_s3():
                 assert any(line.startswith(f"{kind} {where:5s} {state}: first ") for line in lines), (kind, where, state, lines)
 
 
+@pytest.mark.slow  # the probes it runs are each asserted by tests/test_attacks_*.py in the default suite
 def test_attack_benchmark_shows_each_attack_of_issue_15_refused():
     run = subprocess.run([sys.executable, "-m", "tests.probes.attack"], capture_output=True, text=True,
                          timeout=300, cwd=ROOT)
@@ -106,6 +107,7 @@ def test_attack_benchmark_shows_each_attack_of_issue_15_refused():
     assert "claim refused (INVALID_ARGUMENT)" in on and on.endswith("clipped: ['island-1']")
 
 
+@pytest.mark.slow  # a 2-round demo measured twice: about 2 minutes on 2 cores
 def test_observe_cost_benchmark_reports_each_shares():
     run = subprocess.run([sys.executable, "-m", "benchmarks.observe_cost", "--rounds", "2", "--islands", "2",
                           "--every", "0.5", "--island-rounds", "2"], capture_output=True, text=True, timeout=300, cwd=ROOT)

@@ -39,6 +39,7 @@ def test_toml_round_trip_and_digest():
         ("data.source='s3'", "data.source"),
         ("rounds.min_islands=0", "min_islands"),
         ("limits.spool_memory_models=-1", "limits.spool_memory_models >= 0"),
+        ("limits.receive_window_mb=-1", "limits.receive_window_mb >= 0"),
         ("robust.direction_cosine=1.0", r"robust.direction_cosine must be in \[-1, 1\)"),
         ("robust.direction_cosine=-1.5", r"robust.direction_cosine must be in \[-1, 1\)"),
         ("robust.first_quorum=0", "robust.first_quorum >= 1"),
@@ -78,3 +79,13 @@ def test_feedback_decay_defaults_to_a_quarter_for_topk_and_one_otherwise():
     assert load_config(None, ["wire.codec='topk'", "wire.feedback_in_model=true"]).wire.decay == 1.0
     with pytest.raises(ConfigError, match="feedback_decay"):
         load_config(None, ["wire.feedback_decay=0"])
+
+
+def test_the_coordinator_bounds_each_incoming_streams_receive_window():
+    """limits.receive_window_mb fixes the HTTP/2 window (gRPC's probing would grow it towards whole pushes on busy
+    cores); 0 leaves gRPC's probing."""
+    from coordinator.server import server_options
+    options = dict(server_options(load_config(None)))
+    assert options["grpc.http2.lookahead_bytes"] == 32 * 2**20 and options["grpc.http2.bdp_probe"] == 0
+    options = dict(server_options(load_config(None, ["limits.receive_window_mb=0"])))
+    assert "grpc.http2.lookahead_bytes" not in options and "grpc.http2.bdp_probe" not in options

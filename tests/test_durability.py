@@ -71,6 +71,7 @@ def test_stopped_and_resumed_run_ends_bit_identical(tmp_path):
 
 
 @pytest.mark.integration
+@pytest.mark.slow  # about 100 s on 2 cores; test_token_runs' chaos run (kills and restarts too) is in the default suite
 def test_chaos_run_finishes_consistent_and_close_to_undisturbed(tmp_path):
     # Kills land right after a round's summary: with min_islands = every island no round closes while one
     # is down, so the schedule is in rounds, not seconds (a delay drawn in seconds let a fast run end first).

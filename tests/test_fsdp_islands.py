@@ -125,7 +125,8 @@ def _heal_matches_peer(reports: Path, healed_tag: str, peer_tags: list[str]) -> 
 
 @pytest.mark.integration
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("data", ["synthetic", "tokens"])
+# On tokens outside the default suite for its time (about 50 s): test_token_runs kills islands on tokens there.
+@pytest.mark.parametrize("data", ["synthetic", pytest.param("tokens", marks=pytest.mark.slow)])
 def test_killed_replica_group_heals_and_a_dead_pusher_is_taken_over(tmp_path, data):
     if data == "tokens":
         from kit import write_corpus

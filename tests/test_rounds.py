@@ -16,9 +16,9 @@ import torch
 
 from conftest import claim, random_like, trained_from
 from kit import SHARES, Clock, join_shares, make_state, push, push_share, refusal, share_tokens
-from coordinator.publish import SharedStream
+from coordinator.publish import value_messages_of
 from coordinator.spool import Spool, SpoolCorrupt
-from diloco.wire.refusal import Reason
+from diloco.wire.refusal import Reason, Refused
 from diloco.v1 import diloco_pb2 as pb
 from diloco.wire.messages import payload_digest, tensor_chunks, uplink_codec
 
@@ -170,36 +170,41 @@ def test_spool_reads_back_what_was_written_and_refuses_a_damaged_file(tmp_path):
     assert not spool.path.exists()
 
 
-def test_shared_stream_makes_each_item_once_for_every_reader():
-    made = []
-
-    def source():
-        for i in range(200):
-            made.append(i)
-            yield i
-
-    stream = SharedStream(source())
-    seen: list[list[int]] = [[] for _ in range(6)]
-    threads = [threading.Thread(target=lambda out=out: out.extend(stream)) for out in seen]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    assert all(out == list(range(200)) for out in seen)
-    assert made == list(range(200))  # each item made once, in order
-    assert list(stream) == list(range(200))  # a late reader replays it
-
-
-def test_pulls_share_one_serialization_of_the_values_per_round(tmp_path):
-    state = make_state(tmp_path, "rounds.min_islands=1")
+def test_a_pull_frames_the_values_from_the_parameters_and_a_read_across_a_step_goes_on_from_disk(tmp_path):
+    """No copy of the values is held: a pull frames them from the parameters; a read that straddles the outer step
+    goes on from a copy written to disk before it, with the values it started on."""
+    state = make_state(tmp_path, "rounds.min_islands=1", "wire.chunk_bytes=4096")
     publication = state.fragments[0].publication
     first = publication.value_messages()
-    assert publication.value_messages() is first
-    values = {}
+    assert publication.value_messages() is first  # one version a round
+    expected = [(m.name, m.offset, m.data) for m in value_messages_of(publication.params, 4096)]
+    assert len(expected) > 10
+    assert [(m.name, m.offset, m.data) for m in first.messages()] == expected  # serialized_values' bytes
     for blob, size in first:
         message = pb.ResultMessage.FromString(blob)
-        assert size == len(blob) == message.ByteSize()
-        values[message.chunk.name, message.chunk.offset] = message.chunk
-    assert sum(c.numel for c in values.values()) == state.manifest.total_numel()
+        assert size == len(blob) == message.ByteSize() and message.chunk.numel > 0
+    assert first.held_bytes() == 8 * len(expected)  # only the chunks' digests
+    assert first.spilled_bytes() == 0
+    # A reader has read one message when the step comes.
+    values, done = publication.open_values()
+    reading = values.messages()
+    got = [next(reading)]
     publication.release_values()
-    assert publication.value_messages() is not first
+    assert values.spilled_bytes() == sum(len(data) for _, _, data in expected)
+    assert publication.held_values()["values_on_disk"] == values.spilled_bytes()
+    with torch.no_grad():
+        for t in publication.params.values():
+            t.add_(1.0)  # the step
+    publication.publish()
+    got += list(reading)
+    assert [(m.name, m.offset, m.data) for m in got] == expected  # the values it started on, from disk
+    after = publication.value_messages()
+    assert after is not values and next(after.messages()).data != expected[0][2]
+    # Read to the end and released: the next step drops that version and its file.
+    done()
+    publication.release_values()
+    publication.publish()
+    assert values.spilled_bytes() == 0 and publication.held_values()["values_on_disk"] == 0
+    with pytest.raises(Refused) as e:
+        next(values.messages())
+    assert e.value.reason == Reason.ROUND_CLOSED

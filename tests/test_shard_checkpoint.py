@@ -179,8 +179,10 @@ def _assert_resumed_exactly(result: dict, workdir: Path) -> None:
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("groups, nproc, streaming, optimizer", [
     (1, 1, 0, "adamw"), (1, 2, 1, "adamw"),
-    # Muon on FSDP shards: its momentum buffers (DTensors) are saved and resumed with AdamW's state.
-    (1, 2, 0, "muon"),
+    # Muon on FSDP shards: its momentum buffers (DTensors) are saved and resumed with AdamW's state. Outside the
+    # default suite for its time (about 40 s): test_round_trip_and_torn_or_damaged_steps_are_never_loaded[muon]
+    # round-trips the same state there.
+    pytest.param(1, 2, 0, "muon", marks=pytest.mark.slow),
     # Two runs of 4 ranks each side by side: about 220 s on 2 cores, so outside the default suite.
     pytest.param(2, 2, 1, "adamw", marks=pytest.mark.slow),
 ], ids=["1", "1x2-streaming", "1x2-muon", "2x2-streaming"])
