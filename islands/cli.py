@@ -10,18 +10,12 @@ from pathlib import Path
 # First: it quiets gRPC's C core (GRPC_VERBOSITY), which takes effect only before grpc is imported.
 from diloco.cli.common import ArgumentParser, add_config_flags, fail, setup_logging  # isort: skip
 
-import grpc
-import torch
-
-from diloco.checkpoint import CheckpointError
 from diloco.config import ConfigError, load_config
 from diloco.security.credentials import TlsFiles, island_files
-from diloco.jsonlog import LogError, check_tensorboard
 from diloco.security.net import is_loopback
-from islands.client import CoordinatorUnreachable
-from islands.launch import LaunchError, LaunchOptions, claim_island, is_launched_rank, launch, replica_spec, run_island
-from islands.telemetry import TelemetryOptions
-from islands.world import IslandWorld
+
+# torch, gRPC, torchft and the island's own modules are imported once the arguments are checked (_join, and
+# main's lock): `--help` and a bad flag answer in a fraction of a second instead of after seconds of imports.
 
 log = logging.getLogger("islands")
 
@@ -91,12 +85,14 @@ def build_parser() -> ArgumentParser:
     return parser
 
 
-def _telemetry_options(args) -> TelemetryOptions:
+def _telemetry_options(args):
+    from islands.telemetry import TelemetryOptions
     return TelemetryOptions(args.metrics_port, args.metrics_host, args.log_url, args.tensorboard, args.log_window,
                             peak_flops=args.peak_tflops * 1e12 if args.peak_tflops else None)
 
 
-def _launch_options(args) -> LaunchOptions:
+def _launch_options(args):
+    from islands.launch import LaunchOptions
     return LaunchOptions(
         args.nproc_per_node, args.replica_groups, args.max_restarts, args.lighthouse, args.island_key, args.ft_host,
         args.ft_heartbeat_timeout, args.device,
@@ -117,6 +113,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.log_window < 0:
         fail(parser.prog, "--log-window must be at least 1 (or 0: a round's inner steps)")
     if args.tensorboard:
+        from diloco.jsonlog import LogError, check_tensorboard
         try:
             check_tensorboard()
         except LogError as e:
@@ -128,6 +125,7 @@ def main(argv: list[str] | None = None) -> None:
             cfg = load_config(args.config, args.overrides)
         except ConfigError as e:
             fail(parser.prog, str(e))
+    from islands.launch import LaunchError, claim_island, is_launched_rank
     try:
         launched = is_launched_rank()
         lock = claim_island(launched, args.checkpoint)  # a rank dies with its torchrun; one copy of an island per --checkpoint
@@ -142,6 +140,14 @@ def main(argv: list[str] | None = None) -> None:
 
 def _join(parser: ArgumentParser, args, argv: list[str] | None, cfg, tls: TlsFiles | None, launched: bool) -> None:
     """The island's run once its arguments are checked and its lock is held: as a launcher, or as one rank."""
+    import grpc
+    import torch
+
+    from diloco.checkpoint import CheckpointError
+    from islands.client import CoordinatorUnreachable
+    from islands.launch import LaunchError, launch, replica_spec, run_island
+    from islands.world import IslandWorld
+
     sharded = (
         args.nproc_per_node > 1 or args.replica_groups > 1
         or int(os.environ.get("WORLD_SIZE", "1")) > 1 or int(os.environ.get("DILOCO_REPLICA_GROUPS", "1")) > 1

@@ -6,12 +6,11 @@ import logging
 import tempfile
 from pathlib import Path
 
-import grpc
-
 from diloco.cli.common import ArgumentParser, add_config_flags, config_from_args, fail
-from islands.sim.chaos import describe, parse_chaos, run_chaos
-from islands.sim.simulation import run_sim, summarize
 from islands.sim.wan import LinkSpec, WanSpecError, parse_wan
+
+# torch, gRPC and the simulation are imported where they are needed (main): `--help` and a bad flag answer in a
+# fraction of a second instead of after seconds of imports.
 
 
 # 4-bit both ways, then zstd: +0.17% eval loss on tinyshakespeare for 8.9x fewer bytes (docs/benchmarks.md, Codec loss cost).
@@ -74,6 +73,7 @@ def main(argv: list[str] | None = None) -> None:
         args.overrides = DEMO_WIRE + args.overrides
     chaos_plan = None
     if args.chaos is not None:
+        from islands.sim.chaos import parse_chaos
         try:
             chaos_plan = parse_chaos(args.chaos)
         except ValueError as e:
@@ -96,6 +96,11 @@ def main(argv: list[str] | None = None) -> None:
     print(f"diloco-sim: {args.islands} islands, {cfg.rounds.rounds} rounds of H={cfg.inner.steps_per_round}, "
           f"config {cfg.name!r}, codec {_codec_text(cfg)}{streaming}{_wan_text(wan)} (logs in {workdir})", flush=True)
     echo = lambda s: print(s, flush=True)  # noqa: E731
+    import grpc
+
+    from islands.sim.chaos import describe, run_chaos
+    from islands.sim.simulation import run_sim, summarize
+
     try:
         if chaos_plan is not None:
             result, chaos = run_chaos(cfg, args.islands, workdir, chaos_plan, args.timeout, echo, args.threads, args.per_island)
