@@ -193,7 +193,8 @@ def test_sim_cli_passes_the_links_on_and_names_them_first(monkeypatch, capsys, t
         seen.update(kwargs)
         raise RuntimeError("stopped by the test")
 
-    monkeypatch.setattr(sim_cli, "run_sim", fake_run_sim)
+    # Where main takes it from once the arguments are checked (islands/sim/cli.py imports the simulation late).
+    monkeypatch.setattr("islands.sim.simulation.run_sim", fake_run_sim)
     with pytest.raises(SystemExit):
         sim_cli.main(["--islands", "2", "--wan", "1gbit:20ms", "--workdir", str(tmp_path)])
     assert "each island on its own emulated WAN link 1gbit:20ms" in capsys.readouterr().out.splitlines()[0]
