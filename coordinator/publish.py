@@ -11,6 +11,7 @@ feedback, carried into the next round's update.
 from __future__ import annotations
 
 import bisect
+import logging
 import os
 import tempfile
 import threading
@@ -26,8 +27,10 @@ from diloco.outer import OuterOptimizer, PseudoGradientAccumulator
 from diloco.wire.refusal import Reason, Refused
 from diloco.params import checksum
 from diloco.v1 import diloco_pb2 as pb
-from diloco.wire.frames import Chunk, chunk_of, fp32_payload, frame_chunk, parse_chunk_message, serialized_values
+from diloco.wire.frames import Chunk, chunk_of, fp32_payload, frame_chunk, parse_chunk_message
 from diloco.wire.messages import FlatRange, chunk_spans, make_chunk, payload_digest
+
+log = logging.getLogger(__name__)
 
 
 class DeltaStream:
@@ -88,14 +91,6 @@ class ValueMessage:
     @property
     def end(self) -> int:
         return self.offset + self.numel
-
-
-def value_messages_of(params: Mapping[str, torch.Tensor], chunk_bytes: int) -> Iterator[ValueMessage]:
-    """frames.serialized_values, each message with the elements it holds (cut where chunk_spans cuts, as it does)."""
-    fp32 = get_codec("fp32")
-    spans = ((name, lo, hi) for name, t in params.items() for lo, hi in chunk_spans(t.numel(), fp32, chunk_bytes))
-    for (name, lo, hi), data in zip(spans, serialized_values(params, chunk_bytes)):
-        yield ValueMessage(name, lo, hi - lo, data)
 
 
 def _overlapping(spans: list[tuple[str, int, int]], ranges: list[FlatRange] | None) -> list[int]:
@@ -187,24 +182,37 @@ class PublishedValues:
         return done
 
     def finish(self) -> None:
-        """The parameters are about to change: a version someone reads is written out whole now."""
+        """The parameters are about to change: a version someone reads is written out whole now. When it cannot be
+        (the disk full or gone), its readers are cut off as a dropped version's are: they fetch again, and the
+        outer step goes on."""
         with self._frame_lock:
             if self.complete or self._dropped is not None:
                 return
+            failed: OSError | None = None
             if self.readers:
-                spill = tempfile.TemporaryFile(prefix="values-", dir=self._spill_dir)  # noqa: SIM115 - drop() closes it
                 try:
-                    for k in range(len(self.spans)):
-                        data = self._frame(k)
-                        self._index.append((spill.tell(), len(data)))
-                        spill.write(data)
-                    spill.flush()
-                except BaseException:
-                    spill.close()
-                    self._index = []
-                    raise
-                self._file = spill
+                    self._file = self._spill()
+                except OSError as e:
+                    failed = e
             self.complete = True
+        if failed is not None:
+            log.warning("could not keep the values slow readers read past the step (%s); they fetch again", failed)
+            self.drop("the coordinator could not keep the values you were reading past the step; fetch again")
+
+    def _spill(self):
+        """Every message written to an unlinked file, its place in _index (the caller holds the frame lock)."""
+        spill = tempfile.TemporaryFile(prefix="values-", dir=self._spill_dir)  # noqa: SIM115 - drop() closes it
+        try:
+            for k in range(len(self.spans)):
+                data = self._frame(k)
+                self._index.append((spill.tell(), len(data)))
+                spill.write(data)
+            spill.flush()
+        except BaseException:
+            spill.close()
+            self._index = []
+            raise
+        return spill
 
     def held_bytes(self) -> int:
         """The bytes this version holds in memory (coordinator/memory.py): its chunks' digests."""

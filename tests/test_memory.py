@@ -13,7 +13,7 @@ from conftest import random_like
 from kit import make_state, push
 from coordinator.memory import COMPONENTS, StorageCounter, held_tensors
 from coordinator.metrics import coordinator_metrics
-from coordinator.publish import value_messages_of
+from diloco.wire.frames import serialized_values
 from coordinator.state import CoordinatorState
 from diloco.robust import SKETCH_DIM
 
@@ -62,7 +62,7 @@ def test_a_pull_holds_no_copy_of_the_values(tmp_path):
     """A pull frames the values from the parameters: the version holds the chunks' digests, not the model."""
     state = make_state(tmp_path)
     one_round(state)
-    serialized = sum(len(m.data) for m in value_messages_of(state.params, state.cfg.wire.chunk_bytes))
+    serialized = sum(len(data) for data in serialized_values(state.params, state.cfg.wire.chunk_bytes))
     with state.fragments[0].reading() as reading:
         sent = sum(len(data) for data in reading.value_messages(None))
         assert sent == serialized > 4 * state.manifest.total_numel()

@@ -16,7 +16,7 @@ import torch
 
 from conftest import claim, random_like, trained_from
 from kit import SHARES, Clock, join_shares, make_state, push, push_share, refusal, share_tokens
-from coordinator.publish import value_messages_of
+from diloco.wire.frames import serialized_values
 from coordinator.spool import Spool, SpoolCorrupt
 from diloco.wire.refusal import Reason, Refused
 from diloco.v1 import diloco_pb2 as pb
@@ -177,9 +177,9 @@ def test_a_pull_frames_the_values_from_the_parameters_and_a_read_across_a_step_g
     publication = state.fragments[0].publication
     first = publication.value_messages()
     assert publication.value_messages() is first  # one version a round
-    expected = [(m.name, m.offset, m.data) for m in value_messages_of(publication.params, 4096)]
+    expected = list(serialized_values(publication.params, 4096))
     assert len(expected) > 10
-    assert [(m.name, m.offset, m.data) for m in first.messages()] == expected  # serialized_values' bytes
+    assert [m.data for m in first.messages()] == expected
     for blob, size in first:
         message = pb.ResultMessage.FromString(blob)
         assert size == len(blob) == message.ByteSize() and message.chunk.numel > 0
@@ -190,16 +190,16 @@ def test_a_pull_frames_the_values_from_the_parameters_and_a_read_across_a_step_g
     reading = values.messages()
     got = [next(reading)]
     publication.release_values()
-    assert values.spilled_bytes() == sum(len(data) for _, _, data in expected)
+    assert values.spilled_bytes() == sum(len(data) for data in expected)
     assert publication.held_values()["values_on_disk"] == values.spilled_bytes()
     with torch.no_grad():
         for t in publication.params.values():
             t.add_(1.0)  # the step
     publication.publish()
     got += list(reading)
-    assert [(m.name, m.offset, m.data) for m in got] == expected  # the values it started on, from disk
+    assert [m.data for m in got] == expected  # the values it started on, from disk
     after = publication.value_messages()
-    assert after is not values and next(after.messages()).data != expected[0][2]
+    assert after is not values and next(after.messages()).data != expected[0]
     # Read to the end and released: the next step drops that version and its file.
     done()
     publication.release_values()
@@ -208,3 +208,22 @@ def test_a_pull_frames_the_values_from_the_parameters_and_a_read_across_a_step_g
     with pytest.raises(Refused) as e:
         next(values.messages())
     assert e.value.reason == Reason.ROUND_CLOSED
+
+
+def test_values_that_cannot_be_kept_past_the_step_cut_their_readers_off_and_the_step_goes_on(tmp_path):
+    """The disk for a slow reader's copy gone: its read ends ROUND_CLOSED (it fetches again), nothing raises."""
+    state = make_state(tmp_path, "rounds.min_islands=1", "wire.chunk_bytes=4096")
+    publication = state.fragments[0].publication
+    publication.spill_dir = str(tmp_path / "no such folder")
+    cut = []
+    values, done = publication.open_values(lambda: cut.append(True))
+    reading = values.messages()
+    next(reading)
+    publication.release_values()  # the step is coming: the copy cannot be written
+    assert cut == [True] and values.spilled_bytes() == 0
+    with pytest.raises(Refused) as e:
+        next(reading)
+    assert e.value.reason == Reason.ROUND_CLOSED
+    done()
+    publication.publish()  # the step and publication go on
+    assert next(publication.value_messages().messages()).data
