@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 # First: it quiets gRPC's C core (GRPC_VERBOSITY), which takes effect only before grpc is imported.
@@ -44,8 +45,40 @@ def build_parser() -> ArgumentParser:
     s.add_argument("--log-url", metavar="URL", default="", help="write one JSON line per round here (a local folder or s3://...)")
     s.add_argument("--tensorboard", metavar="DIR", default="", help="write TensorBoard events here (needs `pip install tensorboard`)")
     s.add_argument("--insecure", action="store_true", help="allow plaintext on an address other than loopback (a warning is logged)")
+    s.add_argument("--shards", type=int, default=0, metavar="K", help="split the coordinator's state across K shard "
+                   "processes (docs/sharding.md); alone, starts all K here on --port .. --port+K-1")
+    s.add_argument("--shard", type=int, default=None, metavar="I", help="serve only shard I of --shards K (default: from "
+                   "torchrun's RANK, SLURM_PROCID or a StatefulSet pod's ordinal); needs --shard-addresses and "
+                   "DILOCO_SHARD_SECRET")
+    s.add_argument("--shard-addresses", default="", metavar="A0,A1,..", help="every shard's host:port as islands reach it, "
+                   "in shard order (the leading shard's first)")
     s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return parser
+
+
+def shard_place(prog: str, args) -> tuple[int, int] | None:
+    """(index, count) of the shard this process serves; None for an unsharded coordinator or the local launcher."""
+    from coordinator.sharding import launcher_index
+
+    addresses = [a for a in args.shard_addresses.split(",") if a]
+    if args.shard is not None:
+        place = (args.shard, args.shards)
+    elif addresses:
+        place = launcher_index()
+        if place is None:
+            fail(prog, "--shard-addresses without --shard: give --shard I, or run under torchrun, SLURM or a StatefulSet")
+        place = (place[0], place[1] or args.shards)
+    else:
+        if args.shards < 0:
+            fail(prog, f"--shards {args.shards}: give 1 or more")
+        return None
+    index, count = place
+    count = count or len(addresses)
+    if not addresses or len(addresses) != count:
+        fail(prog, f"shard {index} of {count} needs --shard-addresses with {count} host:port entries, got {len(addresses)}")
+    if not 0 <= index < count:
+        fail(prog, f"shard {index} does not exist in a coordinator of {count} shards")
+    return index, count
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -63,6 +96,11 @@ def main(argv: list[str] | None = None) -> None:
         fail(parser.prog, f"--http-port {args.http_port} is not a valid port (-1 turns the dashboard off)")
     if args.revoked and not args.tls:
         fail(parser.prog, "--revoked needs --tls: revocation applies to certificates")
+    place = shard_place(parser.prog, args)
+    if place is None and args.shards > 1:
+        from coordinator.launch import launch_local_shards
+
+        raise SystemExit(launch_local_shards(argv if argv is not None else sys.argv[1:], args))
     import torch
 
     from coordinator.server import Observe, raise_open_file_limit, serve
@@ -73,9 +111,14 @@ def main(argv: list[str] | None = None) -> None:
         tls = coordinator_files(args.tls) if args.tls else None
         revocations = RevocationList(args.revoked or Path(args.tls) / "revoked.json") if args.tls else None
         observe = Observe(args.http_host, None if args.http_port < 0 else args.http_port, args.log_url, args.tensorboard)
+        shard = None
+        if place is not None:
+            from coordinator.sharding import ShardRole, shard_secret
+
+            shard = ShardRole(place[0], tuple(args.shard_addresses.split(",")), shard_secret())
         raise_open_file_limit()  # each island's connection and spooled push takes a file
         serve(cfg, args.host, args.port, args.report, args.linger, args.port_file, args.resume, tls, args.insecure, revocations,
-              args.audit, observe, args.http_port_file)
+              args.audit, observe, args.http_port_file, shard)
     except (OSError, ValueError) as e:
         fail(parser.prog, str(e))
     except KeyboardInterrupt:

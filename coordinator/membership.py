@@ -154,8 +154,9 @@ class Membership:
     # --- joining and leaving --------------------------------------------------------------
 
     def join(self, hostname: str, island_id: str = "", key: str = "", run_finished: bool = False, round_: int = 0,
-             owner: str | None = None, ranks: int = 1) -> Island:
+             owner: str | None = None, ranks: int = 1, assigned: bool = False) -> Island:
         """Admits an island; a known island_id rejoins as itself, a known key gets its island (another replica group).
+        assigned: island_id is the one the leading shard gave it (a following shard, docs/sharding.md), not ours to pick.
 
         With an owner (mutual TLS: the client certificate's name) the owner is the key, so the replica groups of
         one credential are one island, and only the owner may rejoin as an island it made. ranks: what the
@@ -163,12 +164,13 @@ class Membership:
         service: the credential's certificate, or rounds.max_island_ranks). hostname and key are the client's
         word: kept and logged bounded (diloco/security/untrusted.py)."""
         hostname, key = bounded(hostname, HOSTNAME_MAX), bounded(key, KEY_MAX)
-        island = self._admit(hostname, island_id, key, run_finished, round_, owner)
+        island = self._admit(hostname, island_id, key, run_finished, round_, owner, assigned)
         with self.cond:
             island.ranks = max(1, ranks)
         return island
 
-    def _admit(self, hostname: str, island_id: str, key: str, run_finished: bool, round_: int, owner: str | None) -> Island:
+    def _admit(self, hostname: str, island_id: str, key: str, run_finished: bool, round_: int, owner: str | None,
+               assigned: bool = False) -> Island:
         if owner is not None:
             self.check_owner(island_id, owner)
             key = f"owner:{owner}"
@@ -192,7 +194,7 @@ class Membership:
                 return island
             if len(self.islands) >= self.max_islands:
                 raise Refused(Reason.RUN_FULL, f"run is full: {len(self.islands)} islands (rounds.max_islands={self.max_islands})")
-            island = Island(f"island-{self.joined}", hostname, self.joined % self.shards, self.clock(), key=key, owner=owner or "",
+            island = Island(island_id if assigned else f"island-{self.joined}", hostname, self.joined % self.shards, self.clock(), key=key, owner=owner or "",
                             joined_at=self.clock())
             self.joined += 1
             self.islands[island.island_id] = island

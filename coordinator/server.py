@@ -24,17 +24,18 @@ from coordinator.metrics import CheckpointStats, coordinator_metrics
 from coordinator.rounds import Closed, RoundDriver
 from coordinator.runlog import RunLog
 from coordinator.service import CoordinatorService, add_to_server
+from coordinator.sharding import ShardRole
 from coordinator.state import CoordinatorState
 from coordinator.web import RunWebServer
 from diloco.checkpoint import CheckpointStore
 from diloco.config import RunConfig
-from diloco.security.credentials import RevocationList, TlsFiles
-from diloco.security.net import is_loopback
 from diloco.data.sources import eval_batches, open_corpus, resolve_vocab
-from diloco.models.evaluation import make_task_evaluator
 from diloco.inner import evaluate
+from diloco.models.evaluation import make_task_evaluator
 from diloco.models.llama import Transformer
 from diloco.params import fp32_copy
+from diloco.security.credentials import RevocationList, TlsFiles
+from diloco.security.net import is_loopback
 
 log = logging.getLogger(__name__)
 
@@ -250,9 +251,13 @@ def start_grpc(cfg: RunConfig, service: CoordinatorService, host: str, port: int
 def start_coordinator(
     cfg: RunConfig, host: str = "127.0.0.1", port: int = 0, spool_dir: str | None = None, resume: bool = False,
     tls: TlsFiles | None = None, insecure: bool = False, revocations: RevocationList | None = None, audit_url: str = "",
-    observe: Observe | None = None,
+    observe: Observe | None = None, shard: ShardRole | None = None,
 ) -> Coordinator:
     """Starts serving on host:port (port 0 picks a free one) and returns at once.
+
+    With shard, this process is one shard of a coordinator of several (docs/sharding.md): it holds only its part
+    of the global parameters, checkpoints it under checkpoint.url/shard-I-of-K, and only the leading shard (0)
+    keeps the token ledger. Nobody holds the whole model, so nobody evaluates it.
 
     With resume, state comes from the newest committed checkpoint at
     cfg.checkpoint.url (a fresh run if there is none yet). With tls, the port
@@ -271,13 +276,16 @@ def start_coordinator(
         credentials = grpc.ssl_server_credentials([(key, cert)], root_certificates=ca, require_client_auth=True)
     spool = Path(spool_dir or tempfile.mkdtemp(prefix="diloco-spool-"))
     spool.mkdir(parents=True, exist_ok=True)
-    ledger, data_digest = open_ledger(cfg)
+    ledger, data_digest = open_ledger(cfg) if shard is None or shard.leads else (None, "")
     audit = AuditLog(audit_url) if audit_url else NoAudit()
-    state = CoordinatorState(cfg, initial_parameters(cfg), spool, make_evaluator(cfg), make_task_evaluator(cfg), ledger=ledger,
-                             data_digest=data_digest,
+    whole = shard is None or shard.count == 1
+    part = shard.part(cfg, initial_parameters(cfg)) if shard is not None else {"params": initial_parameters(cfg)}
+    state = CoordinatorState(cfg, spool_dir=spool, evaluate=make_evaluator(cfg) if whole else None,
+                             tasks=make_task_evaluator(cfg) if whole else None, ledger=ledger, data_digest=data_digest,
                              revoked=revocations.is_revoked if revocations is not None else (lambda owner: False),
-                             record=audit.record)
-    store = CheckpointStore(cfg.checkpoint.url, keep_last=cfg.checkpoint.keep_last) if cfg.checkpoint.url else None
+                             record=audit.record, **part)
+    url = cfg.checkpoint.url if whole or not cfg.checkpoint.url else f"{cfg.checkpoint.url.rstrip('/')}/shard-{shard.index}-of-{shard.count}"
+    store = CheckpointStore(url, keep_last=cfg.checkpoint.keep_last) if url else None
     if resume:
         if store is None:
             raise ValueError("--resume needs a checkpoint location: set checkpoint.url (e.g. --set checkpoint.url=s3://bucket/run)")
@@ -291,7 +299,7 @@ def start_coordinator(
     # Before the port opens: a log location that cannot be written is an error at start, not mid-run.
     runlog = RunLog(observe.log_url, observe.tensorboard, cfg) if observe.log_url or observe.tensorboard else None
     stop = threading.Event()
-    service = CoordinatorService(state, stop, mutual_tls=tls is not None, audit=audit)
+    service = CoordinatorService(state, stop, mutual_tls=tls is not None, audit=audit, shard=shard)
     server, bound, health_servicer = start_grpc(cfg, service, host, port, credentials)
 
     saving = threading.Lock()
@@ -316,7 +324,8 @@ def start_coordinator(
             health_servicer.set(SERVICE_NAME, health_pb2.HealthCheckResponse.NOT_SERVING)
 
     driver = RoundDriver(state.fragments, lambda f: state.step_round(fragment=f), after_close, stop).start()
-    log.info("coordinator serving on %s:%d (%s)", host, bound, "mutual TLS" if tls is not None else "plaintext")
+    log.info("coordinator %sserving on %s:%d (%s)", f"shard {shard.index} of {shard.count} " if shard else "", host, bound,
+             "mutual TLS" if tls is not None else "plaintext")
     return Coordinator(state, server, bound, stop, driver, health_servicer, audit, checkpoints, web, runlog)
 
 
@@ -334,10 +343,11 @@ def serve(
     audit_url: str = "",
     observe: Observe | None = None,
     http_port_file: str | None = None,
+    shard: ShardRole | None = None,
 ) -> None:
     """Serves until the run finishes and islands have left (or linger_s passed), then stops."""
     coordinator = start_coordinator(cfg, host, port, resume=resume, tls=tls, insecure=insecure, revocations=revocations,
-                                    audit_url=audit_url, observe=observe)
+                                    audit_url=audit_url, observe=observe, shard=shard)
     if http_port_file and coordinator.web is not None:
         Path(http_port_file).write_text(str(coordinator.web.port))
     if port_file:  # last: whoever waits for it finds the HTTP port written already

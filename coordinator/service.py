@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import functools
-import math
 import logging
+import math
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -15,14 +15,18 @@ from coordinator.audit import NoAudit
 from coordinator.ledger import ranges_of
 from coordinator.limits import Limits, idle_bounded
 from coordinator.publish import Reading
-from diloco.wire.refusal import Reason, Refused
+from coordinator.sharding import ShardRole
 from coordinator.state import CoordinatorState
 from coordinator.streams import OpenStreams, Ticket
-from diloco.security.credentials import CredentialError, identity_from_auth_context, ranks_from_auth_context
-from diloco.wire.frames import ChunkView, chunk_deserializer, frame_chunk, serialized
+from diloco.security.credentials import (
+    CredentialError,
+    identity_from_auth_context,
+    ranks_from_auth_context,
+)
 from diloco.security.untrusted import CHECKSUM_MAX, ID_MAX, bounded
 from diloco.v1 import diloco_pb2 as pb
 from diloco.v1 import diloco_pb2_grpc as pb_grpc
+from diloco.wire.frames import ChunkView, chunk_deserializer, frame_chunk, serialized
 from diloco.wire.messages import (
     PROTOCOL_VERSION,
     ChunkError,
@@ -30,6 +34,7 @@ from diloco.wire.messages import (
     overlapping_chunks,
     ranges_from_proto,
 )
+from diloco.wire.refusal import Reason, Refused
 
 log = logging.getLogger(__name__)
 
@@ -79,8 +84,10 @@ def _refuse_overlaps(ranges: list[FlatRange], total: int) -> None:
 
 
 class CoordinatorService(pb_grpc.CoordinatorServicer):
-    def __init__(self, state: CoordinatorState, stop: threading.Event, mutual_tls: bool = False, audit=None):
+    def __init__(self, state: CoordinatorState, stop: threading.Event, mutual_tls: bool = False, audit=None,
+                 shard: ShardRole | None = None):
         self.state = state
+        self.shard = shard  # this process's place among the coordinator's shards (None: the only one)
         self.stop = stop
         self.mutual_tls = mutual_tls  # callers present a client certificate of the run's CA: their name is who they are
         self.audit = audit or NoAudit()
@@ -167,25 +174,38 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         if owner is not None:
             self.limits.join(owner)
         self._check_ranks(context, request.ranks, owner)
-        island = state.join(request.hostname or context.peer(), request.island_id, request.island_key, owner, request.ranks)
+        following = self.shard is not None and not self.shard.leads
+        if following and not self.shard.admits(request.shard_ticket, request.island_id, owner, request.ranks):
+            raise Refused(Reason.NOT_YOURS, f"this is shard {self.shard.index} of {self.shard.count}: it admits islands "
+                          f"with the ticket the leading shard ({self.shard.addresses[0]}) gives them at join; join there")
+        island = state.join(request.hostname or context.peer(), request.island_id, request.island_key, owner, request.ranks,
+                            assigned=following)
         self.audit.record("join", island=island.island_id, ranks=island.ranks, hostname=island.hostname, **self._who(context))
         return pb.JoinResponse(
             island_id=island.island_id,
             config_digest=cfg.digest(),
             config_toml=cfg.to_toml(),
             round=state.round,
-            parameters=state.manifest.to_proto(),
+            parameters=state.model[0].to_proto(),
             codec=state.codec.name,
             downlink_codec=state.publication.codec.name,
             max_chunk_bytes=cfg.wire.chunk_bytes,
             heartbeat_interval_s=cfg.rounds.heartbeat_s,
             shard_index=island.shard,
             total_rounds=cfg.rounds.rounds,
-            fragments=[pb.FragmentSpec(index=f.index, names=list(f.names), offset=f.offset) for f in state.layout],
+            fragments=[pb.FragmentSpec(index=f.index, names=list(f.names), offset=f.offset) for f in state.model[1]],
             fragment_rounds=[f.round for f in state.fragments],
             data_digest=state.data_digest,
             data_epoch_size=state.ledger.epoch_size if state.ledger is not None else 0,
+            **self._shard_map_for(island, owner),
         )
+
+    def _shard_map_for(self, island, owner: str | None) -> dict:
+        """The leading shard tells a joining island every shard's address and the ticket the others admit it on."""
+        if self.shard is None or not self.shard.leads:
+            return {}
+        return {"shard_addresses": list(self.shard.addresses),
+                "shard_ticket": self.shard.ticket(island.island_id, owner, island.ranks)}
 
     @_refusals
     def Heartbeat(self, request: pb.HeartbeatRequest, context) -> pb.HeartbeatResponse:

@@ -33,7 +33,7 @@ from coordinator.publish import Reading
 from coordinator.rounds import Closed, Closing, FragmentContext, FragmentRounds, Phase
 from coordinator.spool import Spools
 from diloco.config import RunConfig
-from diloco.fragments import layout_for
+from diloco.fragments import FragmentLayout, layout_for
 from diloco.params import checksum, ranges_checksum
 from diloco.wire.refusal import Reason, Refused
 from diloco.v1 import diloco_pb2 as pb
@@ -64,11 +64,17 @@ class CoordinatorState:
         data_digest: str = "",
         revoked: Callable[[str], bool] = lambda owner: False,
         record: Callable[..., None] = lambda event, **fields: None,
+        layout: FragmentLayout | None = None,
+        model: tuple[Manifest, FragmentLayout] | None = None,
     ):
+        """params: the global parameters this process holds (a shard's part of them, docs/sharding.md); layout:
+        their fragments (a shard's: ShardMap.restrict), else the run's over params; model: the whole model's manifest
+        and layout, which a shard tells joining islands (default: its own)."""
         self.cfg = cfg
         self.codec = uplink_codec(cfg.wire)
         self.manifest = Manifest.of(params)
-        self.layout = layout_for(self.manifest.shapes, cfg)
+        self.layout = layout or layout_for(self.manifest.shapes, cfg)
+        self.model = model or (self.manifest, self.layout)
         self.spool_dir = spool_dir
         self.evaluate = evaluate
         self.tasks = tasks  # downstream task scores (diloco/models/evaluation.py), every eval.tasks_every_rounds rounds
@@ -134,10 +140,11 @@ class CoordinatorState:
     def events(self) -> Events:
         return self.members.events
 
-    def join(self, hostname: str, island_id: str = "", key: str = "", owner: str | None = None, ranks: int = 1) -> Island:
-        """Admits an island into the current round; a known island_id rejoins as itself."""
+    def join(self, hostname: str, island_id: str = "", key: str = "", owner: str | None = None, ranks: int = 1,
+             assigned: bool = False) -> Island:
+        """Admits an island into the current round; a known island_id rejoins as itself (assigned: see Membership.join)."""
         return self.members.join(hostname, island_id, key, run_finished=self.finished, round_=self.round, owner=owner,
-                                 ranks=ranks)
+                                 ranks=ranks, assigned=assigned)
 
     def touch(self, island_id: str) -> Island:
         return self.members.touch(island_id)

@@ -6,7 +6,7 @@ import logging
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
 
 import grpc
 import torch
@@ -68,6 +68,10 @@ class ReplayableChunks:
             yield self._cache[i]
             i += 1
 
+    def only(self, names: Collection[str]) -> ReplayableChunks:
+        """The chunks of these parameters (a coordinator shard's, islands/sharded.py)."""
+        return ReplayableChunks(c for c in self.iter_from(0) if c.name in names)
+
 
 class RegeneratingChunks:
     """Chunks produced afresh for every (re)send from a pure function of the chunk index.
@@ -75,13 +79,22 @@ class RegeneratingChunks:
     For a rank pushing its shard: nothing is kept between sends, so the push
     holds one chunk at a time instead of an encoded copy of the shard. The
     factory must give the same chunks every time (it may not consume state).
+    factory(start, keep): the chunks from index start of the parameters in keep (None: all of them).
     """
 
-    def __init__(self, factory: Callable[[int], Iterator[pb.TensorChunk]]):
-        self._factory = factory
+    def __init__(self, factory: Callable[[int, Collection[str] | None], Iterator[pb.TensorChunk]],
+                 names: Collection[str] | None = None, keep: Collection[str] | None = None):
+        self._factory, self._keep = factory, keep
+        self.names = names  # the parameters the chunks cover, where known
 
     def iter_from(self, start: int) -> Iterator[pb.TensorChunk]:
-        return self._factory(start)
+        return self._factory(start, self._keep)
+
+    def only(self, names: Collection[str]) -> RegeneratingChunks:
+        """The chunks of these parameters (a coordinator shard's, islands/sharded.py), made without the others'."""
+        keep = set(names) if self._keep is None else set(names) & set(self._keep)
+        covered = None if self.names is None else keep & set(self.names)
+        return RegeneratingChunks(self._factory, covered, keep)
 
 
 def channel_options(receive_window_bytes: int = 0) -> list[tuple[str, int]]:
@@ -176,10 +189,11 @@ class CoordinatorClient:
                 delay = min(delay * 2, 5.0)
 
     def join(self, config_digest: str = "", codec: str = "", island_id: str = "", island_key: str = "",
-             ranks: int = 1) -> pb.JoinResponse:
+             ranks: int = 1, shard_ticket: str = "") -> pb.JoinResponse:
+        """shard_ticket: joining a following shard of a sharded coordinator, the leader's ticket (islands/sharded.py)."""
         request = pb.JoinRequest(
             config_digest=config_digest, hostname=socket.gethostname(), protocol_version=PROTOCOL_VERSION,
-            codec=codec, island_id=island_id, island_key=island_key, ranks=ranks,
+            codec=codec, island_id=island_id, island_key=island_key, ranks=ranks, shard_ticket=shard_ticket,
         )
         return self._retry("join", lambda: self.stub.Join(request, timeout=60))
 

@@ -42,6 +42,7 @@ import torch
 from diloco.config import RunConfig
 from diloco.security.credentials import TlsFiles
 from islands.client import CoordinatorClient
+from islands.sharded import ShardedClient
 from islands.joining import join_run
 from islands.replicas import FT_HOST_ENV, LIGHTHOUSE_ENV, FtConfig, start_lighthouse
 from islands.checkpoint import IslandCheckpoint
@@ -360,8 +361,12 @@ def run_island(
     ckpt = IslandCheckpoint(checkpoint_url, checkpoint_every, world) if checkpoint_url else None
     previous = ckpt.choose() if ckpt is not None and resume else None
     island_telemetry = IslandTelemetry(telemetry, world.is_leader, spec.group, spec.groups)
+    def connect(address: str) -> CoordinatorClient:
+        return CoordinatorClient(address, connect_timeout_s, receive_window_bytes=spec.receive_window_bytes, tls=tls)
+
     try:
-        client = CoordinatorClient(address, connect_timeout_s, receive_window_bytes=spec.receive_window_bytes, tls=tls)
+        # A sharded coordinator's leader names the other shards at join (islands/sharded.py); else this is the one.
+        client = ShardedClient(connect(address), connect)
     except BaseException:
         island_telemetry.close()
         raise
@@ -371,6 +376,7 @@ def run_island(
         if joined is None:
             return None
         joined, run_cfg = joined
+        client.adopt(joined)  # the ranks that did not join connect to the other shards too
         torch.manual_seed(run_cfg.seed + 1000 * world.rank)
         island = Island(run_cfg, world, client, joined, spec, compile_model)
         island.telemetry = island_telemetry

@@ -64,7 +64,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass, field
 
 import grpc
@@ -256,12 +256,15 @@ class Exchange:
 # --- one rank's exchange on the wire: push, pull, and the thread an overlapped exchange runs on ------------
 
 
-def pg_chunks(shard: FragmentShard, ex: Exchange, wire: Wire, start: int = 0) -> Iterator[Chunk]:
+def pg_chunks(shard: FragmentShard, ex: Exchange, wire: Wire, start: int = 0, keep: Collection[str] | None = None) -> Iterator[Chunk]:
     """The pseudo-gradient of this rank's shard as chunks, one chunk at a time; a pure function of the
-    exchange (error feedback writes only its pending residual), so every resend is the same bytes."""
+    exchange (error feedback writes only its pending residual), so every resend is the same bytes.
+    keep: only these parameters' chunks (a coordinator shard's), counted from start among themselves."""
     codec = wire.codec_for(ex)
     i = 0
     for r in shard.ranges:
+        if keep is not None and r.name not in keep:
+            continue
         for lo, hi in chunk_spans(r.numel, codec, wire.chunk_bytes):
             if i >= start:
                 with torch.no_grad():  # runs on gRPC's thread, where grad mode is on
@@ -290,7 +293,9 @@ def push(shard: FragmentShard, ex: Exchange, wire: Wire) -> Next:
         first_step=ex.first_step if ex.first_step >= 0 else max(0, ex.pushed_step - ex.inner_steps),
     )
     try:
-        response = wire.client.push(header, RegeneratingChunks(lambda start: pg_chunks(shard, ex, wire, start)))
+        chunks = RegeneratingChunks(lambda start, keep: pg_chunks(shard, ex, wire, start, keep),
+                                    names={r.name for r in shard.ranges if r.numel})
+        response = wire.client.push(header, chunks)
         if response.late:  # delivered, for a later round: the pull brings the current global parameters
             ex.folded_into = response.folded_into
         return Next.DELIVERED

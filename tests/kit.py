@@ -37,6 +37,7 @@ from diloco.v1 import diloco_pb2 as pb
 from diloco.v1 import diloco_pb2_grpc as pb_grpc
 from diloco.wire.messages import PROTOCOL_VERSION, Manifest, tensor_chunks, uplink_codec
 from islands.client import CoordinatorClient, ReplayableChunks
+from islands.sharded import ShardedClient
 from islands.island import Island
 from islands.state import ReplicaSpec
 from islands.world import IslandWorld
@@ -188,14 +189,23 @@ def wait_for(state, what: str, condition, timeout_s: float = 120.0) -> None:
 def islands_on_threads(coordinator, cfg, specs: list[ReplicaSpec], gates: dict[int, threading.Event] | None = None):
     """Islands of these specs on threads: all joined first (so all in round 0), then run; a push for a round in gates
     waits for its event. Yields the islands and their results (filled as they finish); on leaving, every island has
-    finished (or the gates are opened, and every thread is given up to 300 s), and its client is closed."""
+    finished (or the gates are opened, and every thread is given up to 300 s), and its client is closed.
+    coordinator: one, or a list of a sharded coordinator's shards (leader first): the islands then join it as
+    islands/launch.py does, through a ShardedClient."""
     world = IslandWorld.init("cpu")
     clients, islands, results, errors, threads = [], [], {}, [], []
+
+    def connect(address: str) -> CoordinatorClient:
+        return CoordinatorClient(address, connect_timeout_s=10)
+
     try:
         for spec in specs:
-            client = CoordinatorClient(f"127.0.0.1:{coordinator.port}", connect_timeout_s=10)
+            if isinstance(coordinator, list):
+                client = ShardedClient(connect(f"127.0.0.1:{coordinator[0].port}"), connect)
+            else:
+                client = connect(f"127.0.0.1:{coordinator.port}")
             clients.append(client)
-            islands.append(Island(cfg, world, client, client.join(cfg.digest(), "fp32"), spec))
+            islands.append(Island(cfg, world, client, client.join(cfg.digest(), uplink_codec(cfg.wire).name), spec))
             real = client.push
 
             def held(header, chunks, real=real):

@@ -69,8 +69,8 @@ def _push_shard(client, island_id, round_, ranges, pg, chunk_bytes, checksum):
     header = pb.PushHeader(island_id=island_id, round=round_, train_loss=1.0, codec="fp32", global_checksum=checksum,
                            **claim(tiny_config()))
 
-    def chunks(start: int):
-        produced = (c for r in ranges for c in encode_chunks(r.name, pg[r.name].view(-1)[r.offset : r.end], Fp32Codec(), chunk_bytes, r.offset))
+    def chunks(start: int, keep=None):
+        produced = (c for r in ranges if keep is None or r.name in keep for c in encode_chunks(r.name, pg[r.name].view(-1)[r.offset : r.end], Fp32Codec(), chunk_bytes, r.offset))
         for i, c in enumerate(produced):
             if i >= start:
                 yield c

@@ -78,7 +78,7 @@ class ParameterSpec(_message.Message):
     def __init__(self, name: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class JoinRequest(_message.Message):
-    __slots__ = ("config_digest", "hostname", "protocol_version", "codec", "island_id", "island_key", "ranks")
+    __slots__ = ("config_digest", "hostname", "protocol_version", "codec", "island_id", "island_key", "ranks", "shard_ticket")
     CONFIG_DIGEST_FIELD_NUMBER: _ClassVar[int]
     HOSTNAME_FIELD_NUMBER: _ClassVar[int]
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -86,6 +86,7 @@ class JoinRequest(_message.Message):
     ISLAND_ID_FIELD_NUMBER: _ClassVar[int]
     ISLAND_KEY_FIELD_NUMBER: _ClassVar[int]
     RANKS_FIELD_NUMBER: _ClassVar[int]
+    SHARD_TICKET_FIELD_NUMBER: _ClassVar[int]
     config_digest: str
     hostname: str
     protocol_version: int
@@ -93,7 +94,8 @@ class JoinRequest(_message.Message):
     island_id: str
     island_key: str
     ranks: int
-    def __init__(self, config_digest: _Optional[str] = ..., hostname: _Optional[str] = ..., protocol_version: _Optional[int] = ..., codec: _Optional[str] = ..., island_id: _Optional[str] = ..., island_key: _Optional[str] = ..., ranks: _Optional[int] = ...) -> None: ...
+    shard_ticket: str
+    def __init__(self, config_digest: _Optional[str] = ..., hostname: _Optional[str] = ..., protocol_version: _Optional[int] = ..., codec: _Optional[str] = ..., island_id: _Optional[str] = ..., island_key: _Optional[str] = ..., ranks: _Optional[int] = ..., shard_ticket: _Optional[str] = ...) -> None: ...
 
 class FragmentSpec(_message.Message):
     __slots__ = ("index", "names", "offset")
@@ -116,7 +118,7 @@ class FragmentState(_message.Message):
     def __init__(self, index: _Optional[int] = ..., round: _Optional[int] = ..., checksum: _Optional[str] = ...) -> None: ...
 
 class JoinResponse(_message.Message):
-    __slots__ = ("island_id", "config_digest", "config_toml", "round", "parameters", "codec", "max_chunk_bytes", "heartbeat_interval_s", "shard_index", "total_rounds", "downlink_codec", "fragments", "fragment_rounds", "data_digest", "data_epoch_size")
+    __slots__ = ("island_id", "config_digest", "config_toml", "round", "parameters", "codec", "max_chunk_bytes", "heartbeat_interval_s", "shard_index", "total_rounds", "downlink_codec", "fragments", "fragment_rounds", "data_digest", "data_epoch_size", "shard_addresses", "shard_ticket")
     ISLAND_ID_FIELD_NUMBER: _ClassVar[int]
     CONFIG_DIGEST_FIELD_NUMBER: _ClassVar[int]
     CONFIG_TOML_FIELD_NUMBER: _ClassVar[int]
@@ -132,6 +134,8 @@ class JoinResponse(_message.Message):
     FRAGMENT_ROUNDS_FIELD_NUMBER: _ClassVar[int]
     DATA_DIGEST_FIELD_NUMBER: _ClassVar[int]
     DATA_EPOCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    SHARD_ADDRESSES_FIELD_NUMBER: _ClassVar[int]
+    SHARD_TICKET_FIELD_NUMBER: _ClassVar[int]
     island_id: str
     config_digest: str
     config_toml: str
@@ -147,7 +151,9 @@ class JoinResponse(_message.Message):
     fragment_rounds: _containers.RepeatedScalarFieldContainer[int]
     data_digest: str
     data_epoch_size: int
-    def __init__(self, island_id: _Optional[str] = ..., config_digest: _Optional[str] = ..., config_toml: _Optional[str] = ..., round: _Optional[int] = ..., parameters: _Optional[_Iterable[_Union[ParameterSpec, _Mapping]]] = ..., codec: _Optional[str] = ..., max_chunk_bytes: _Optional[int] = ..., heartbeat_interval_s: _Optional[float] = ..., shard_index: _Optional[int] = ..., total_rounds: _Optional[int] = ..., downlink_codec: _Optional[str] = ..., fragments: _Optional[_Iterable[_Union[FragmentSpec, _Mapping]]] = ..., fragment_rounds: _Optional[_Iterable[int]] = ..., data_digest: _Optional[str] = ..., data_epoch_size: _Optional[int] = ...) -> None: ...
+    shard_addresses: _containers.RepeatedScalarFieldContainer[str]
+    shard_ticket: str
+    def __init__(self, island_id: _Optional[str] = ..., config_digest: _Optional[str] = ..., config_toml: _Optional[str] = ..., round: _Optional[int] = ..., parameters: _Optional[_Iterable[_Union[ParameterSpec, _Mapping]]] = ..., codec: _Optional[str] = ..., max_chunk_bytes: _Optional[int] = ..., heartbeat_interval_s: _Optional[float] = ..., shard_index: _Optional[int] = ..., total_rounds: _Optional[int] = ..., downlink_codec: _Optional[str] = ..., fragments: _Optional[_Iterable[_Union[FragmentSpec, _Mapping]]] = ..., fragment_rounds: _Optional[_Iterable[int]] = ..., data_digest: _Optional[str] = ..., data_epoch_size: _Optional[int] = ..., shard_addresses: _Optional[_Iterable[str]] = ..., shard_ticket: _Optional[str] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
     __slots__ = ("island_id", "round", "utilization", "tokens_per_s", "train_loss")

@@ -27,7 +27,7 @@ from diloco.v1 import diloco_pb2 as pb
 #    compression per link (ResultHeader.push_codec; pushes in any of wire.link_codecs).
 # 9: chunks carry an XXH3-64 of their payload (TensorChunk.xxh3) instead of a CRC-32.
 # 10: a pull served while the round's update is still being made streams it, and a ResultTrailer completes the header.
-PROTOCOL_VERSION = 10
+PROTOCOL_VERSION = 11
 
 
 class ChunkError(ValueError):

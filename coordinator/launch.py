@@ -1,0 +1,115 @@
+"""`diloco-coordinator serve --shards K` on one machine: starts the K shard processes and waits for them.
+
+Each child is the same command with `--shard I` and the shards' addresses
+appended (argparse takes an option's last value), on port P+I, with a secret the
+shards share in its environment. Across machines the launcher is the field's
+(torchrun, SLURM, a StatefulSet; docs/sharding.md), never this.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from coordinator.sharding import SECRET_ENV
+
+log = logging.getLogger(__name__)
+
+_WILDCARD = ("", "0.0.0.0", "::")
+
+
+def advertised_host(host: str) -> str:
+    """The host islands reach a shard bound to host at: itself, or for a wildcard this machine's name if it resolves."""
+    if host not in _WILDCARD:
+        return host
+    name = socket.gethostname()
+    try:
+        socket.getaddrinfo(name, None)
+        return name
+    except OSError:
+        return "127.0.0.1"
+
+
+def shard_ports(host: str, port: int, count: int) -> list[int]:
+    """port .. port+count-1, or with port 0 as many free ones."""
+    if port:
+        return [port + i for i in range(count)]
+    held = []
+    try:
+        for _ in range(count):
+            s = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+            s.bind((host if host not in _WILDCARD else "", 0))
+            held.append(s)
+        return [s.getsockname()[1] for s in held]
+    finally:
+        for s in held:
+            s.close()
+
+
+def launch_local_shards(argv: list[str], args) -> int:
+    """Runs K shards here until every one exits; returns the worst exit status (a shard that fails stops the rest)."""
+    count = args.shards
+    ports = shard_ports(args.host, args.port, count)
+    host = advertised_host(args.host)
+    addresses = ",".join(f"{host}:{p}" for p in ports)
+    env = dict(os.environ, **{SECRET_ENV: os.environ.get(SECRET_ENV) or secrets.token_hex(32)})
+    scratch = Path(tempfile.mkdtemp(prefix="diloco-shards-"))
+    children = []
+    for i, port in enumerate(ports):
+        extra = ["--shard", str(i), "--shard-addresses", addresses, "--port", str(port),
+                 "--port-file", str(scratch / f"port-{i}")]
+        if args.http_port > 0:
+            extra += ["--http-port", str(args.http_port + i)]
+        if i and args.http_port_file:
+            extra += ["--http-port-file", str(scratch / f"http-{i}")]
+        if i and args.report:
+            extra += ["--report", f"{args.report}.shard-{i}"]
+        children.append(subprocess.Popen([sys.executable, "-m", "coordinator", *argv, *extra], env=env))
+    log.info("started %d coordinator shards at %s", count, addresses)
+    stop = _forward_signals(children)
+    try:
+        return _wait(children, scratch, args.port_file, count)
+    finally:
+        stop()
+        for child in children:
+            if child.poll() is None:
+                child.terminate()
+        for child in children:
+            try:
+                child.wait(30)
+            except subprocess.TimeoutExpired:
+                child.kill()
+
+
+def _wait(children: list[subprocess.Popen], scratch: Path, port_file: str | None, count: int) -> int:
+    told = False
+    while True:
+        codes = [c.poll() for c in children]
+        failed = [c for c in codes if c not in (None, 0)]
+        if failed:
+            return max(failed)
+        if all(c == 0 for c in codes):
+            return 0
+        if not told and all((scratch / f"port-{i}").exists() for i in range(count)):
+            told = True  # every shard serves: whoever waits on the port file can reach them all
+            if port_file:
+                Path(port_file).write_text((scratch / "port-0").read_text())
+        time.sleep(0.2)
+
+
+def _forward_signals(children: list[subprocess.Popen]):
+    def forward(signum, frame):
+        for child in children:
+            if child.poll() is None:
+                child.send_signal(signum)
+
+    previous = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
+    return lambda: [signal.signal(s, h) for s, h in previous.items()]

@@ -1,0 +1,121 @@
+"""A coordinator of K shard processes (docs/sharding.md) gives the global parameters, momentum and checksums of the
+one-process coordinator, bit for bit; its followers admit only islands holding the leader's ticket."""
+
+from __future__ import annotations
+
+import os
+from contextlib import ExitStack, contextmanager
+
+import grpc
+import pytest
+import torch
+
+from conftest import tiny_config
+from coordinator.launch import shard_ports
+from coordinator.server import start_coordinator
+from coordinator.sharding import ShardRole
+from diloco.fragments import layout_for
+from diloco.params import checksum
+from diloco.shardmap import ShardMap, join_checksums, ticket
+from diloco.wire.refusal import Reason, refusal_of
+from islands.client import CoordinatorClient
+from islands.state import ReplicaSpec
+from kit import islands_on_threads
+
+pytestmark = pytest.mark.integration
+
+
+@contextmanager
+def coordinator_of(cfg, shards: int, tmp_path):
+    """The one-process coordinator (shards 0), or K shards on loopback; yields the list of them, leader first."""
+    with ExitStack() as stack:
+        if shards == 0:
+            c = start_coordinator(cfg, spool_dir=str(tmp_path / "spool"))
+            stack.callback(c.stop)
+            yield [c]
+            return
+        ports = shard_ports("127.0.0.1", 0, shards)
+        addresses, secret = tuple(f"127.0.0.1:{p}" for p in ports), os.urandom(32)
+        running = []
+        for i, port in enumerate(ports):
+            c = start_coordinator(cfg, port=port, spool_dir=str(tmp_path / f"spool-{i}"), shard=ShardRole(i, addresses, secret))
+            stack.callback(c.stop)
+            running.append(c)
+        yield running
+
+
+def run(cfg, shards: int, tmp_path, islands: int = 2) -> dict:
+    """Runs islands to the end against the coordinator; returns its parameters, momentum and fragment checksums."""
+    with coordinator_of(cfg, shards, tmp_path / f"k{shards}") as running:
+        specs = [ReplicaSpec(0, 1, f"island-{i}") for i in range(islands)]
+        with islands_on_threads(running if shards else running[0], cfg, specs) as (_, results):
+            pass
+        assert len(results) == islands and all(r.checksum_matches for r in results.values()), results
+        for c in running:
+            assert c.wait(60), "a shard did not finish"
+        params, momentum = {}, {}
+        for c in running:
+            params.update(c.state.params)
+            for f in c.state.fragments:
+                for name, p in f.outer.params.items():
+                    momentum[name] = f.outer.optimizer.state[p]["momentum_buffer"]
+        sums = [join_checksums([c.state.fragments[f].checksum for c in running]) for f in range(len(running[0].state.fragments))]
+        rounds = [c.state.round for c in running]
+        return {"params": params, "momentum": momentum, "checksums": sums, "rounds": rounds,
+                "finals": [r.checksum for r in results.values()]}
+
+
+def assert_same_run(sharded: dict, reference: dict, cfg, shards: int) -> None:
+    assert sharded["params"].keys() == reference["params"].keys()
+    for name, t in reference["params"].items():
+        assert torch.equal(sharded["params"][name], t), f"{name} differs from the one-process coordinator's"
+        assert torch.equal(sharded["momentum"][name], reference["momentum"][name]), f"{name}'s momentum differs"
+    assert set(sharded["rounds"]) == {cfg.rounds.rounds}
+    # The run's checksum of each fragment is its shards' checksums of the one-process coordinator's parameters.
+    layout = layout_for(reference["params"], cfg)
+    shard_map = ShardMap.of(layout, {n: t.numel() for n, t in reference["params"].items()}, shards)
+    for f, fragment in enumerate(layout):
+        parts = [checksum({n: reference["params"][n] for n in fragment.names if shard_map.owner[n] == s}) for s in range(shards)]
+        assert sharded["checksums"][f] == join_checksums(parts)
+
+
+# fp32 and the 4-bit codec, plain and with streaming fragments; 2 islands each (the norm guard judging every round).
+CASES = {
+    "fp32": (),
+    "e3m0": ("wire.codec=e3m0",),
+    "streaming": ("model.n_layers=3", "streaming.fragments=3", "inner.steps_per_round=3"),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_k_shards_give_the_one_process_coordinators_parameters_momentum_and_checksums(case, tmp_path):
+    cfg = tiny_config("rounds.rounds=3", *CASES[case])
+    reference = run(cfg, 0, tmp_path)
+    for shards in (1, 2, 3):
+        assert_same_run(run(cfg, shards, tmp_path), reference, cfg, shards)
+
+
+def test_a_following_shard_admits_only_the_leaders_ticket(tmp_path):
+    cfg = tiny_config()
+    with coordinator_of(cfg, 2, tmp_path) as (leader, follower):
+        client = CoordinatorClient(f"127.0.0.1:{follower.port}", connect_timeout_s=10)
+        try:
+            for presented in ("", ticket(b"not the shards' secret" * 2, "island-0", "", 1)):
+                with pytest.raises(grpc.RpcError) as refused:
+                    client.join(cfg.digest(), island_id="island-0", shard_ticket=presented)
+                assert refusal_of(refused.value).reason == Reason.NOT_YOURS
+                assert "join there" in refused.value.details()
+            # The leader's ticket for one island does not admit another id, nor more ranks.
+            joined = CoordinatorClient(f"127.0.0.1:{leader.port}", connect_timeout_s=10)
+            reply = joined.join(cfg.digest())
+            assert list(reply.shard_addresses) == [f"127.0.0.1:{leader.port}", f"127.0.0.1:{follower.port}"]
+            for island_id, ranks in (("island-7", 1), (reply.island_id, 4)):
+                with pytest.raises(grpc.RpcError) as refused:
+                    client.join(cfg.digest(), island_id=island_id, ranks=ranks, shard_ticket=reply.shard_ticket)
+                assert refusal_of(refused.value).reason == Reason.NOT_YOURS
+            assert not follower.state.islands
+            admitted = client.join(cfg.digest(), island_id=reply.island_id, shard_ticket=reply.shard_ticket)
+            assert admitted.island_id == reply.island_id and reply.island_id in follower.state.islands
+            joined.close()
+        finally:
+            client.close()

@@ -1,0 +1,45 @@
+"""The coordinator's shard map (diloco/shardmap.py) and how a shard learns its place (coordinator/sharding.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from conftest import tiny_config
+from coordinator.sharding import launcher_index, shard_secret
+from diloco.config import ConfigError
+from diloco.fragments import layout_for
+from diloco.shardmap import ShardMap, join_checksums, split_checksum
+
+pytestmark = pytest.mark.unit
+
+
+def test_the_shard_map_cuts_every_fragment_at_parameter_boundaries_into_k_nonempty_runs():
+    cfg = tiny_config("model.n_layers=3", "streaming.fragments=3", "inner.steps_per_round=3")
+    names = {f"blocks.{b}.w{i}": 10 * (i + 1) for b in range(3) for i in range(4)} | {"embed.weight": 500, "norm.weight": 8}
+    layout = layout_for(names, cfg)
+    for k in (1, 2, 3):
+        shard_map = ShardMap.of(layout, names, k)
+        for fragment in layout:
+            owners = [shard_map.owner[n] for n in fragment.names]
+            assert owners == sorted(owners) and set(owners) == set(range(k))
+    with pytest.raises(ConfigError, match="fewer than the coordinator's 9 shards"):
+        ShardMap.of(layout, names, 9)
+
+
+def test_a_shard_learns_its_place_from_torchrun_slurm_or_a_statefulset():
+    assert launcher_index({"RANK": "2", "WORLD_SIZE": "4"}) == (2, 4)
+    assert launcher_index({"SLURM_PROCID": "1", "SLURM_NTASKS": "3"}) == (1, 3)
+    assert launcher_index({"KUBERNETES_SERVICE_HOST": "10.0.0.1"}, hostname="diloco-coordinator-3") == (3, 0)
+    assert launcher_index({}) is None
+    with pytest.raises(ConfigError, match="DILOCO_SHARD_SECRET"):
+        shard_secret({})
+    assert shard_secret({"DILOCO_SHARD_SECRET": "ab" * 32}) == bytes.fromhex("ab" * 32)
+
+
+
+def test_a_joined_checksum_splits_back_into_its_shards_parts():
+    assert split_checksum(join_checksums(["a", "b", "c"]), 3) == ["a", "b", "c"]
+    assert split_checksum("", 2) == ["", ""]
+    assert join_checksums(["only"]) == "only"  # one shard: the one-process coordinator's checksum
+    with pytest.raises(ValueError, match="2 parts for 3"):
+        split_checksum("a+b", 3)
