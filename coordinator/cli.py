@@ -25,7 +25,8 @@ def build_parser() -> ArgumentParser:
     add_config_flags(s)
     s.add_argument("--host", default="0.0.0.0", help="address to bind (default 0.0.0.0; use 127.0.0.1 for one machine)")
     s.add_argument("--port", type=int, default=50051, help="port to bind (default 50051; 0 picks a free one)")
-    s.add_argument("--port-file", metavar="PATH", help="write the bound port here once serving (useful with --port 0)")
+    s.add_argument("--port-file", metavar="PATH", help="write the bound port here once serving (useful with --port 0); with --shards K the leading "
+                   "shard's, once every shard serves, and every shard's address in PATH.shards")
     s.add_argument("--report", metavar="PATH", help="write a JSON report of every round here when the run ends")
     s.add_argument("--resume", action="store_true", help="restore the newest committed checkpoint at checkpoint.url")
     s.add_argument("--checkpoint", metavar="URL", help="checkpoint location (local path or s3://...); sets checkpoint.url")

@@ -76,7 +76,7 @@ def launch_local_shards(argv: list[str], args) -> int:
     log.info("started %d coordinator shards at %s", count, addresses)
     stop = _forward_signals(children)
     try:
-        return _wait(children, scratch, args.port_file, count)
+        return _wait(children, scratch, args.port_file, count, addresses)
     finally:
         stop()
         for child in children:
@@ -89,7 +89,7 @@ def launch_local_shards(argv: list[str], args) -> int:
                 child.kill()
 
 
-def _wait(children: list[subprocess.Popen], scratch: Path, port_file: str | None, count: int) -> int:
+def _wait(children: list[subprocess.Popen], scratch: Path, port_file: str | None, count: int, addresses: str) -> int:
     told = False
     while True:
         codes = [c.poll() for c in children]
@@ -100,7 +100,8 @@ def _wait(children: list[subprocess.Popen], scratch: Path, port_file: str | None
             return 0
         if not told and all((scratch / f"port-{i}").exists() for i in range(count)):
             told = True  # every shard serves: whoever waits on the port file can reach them all
-            if port_file:
+            if port_file:  # every shard's address first: whoever reads the port file may want them all
+                Path(f"{port_file}.shards").write_text("\n".join(a for a in addresses.split(",")) + "\n")
                 Path(port_file).write_text((scratch / "port-0").read_text())
         time.sleep(0.2)
 

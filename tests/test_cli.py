@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -146,3 +147,22 @@ def test_commands_touching_s3_fail_in_one_line_without_the_s3_librarys_chatter(s
         assert message in lines[0], lines[0]
     out = _run(island + ["--log-level", "debug"])
     assert out.returncode == 2 and "botocore" in out.stderr
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("argv, message", [
+    (["diloco-coordinator", "serve", "--shard", "1", "--shards", "2"], "needs --shard-addresses with 2 host:port entries"),
+    (["diloco-coordinator", "serve", "--shard", "2", "--shards", "2", "--shard-addresses", "a:1,b:2"],
+     "shard 2 does not exist in a coordinator of 2 shards"),
+    (["diloco-coordinator", "serve", "--shard-addresses", "a:1,b:2"], "give --shard I, or run under torchrun"),
+    (["diloco-coordinator", "serve", "--shard", "0", "--shards", "2", "--shard-addresses", "127.0.0.1:0,127.0.0.1:0"],
+     "set DILOCO_SHARD_SECRET"),
+    (["diloco-sim", "--coordinator-shards", "0"], "--coordinator-shards must be at least 1"),
+    (["diloco-sim", "--coordinator-shards", "2", "--wan", "1gbit:10ms"], "does not combine with --wan"),
+])
+def test_bad_shard_flags_are_one_line_errors(argv, message):
+    env = {k: v for k, v in os.environ.items() if k not in ("DILOCO_SHARD_SECRET", "RANK", "SLURM_PROCID")}
+    out = subprocess.run(SCRIPTS[argv[0]] + argv[1:], capture_output=True, text=True, timeout=120, env=env)
+    lines = out.stderr.strip().splitlines()
+    assert out.returncode == 2 and len(lines) == 1, out.stderr[-2000:]
+    assert message in lines[0], lines[0]

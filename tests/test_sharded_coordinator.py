@@ -3,6 +3,7 @@ one-process coordinator, bit for bit; its followers admit only islands holding t
 
 from __future__ import annotations
 
+import json
 import os
 from contextlib import ExitStack, contextmanager
 
@@ -119,3 +120,21 @@ def test_a_following_shard_admits_only_the_leaders_ticket(tmp_path):
             joined.close()
         finally:
             client.close()
+
+
+def test_the_demo_with_a_sharded_coordinator_over_mutual_tls_ends_with_every_island_on_every_shards_parameters(tmp_path):
+    """`diloco-sim --coordinator-shards 2` as a user runs it: `serve --shards 2` starts the shards, islands find the
+    follower through the leader, all over mutual TLS; the round lines add up every shard's bytes."""
+    from islands.sim.simulation import run_sim
+
+    cfg = tiny_config("rounds.rounds=2", "rounds.min_islands=2", "data.shards=2")
+    lines = []
+    result = run_sim(cfg, islands=2, workdir=tmp_path, timeout_s=240, echo=lines.append, coordinator_shards=2)
+    report = result.report
+    shards = [json.loads((tmp_path / name).read_text()) for name in ("report.json", "report.json.shard-1")]
+    assert report["checksum"] == join_checksums([s["checksum"] for s in shards])
+    assert set(report["islands"].values()) == {report["checksum"]} and len(report["islands"]) == 2
+    for r, *parts in zip(report["rounds"], *(s["rounds"] for s in shards)):
+        assert all(p["bytes_up"] > 0 for p in parts), "every shard received pushes"
+        assert r["bytes_up"] == sum(p["bytes_up"] for p in parts)
+    assert len((tmp_path / "port.shards").read_text().split()) == 2

@@ -39,6 +39,8 @@ def build_parser() -> ArgumentParser:
         help="SIGKILL a random island after every EVERY rounds and restart it with --resume; with :N also "
              "SIGKILL and restart the coordinator once after round N (checkpoints every round, in the workdir)",
     )
+    parser.add_argument("--coordinator-shards", type=int, default=1, metavar="K", help="run the coordinator as K shard "
+                        "processes, each holding 1/K of its state (docs/sharding.md; default 1)")
     parser.add_argument("--timeout", type=float, default=1800.0, help="give up after this many seconds (default 1800)")
     return parser
 
@@ -63,6 +65,10 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.islands < 1:
         fail(parser.prog, "--islands must be at least 1")
+    if args.coordinator_shards < 1:
+        fail(parser.prog, "--coordinator-shards must be at least 1")
+    if args.coordinator_shards > 1 and (args.wan is not None or args.chaos is not None):
+        fail(parser.prog, "--coordinator-shards does not combine with --wan or --chaos yet; run one or the other")
     if args.rounds is not None:
         args.overrides.append(f"rounds.rounds={args.rounds}")
     # Every island starts in round 0 and owns its own shard of the data; one island alone takes the first outer step
@@ -93,8 +99,9 @@ def main(argv: list[str] | None = None) -> None:
     s = cfg.streaming
     streaming = (f", streaming: {s.fragments} fragments ({s.pattern}), tau={s.overlap}, alpha={s.alpha:g}"
                  f"{', eager' if s.eager else ''}") if s.fragments > 1 or s.overlap or s.eager else ""
+    shards = f", the coordinator in {args.coordinator_shards} shards" if args.coordinator_shards > 1 else ""
     print(f"diloco-sim: {args.islands} islands, {cfg.rounds.rounds} rounds of H={cfg.inner.steps_per_round}, "
-          f"config {cfg.name!r}, codec {_codec_text(cfg)}{streaming}{_wan_text(wan)} (logs in {workdir})", flush=True)
+          f"config {cfg.name!r}, codec {_codec_text(cfg)}{streaming}{_wan_text(wan)}{shards} (logs in {workdir})", flush=True)
     echo = lambda s: print(s, flush=True)  # noqa: E731
     import grpc
 
@@ -106,7 +113,8 @@ def main(argv: list[str] | None = None) -> None:
             result, chaos = run_chaos(cfg, args.islands, workdir, chaos_plan, args.timeout, echo, args.threads, args.per_island)
             echo(describe(chaos))
         else:
-            result = run_sim(cfg, args.islands, workdir, args.timeout, args.threads, echo=echo, per_island=args.per_island, wan=wan)
+            result = run_sim(cfg, args.islands, workdir, args.timeout, args.threads, echo=echo, per_island=args.per_island, wan=wan,
+                             coordinator_shards=args.coordinator_shards)
     except (RuntimeError, TimeoutError, grpc.RpcError) as e:
         fail(parser.prog, f"simulation failed: {e}")
     except KeyboardInterrupt:

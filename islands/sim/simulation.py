@@ -12,6 +12,7 @@ import json
 import logging
 import math
 import os
+import queue
 import random
 import signal
 import socket
@@ -25,9 +26,10 @@ from pathlib import Path
 
 import grpc
 
-from diloco.security import credentials
 from diloco.config import RunConfig
 from diloco.data.sources import entropy_floor
+from diloco.security import credentials
+from diloco.shardmap import SEPARATOR, join_checksums
 from diloco.v1 import diloco_pb2 as pb
 from diloco.v1 import diloco_pb2_grpc as pb_grpc
 from islands.sim.wan import LinkSpec, WanLink
@@ -112,8 +114,10 @@ class Simulation:
     """The processes of a one-node run: start, kill and restart them; watch the rounds."""
 
     def __init__(self, cfg: RunConfig, islands: int, workdir: Path, threads: int = 1, checkpoints: bool = False,
-                 wan: list[LinkSpec] | None = None, tls: bool = True, island_args: dict[int, list[str]] | None = None):
+                 wan: list[LinkSpec] | None = None, tls: bool = True, island_args: dict[int, list[str]] | None = None,
+                 coordinator_shards: int = 1):
         self.cfg, self.islands, self.workdir, self.threads = cfg, islands, workdir, threads
+        self.coordinator_shards = coordinator_shards  # K > 1: `serve --shards K`, K processes (docs/sharding.md)
         self.island_args = island_args or {}  # extra `islands join` flags per island (e.g. --throttle, --steps-per-round)
         # One emulated link per island (its own proxy port); the coordinator keeps its port across restarts.
         self.wan = wan
@@ -158,10 +162,14 @@ class Simulation:
             args += ["--checkpoint", str(self.workdir / "ckpt" / "coordinator")]
         if self.tls_dir is not None:
             args += ["--tls", str(self.tls_dir)]
+        if self.coordinator_shards > 1:
+            args += ["--shards", str(self.coordinator_shards)]
         if resume:
             args.append("--resume")
         self.coordinator = self._spawn(args, "coordinator.log")
         self.port = _wait_for_port(port_file, self.coordinator, 120)
+        shards = Path(f"{port_file}.shards")  # a sharded coordinator's every address (coordinator/launch.py)
+        self.shard_addresses = shards.read_text().split() if self.coordinator_shards > 1 else [f"127.0.0.1:{self.port}"]
         if http_port_file.exists():  # written before the gRPC port: the same port again after a restart
             self.http_port = int(http_port_file.read_text())
 
@@ -231,7 +239,7 @@ class Simulation:
         def monitor() -> None:
             while not done.wait(0.5):
                 if self.failed_island() is not None:
-                    for stream in list(current):
+                    for stream in current:
                         stream.cancel()
                     return
 
@@ -248,29 +256,33 @@ class Simulation:
 
     def _summaries(self, deadline: float, next_round: dict[int, int], current: list) -> Generator[pb.RoundSummary, None, bool]:
         """The round summaries of watch(); returns True once the run finished, False when the deadline passed or an
-        island failed."""
+        island failed. With a sharded coordinator, each round's summaries of every shard merged into one."""
         while time.monotonic() < deadline and self.failed_island() is None:
+            channels = [self._channel(address) for address in self.shard_addresses]
             try:
-                with self._channel() as channel:
+                streams = []
+                for channel in channels:
                     stub = pb_grpc.CoordinatorStub(channel)
-                    stream = stub.WatchRounds(pb.WatchRequest(from_round=0), timeout=deadline - time.monotonic(),
-                                              wait_for_ready=True)
-                    current[:] = [stream]
-                    for summary in stream:
-                        if summary.round < next_round.get(summary.fragment, 0):
-                            continue  # already seen before a coordinator restart
-                        next_round[summary.fragment] = summary.round + 1
-                        yield summary
-                        if summary.run_finished:
-                            return True
+                    streams.append(stub.WatchRounds(pb.WatchRequest(from_round=0), timeout=deadline - time.monotonic(),
+                                                    wait_for_ready=True))
+                current[:] = streams
+                for summary in merged_rounds(streams):
+                    if summary.round < next_round.get(summary.fragment, 0):
+                        continue  # already seen before a coordinator restart
+                    next_round[summary.fragment] = summary.round + 1
+                    yield summary
+                    if summary.run_finished:
+                        return True
             except grpc.RpcError as e:
                 if e.code() in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED):
                     return False
                 time.sleep(0.5)  # the coordinator is down or restarting
+            finally:
+                for channel in channels:
+                    channel.close()
         return False
 
-    def _channel(self) -> grpc.Channel:
-        address = f"127.0.0.1:{self.port}"
+    def _channel(self, address: str) -> grpc.Channel:
         if self.tls_dir is None:
             return grpc.insecure_channel(address)
         ca, cert, key = credentials.island_files(self.tls_dir, "sim-watch").read()
@@ -285,7 +297,9 @@ class Simulation:
         bad = [i for i, c in enumerate(codes) if c != 0]
         if bad:
             raise RuntimeError(f"islands {bad} failed; see {self.workdir}/island-N.log")
-        return SimResult(json.loads(self.report_path.read_text()), time.monotonic() - self.started, codes, self.wan_bytes())
+        followers = [json.loads(Path(f"{self.report_path}.shard-{i}").read_text()) for i in range(1, self.coordinator_shards)]
+        report = merged_report(json.loads(self.report_path.read_text()), followers)
+        return SimResult(report, time.monotonic() - self.started, codes, self.wan_bytes())
 
     def close(self) -> None:
         for p in list(self.island_procs.values()) + [self.coordinator]:
@@ -294,6 +308,78 @@ class Simulation:
                 p.wait()
         for link in self.links.values():
             link.stop()
+
+
+def merged_rounds(streams: list) -> Iterator[pb.RoundSummary]:
+    """The shards' round summaries as one per (fragment, round), once every shard sent its: the leader's (the first
+    stream's) with every shard's bytes and traffic added and the slowest shard's seconds. One stream: as it comes."""
+    if len(streams) == 1:
+        yield from streams[0]
+        return
+    arrived: queue.Queue = queue.Queue()
+
+    def read(shard: int, stream) -> None:
+        try:
+            for summary in stream:
+                arrived.put((shard, summary))
+            arrived.put((shard, None))
+        except grpc.RpcError as e:
+            arrived.put((shard, e))
+
+    for shard, stream in enumerate(streams):
+        threading.Thread(target=read, args=(shard, stream), name=f"sim-watch-{shard}", daemon=True).start()
+    pending: dict[tuple[int, int], dict[int, pb.RoundSummary]] = {}
+    ended = 0
+    while ended < len(streams):
+        shard, item = arrived.get()
+        if isinstance(item, grpc.RpcError):
+            for stream in streams:
+                stream.cancel()
+            raise item
+        if item is None:
+            ended += 1
+            continue
+        parts = pending.setdefault((item.fragment, item.round), {})
+        parts[shard] = item
+        if len(parts) == len(streams):
+            del pending[(item.fragment, item.round)]
+            yield merge_summaries([parts[i] for i in range(len(streams))])
+
+
+def merge_summaries(parts: list[pb.RoundSummary]) -> pb.RoundSummary:
+    out = pb.RoundSummary()
+    out.CopyFrom(parts[0])
+    out.bytes_up, out.bytes_down = sum(p.bytes_up for p in parts), sum(p.bytes_down for p in parts)
+    out.ddp_bytes = sum(p.ddp_bytes for p in parts)
+    out.seconds = max(p.seconds for p in parts)
+    out.checksum = join_checksums([p.checksum for p in parts])
+    traffic: dict[str, list[int]] = {}
+    for p in parts:
+        for t in p.traffic:
+            up_down = traffic.setdefault(t.island_id, [0, 0])
+            up_down[0] += t.bytes_up
+            up_down[1] += t.bytes_down
+    del out.traffic[:]
+    out.traffic.extend(pb.IslandTraffic(island_id=i, bytes_up=u, bytes_down=d) for i, (u, d) in traffic.items())
+    return out
+
+
+def merged_report(leader: dict, followers: list[dict]) -> dict:
+    """A sharded coordinator's reports as one: the leader's, every shard's bytes added per round, checksums joined."""
+    if not followers:
+        return leader
+    everyone = [leader] + followers
+    report = dict(leader, checksum=join_checksums([r["checksum"] for r in everyone]),
+                  islands={i: join_checksums([r["islands"].get(i, "") for r in everyone]) for i in leader["islands"]})
+    rounds = [dict(r) for r in leader["rounds"]]
+    for follower in followers:
+        theirs = {(r.get("fragment", 0), r["round"]): r for r in follower["rounds"]}
+        for r in rounds:
+            other = theirs.get((r.get("fragment", 0), r["round"]), {})
+            for key in ("bytes_up", "bytes_down", "ddp_bytes"):
+                r[key] += other.get(key, 0)
+    report["rounds"] = rounds
+    return report
 
 
 def run_sim(
@@ -305,12 +391,14 @@ def run_sim(
     echo=print,
     per_island: bool = False,
     wan: list[LinkSpec] | None = None,
+    coordinator_shards: int = 1,
 ) -> SimResult:
     """Runs the simulation to the end; raises if it fails or outlives timeout_s.
 
-    wan: one emulated link per island (see islands.sim.wan), or None for plain loopback.
+    wan: one emulated link per island (see islands.sim.wan), or None for plain loopback; coordinator_shards: the
+    coordinator's shard processes (docs/sharding.md).
     """
-    sim = Simulation(cfg, islands, workdir, threads, wan=wan)
+    sim = Simulation(cfg, islands, workdir, threads, wan=wan, coordinator_shards=coordinator_shards)
     try:
         sim.start()
         echo(f"dashboard: {sim.dashboard_url}   metrics: {sim.dashboard_url}metrics")
@@ -407,4 +495,5 @@ def summarize(result: SimResult, cfg: RunConfig, echo=print) -> None:
         echo(f"compute utilization (inner steps / island wall time): mean {sum(util) / len(util):.1%}, "
              f"per island {', '.join(f'{u:.1%}' for u in util)}; waiting for results {waits} (for other islands {others})")
     matches = sum(1 for c in rep["islands"].values() if c == rep["checksum"])
-    echo(f"islands holding the coordinator's global parameters: {matches}/{len(rep['islands'])} (checksum {rep['checksum'][:12]})")
+    short = join_checksums([part[:12] for part in rep["checksum"].split(SEPARATOR)])  # a sharded coordinator's: every shard's
+    echo(f"islands holding the coordinator's global parameters: {matches}/{len(rep['islands'])} (checksum {short})")
