@@ -28,7 +28,9 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 import torch  # noqa: E402
 
 from conftest import claim, one_island_config, tiny_config  # noqa: E402
+from coordinator.launch import shard_ports  # noqa: E402
 from coordinator.server import start_coordinator  # noqa: E402
+from coordinator.sharding import ShardRole  # noqa: E402
 from diloco.wire.codec import Fp32Codec  # noqa: E402
 from diloco.v1 import diloco_pb2 as pb  # noqa: E402
 from diloco.wire.messages import Manifest, tensor_chunks  # noqa: E402
@@ -45,12 +47,21 @@ SHARDED_FLAGS = [
 class Run:
     """A coordinator here, islands as process groups; everything stops in close()."""
 
-    def __init__(self, workdir: Path, cfg, deadline_s: float):
+    def __init__(self, workdir: Path, cfg, deadline_s: float, coordinator_shards: int = 0):
+        """coordinator_shards K > 0: the coordinator as K shards here (docs/sharding.md), islands told of them by the
+        leader (self.coordinator; self.shards holds them all)."""
         self.workdir, self.cfg = workdir, cfg
         self.deadline = time.monotonic() + deadline_s
         self.config_path = workdir / "run.toml"
         self.config_path.write_text(cfg.to_toml())
-        self.coordinator = start_coordinator(cfg, "127.0.0.1", 0, spool_dir=str(workdir / "spool"))
+        if coordinator_shards:
+            ports = shard_ports("127.0.0.1", 0, coordinator_shards)
+            addresses, secret = tuple(f"127.0.0.1:{p}" for p in ports), os.urandom(32)
+            self.shards = [start_coordinator(cfg, "127.0.0.1", port, spool_dir=str(workdir / f"spool-{i}"),
+                                             shard=ShardRole(i, addresses, secret)) for i, port in enumerate(ports)]
+        else:
+            self.shards = [start_coordinator(cfg, "127.0.0.1", 0, spool_dir=str(workdir / "spool"))]
+        self.coordinator = self.shards[0]
         self.procs: dict[str, subprocess.Popen] = {}
         self.env = dict(
             os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1",
@@ -73,7 +84,7 @@ class Run:
         return remaining
 
     def finish(self) -> None:
-        if not self.coordinator.wait(self.left()):
+        if not all(shard.wait(self.left()) for shard in self.shards):
             raise TimeoutError("the run did not finish")
         codes = {}
         for name, p in self.procs.items():
@@ -85,7 +96,10 @@ class Run:
         report = self.coordinator.report()
         report["notes"] = self.notes
         (self.workdir / "result.json").write_text(json.dumps(report, indent=1))
-        torch.save({n: t.clone() for n, t in self.coordinator.state.params.items()}, self.workdir / "coordinator.pt")
+        torch.save({n: t.clone() for shard in self.shards for n, t in shard.state.params.items()}, self.workdir / "coordinator.pt")
+        momentum = {n: f.outer.optimizer.state[p]["momentum_buffer"].clone()
+                    for shard in self.shards for f in shard.state.fragments for n, p in f.outer.params.items()}
+        torch.save(momentum, self.workdir / "momentum.pt")
 
     def close(self) -> None:
         for p in self.procs.values():
@@ -95,7 +109,8 @@ class Run:
                 except ProcessLookupError:
                     pass
                 p.wait(10)
-        self.coordinator.stop(0.5)
+        for shard in self.shards:
+            shard.stop(0.5)
 
 
 class Puppet:
@@ -373,8 +388,25 @@ def launcher_killed(workdir: Path) -> None:
         (workdir / "result.json").write_text(json.dumps({"notes": notes}, indent=1))
 
 
+def sharded_coordinator(workdir: Path, shards: str) -> None:
+    """A 1 x 2 FSDP island and a 1-rank island against a coordinator of `shards` shards (0: one process), 4-bit
+    pushes: the FSDP ranks' ranges cut the parameters at other places than the shards do."""
+    cfg = tiny_config(
+        "model.d_model=64", "model.n_layers=2", "model.d_ff=128", "inner.steps_per_round=3", "rounds.rounds=3",
+        "rounds.min_islands=2", "data.shards=2", "wire.codec='e3m0'", "rounds.heartbeat_s=0.5", "rounds.deadline_s=120",
+    )
+    run = Run(workdir, cfg, deadline_s=200, coordinator_shards=int(shards))
+    try:
+        run.island("sharded", "--nproc-per-node", "2", "--max-restarts", "0", "--report-dir", str(workdir / "sharded"),
+                   *SHARDED_FLAGS)
+        run.island("single", "--device", "cpu", "--threads", "1")
+        run.finish()
+    finally:
+        run.close()
+
+
 SCENARIOS = {"two_islands": two_islands, "faults": faults, "torchrun": torchrun, "cuda": cuda, "time_boxed": time_boxed,
-             "launcher_killed": launcher_killed}
+             "launcher_killed": launcher_killed, "sharded_coordinator": sharded_coordinator}
 
 if __name__ == "__main__":
     logging.basicConfig(level=logging.INFO, format="%(asctime)s [scenario] %(levelname)s %(name)s: %(message)s")

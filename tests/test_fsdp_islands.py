@@ -234,3 +234,26 @@ def test_bad_launches_are_one_line_errors(argv, env, message):
     )
     assert out.returncode == 2, out.stderr
     assert len(out.stderr.strip().splitlines()) == 1 and message in out.stderr, out.stderr
+
+
+# --- against a coordinator of several shards ------------------------------------------------------
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(500)
+def test_an_fsdp_island_against_three_coordinator_shards_ends_as_against_one_process(tmp_path):
+    """A 1 x 2 FSDP island (ranges cut mid-parameter) and a 1-rank island, 4-bit pushes: three coordinator shards
+    (cut at parameter boundaries) end on the one-process coordinator's parameters and momentum, bit for bit."""
+    one = run_scenario("fsdp_scenarios.py", "sharded_coordinator", tmp_path / "one", 220, "0")
+    three = run_scenario("fsdp_scenarios.py", "sharded_coordinator", tmp_path / "three", 220, "3")
+    for result in (one, three):
+        assert result["notes"]["exit_codes"] == {"sharded": 0, "single": 0}
+        assert set(result["islands"].values()) == {result["checksum"]}, "an island left on other parameters"
+    for name in ("coordinator.pt", "momentum.pt"):
+        expected, got = torch.load(tmp_path / "one" / name), torch.load(tmp_path / "three" / name)
+        assert expected.keys() == got.keys()
+        for key, t in expected.items():
+            assert torch.equal(got[key], t), f"{name}: {key} differs with three shards"
+    # Each FSDP rank verified its ranges against every shard and ended on the coordinator's parameters.
+    assert_equals_coordinator(assemble_shards(tmp_path / "three" / "sharded", 0, 0, 2), torch.load(tmp_path / "three" / "coordinator.pt"),
+                              "the FSDP island")
