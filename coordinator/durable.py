@@ -66,11 +66,11 @@ def save(state: CoordinatorState, store: CheckpointStore) -> str:
     return where
 
 
-def restore(state: CoordinatorState, store: CheckpointStore) -> bool:
-    """Loads the newest committed checkpoint into state; False when there is none."""
+def restore(state: CoordinatorState, store: CheckpointStore, step: int | None = None) -> bool:
+    """Loads the committed checkpoint of step (default: the newest) into state; False when there is none."""
     if store.latest() is None:
         return False
-    tensors, meta = store.load()
+    tensors, meta = store.load(step)
     if meta["config_digest"] != state.cfg.digest():
         raise ValueError(
             f"checkpoint at {store.url} is for config {meta['config_digest']}, not {state.cfg.digest()}; "

@@ -284,13 +284,15 @@ def start_coordinator(
                              tasks=make_task_evaluator(cfg) if whole else None, ledger=ledger, data_digest=data_digest,
                              revoked=revocations.is_revoked if revocations is not None else (lambda owner: False),
                              record=audit.record, **part)
-    url = cfg.checkpoint.url if whole or not cfg.checkpoint.url else f"{cfg.checkpoint.url.rstrip('/')}/shard-{shard.index}-of-{shard.count}"
+    url = cfg.checkpoint.url if whole or not cfg.checkpoint.url else shard.checkpoint_url(cfg.checkpoint.url)
     store = CheckpointStore(url, keep_last=cfg.checkpoint.keep_last) if url else None
     if resume:
         if store is None:
             raise ValueError("--resume needs a checkpoint location: set checkpoint.url (e.g. --set checkpoint.url=s3://bucket/run)")
-        if not durable.restore(state, store):
-            log.warning("no committed checkpoint under %s; starting the run from scratch", cfg.checkpoint.url)
+        # Shards resume from the newest round every one of them committed, so that they agree on it.
+        step = shard.common_step(cfg.checkpoint.url, cfg.checkpoint.keep_last) if not whole else None
+        if not durable.restore(state, store, step):
+            log.warning("no committed checkpoint under %s; starting the run from scratch", url)
     log.info(
         "global parameters: %d tensors, %.2fM elements; initial eval loss %.4f",
         len(state.params), state.manifest.total_numel() / 1e6, state.initial_eval_loss,

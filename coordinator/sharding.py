@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from diloco.checkpoint import CheckpointStore
 from diloco.config import ConfigError, RunConfig
 from diloco.fragments import layout_for
 from diloco.shardmap import ShardMap, ticket, ticket_valid
@@ -45,6 +46,23 @@ class ShardRole:
 
     def admits(self, presented: str, island_id: str, owner: str | None, ranks: int) -> bool:
         return bool(presented) and ticket_valid(self.secret, presented, island_id, owner or "", ranks)
+
+    def checkpoint_url(self, base: str) -> str:
+        """Where this shard checkpoints its part: a folder of its own under the run's checkpoint.url."""
+        return f"{base.rstrip('/')}/shard-{self.index}-of-{self.count}"
+
+    def common_step(self, base: str, keep_last: int) -> int | None:
+        """The newest checkpoint step every shard committed; None when no shard has one yet. Raises when the shards
+        have checkpoints but none in common (one fell more than keep_last checkpoints behind)."""
+        steps = [set(CheckpointStore(ShardRole(i, self.addresses, b"").checkpoint_url(base), keep_last).steps())
+                 for i in range(self.count)]
+        if not any(steps):
+            return None
+        common = set.intersection(*steps)
+        if not common:
+            raise ValueError(f"the coordinator's shards under {base} share no committed checkpoint "
+                             f"(their newest: {[max(s, default=None) for s in steps]}); a shard's checkpoints are missing")
+        return max(common)
 
     def part(self, cfg: RunConfig, params: dict[str, torch.Tensor]) -> dict:
         """CoordinatorState's arguments for this shard: the parameters it holds, their fragments (every fragment,

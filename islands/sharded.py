@@ -19,6 +19,7 @@ leader, which alone keeps the ledger.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -32,6 +33,8 @@ from diloco.wire.messages import FlatRange, Manifest
 from diloco.wire.refusal import Reason
 from islands.client import CoordinatorClient, LocalRefusal
 from islands.outcome import next_step
+
+_AGREE_S = 60.0  # the longest the shards may stand at different rounds before a fetch gives up
 
 
 class ShardedClient:
@@ -145,15 +148,20 @@ class ShardedClient:
             return self.leader.fetch(island_id, targets, manifest, ranges, fragment)
         # Shards close a round each on its own: fetched in between, they would be a round apart. Fetch again until
         # every fragment's round agrees (a round closes on every shard within moments of the first).
-        for _ in range(50):
+        deadline = time.monotonic() + _AGREE_S
+        while True:
             headers = _all(self.clients, [
                 (shard, lambda c, m=m, t=t, r=r: c.fetch(island_id, t, m, r, fragment))
                 for shard, m, t, r in self._parts(manifest, targets, ranges)])
             combined = _combine(headers, self.map.shards)
             if combined is not None:
                 return combined
-            threading.Event().wait(0.2)
-        raise LocalRefusal(Reason.ROUND_AHEAD, "the coordinator's shards stayed at different rounds for 10 s; is one stuck?")
+            if time.monotonic() > deadline:
+                rounds = {s: h.round for s, h in headers}
+                raise LocalRefusal(Reason.REASON_UNSPECIFIED, f"the coordinator's shards stayed at different rounds for "
+                                   f"{_AGREE_S:.0f} s ({rounds}): one resumed from an older checkpoint; restart every "
+                                   "shard with --resume (they resume from the newest round all of them committed)")
+            time.sleep(0.2)
 
     def pull(self, island_id: str, round_: int, targets: Mapping[str, torch.Tensor], manifest: Manifest, held: str,
              timeout_s: float, ranges: list[FlatRange] | None = None, fragment: int = 0, mean=None) -> pb.ResultHeader:

@@ -120,3 +120,34 @@ def test_observe_cost_benchmark_reports_each_shares():
     for line in (coordinator, island):
         share = float(line.split("= ")[-1].split("%")[0])
         assert 0 < share < 100, line
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--shards", "0"], "--shards must be at least 1, got 0"),
+        (["--sizes", "5m"], "--sizes: unknown size '5m'; choose from 1m, 25m, 125m, 350m, 530m"),
+    ],
+)
+def test_shards_benchmark_refuses_bad_input_in_one_line(args, message):
+    run = subprocess.run([sys.executable, "-m", "benchmarks.shards", *args], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert run.returncode == 2
+    lines = run.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("shards: error: ") and message in lines[0], run.stderr[-500:]
+
+
+def test_shards_benchmark_measures_each_shard(tmp_path):
+    """The smallest point, end to end: two shard processes, two islands ending on one joined checksum, and figures
+    for each shard (its memory, its CPU, the bytes the islands exchanged with it)."""
+    out = tmp_path / "shards.json"
+    run = subprocess.run([sys.executable, "-m", "benchmarks.shards", "--sizes", "1m", "--shards", "2", "--islands", "2",
+                          "--repeat", "1", "--out", str(out)], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert run.returncode == 0, run.stderr[-2000:]
+    (row,) = json.loads(out.read_text())
+    assert (row["shards"], row["islands"]) == (2, 2) and 0.9e6 < row["parameters"] < 1.1e6
+    assert [p["shard"] for p in row["per_shard"]] == [0, 1]
+    assert sum(p["parameters"] for p in row["per_shard"]) == row["parameters"]
+    for p in row["per_shard"]:
+        assert p["bytes_up"] > 0 and p["bytes_down"] > 0 and p["peak_rss"] > 0 and p["cpu_s"] > 0, p
+    assert row["peak_rss_sum"] == sum(p["peak_rss"] for p in row["per_shard"]) and row["exchange_s"] > 0
+    assert "| 1.0M | fp32 | 2 | 2 |" in run.stdout

@@ -5,6 +5,10 @@ from __future__ import annotations
 
 import json
 import os
+import signal
+import subprocess
+import sys
+import time
 from contextlib import ExitStack, contextmanager
 
 import grpc
@@ -138,3 +142,91 @@ def test_the_demo_with_a_sharded_coordinator_over_mutual_tls_ends_with_every_isl
         assert all(p["bytes_up"] > 0 for p in parts), "every shard received pushes"
         assert r["bytes_up"] == sum(p["bytes_up"] for p in parts)
     assert len((tmp_path / "port.shards").read_text().split()) == 2
+
+
+class ShardProcesses:
+    """A coordinator's shards started one by one as torchrun or SLURM would (`serve --shard I`), each its own process,
+    and islands as `diloco-island join` processes; everything stopped in close()."""
+
+    def __init__(self, cfg, shards: int, workdir):
+        self.workdir, self.shards = workdir, shards
+        self.ports = shard_ports("127.0.0.1", 0, shards)
+        self.addresses = ",".join(f"127.0.0.1:{p}" for p in self.ports)
+        self.config = workdir / "run.toml"
+        self.config.write_text(cfg.to_toml())
+        self.env = dict(os.environ, DILOCO_SHARD_SECRET=os.urandom(32).hex(), PYTHONUNBUFFERED="1")
+        self.procs: dict[str, subprocess.Popen] = {}
+
+    def start_shard(self, i: int, resume: bool = False) -> None:
+        port_file = self.workdir / f"port-{i}"
+        port_file.unlink(missing_ok=True)
+        argv = [sys.executable, "-m", "coordinator", "serve", "--config", str(self.config), "--host", "127.0.0.1",
+                "--port", str(self.ports[i]), "--shard", str(i), "--shards", str(self.shards), "--shard-addresses",
+                self.addresses, "--checkpoint", str(self.workdir / "ckpt"), "--report", str(self.workdir / f"report-{i}.json"),
+                "--port-file", str(port_file), "--http-port", "-1", "--linger", "30", "--threads", "1",
+                *(["--resume"] if resume else [])]
+        self.procs[f"shard-{i}"] = self._spawn(argv, f"shard-{i}.log")
+        deadline = time.monotonic() + 120
+        while not port_file.exists():
+            assert self.procs[f"shard-{i}"].poll() is None, f"shard {i} exited; see {self.workdir}"
+            assert time.monotonic() < deadline, f"shard {i} did not start"
+            time.sleep(0.1)
+
+    def start_island(self, i: int) -> None:
+        argv = [sys.executable, "-m", "islands", "join", "--coordinator", f"127.0.0.1:{self.ports[0]}", "--config",
+                str(self.config), "--device", "cpu", "--threads", "1", "--connect-timeout", "60"]
+        self.procs[f"island-{i}"] = self._spawn(argv, f"island-{i}.log")
+
+    def _spawn(self, argv, log_name: str) -> subprocess.Popen:
+        with open(self.workdir / log_name, "a") as out:
+            return subprocess.Popen(argv, env=self.env, stdout=out, stderr=subprocess.STDOUT)
+
+    def committed(self, shard: int, step: int) -> bool:
+        return (self.workdir / "ckpt" / f"shard-{shard}-of-{self.shards}" / f"step-{step:010d}" / "COMMITTED").exists()
+
+    def kill_after(self, shard: int, step: int, timeout_s: float = 120) -> None:
+        """SIGKILLs the shard as soon as it committed checkpoint `step` (mid-round: the islands are training the next)."""
+        deadline = time.monotonic() + timeout_s
+        while not self.committed(shard, step):
+            assert time.monotonic() < deadline, f"shard {shard} never committed step {step}; see {self.workdir}"
+            time.sleep(0.01)
+        self.procs[f"shard-{shard}"].send_signal(signal.SIGKILL)
+        self.procs[f"shard-{shard}"].wait(30)
+
+    def wait_all(self, timeout_s: float) -> dict[str, int]:
+        deadline = time.monotonic() + timeout_s
+        return {name: p.wait(max(1.0, deadline - time.monotonic())) for name, p in self.procs.items()}
+
+    def close(self) -> None:
+        for p in self.procs.values():
+            if p.poll() is None:
+                p.kill()
+                p.wait(30)
+
+
+@pytest.mark.timeout(400)
+def test_a_follower_and_then_the_leader_sigkilled_mid_round_resume_while_the_others_keep_serving(tmp_path):
+    # Rounds of 40 inner steps: a kill right after a checkpoint lands while the islands train the next round.
+    cfg = tiny_config("rounds.rounds=6", "rounds.min_islands=2", "data.shards=2", "inner.steps_per_round=40",
+                      "checkpoint.every_rounds=1", "rounds.heartbeat_s=0.5")
+    run = ShardProcesses(cfg, 2, tmp_path)
+    try:
+        for i in range(2):
+            run.start_shard(i)
+        for i in range(2):
+            run.start_island(i)
+        run.kill_after(1, step=2)
+        run.start_shard(1, resume=True)
+        run.kill_after(0, step=4)
+        run.start_shard(0, resume=True)
+        codes = run.wait_all(300)
+    finally:
+        run.close()
+    assert codes == {"shard-0": 0, "shard-1": 0, "island-0": 0, "island-1": 0}, f"see {tmp_path}"
+    reports = [json.loads((tmp_path / f"report-{i}.json").read_text()) for i in range(2)]
+    for i, report in enumerate(reports):
+        assert report["final_round"] == 6, f"shard {i} ended at round {report['final_round']}"
+        assert len(report["islands"]) == 2 and set(report["islands"].values()) == {report["checksum"]}
+    for i in range(2):
+        assert "matches the coordinator's" in (tmp_path / f"island-{i}.log").read_text()
+    assert "resumed from" in (tmp_path / "shard-1.log").read_text() and "resumed from" in (tmp_path / "shard-0.log").read_text()

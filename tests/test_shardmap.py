@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from conftest import tiny_config
-from coordinator.sharding import launcher_index, shard_secret
+from coordinator.sharding import ShardRole, launcher_index, shard_secret
 from diloco.config import ConfigError
 from diloco.fragments import layout_for
 from diloco.shardmap import ShardMap, join_checksums, split_checksum
@@ -43,3 +44,18 @@ def test_a_joined_checksum_splits_back_into_its_shards_parts():
     assert join_checksums(["only"]) == "only"  # one shard: the one-process coordinator's checksum
     with pytest.raises(ValueError, match="2 parts for 3"):
         split_checksum("a+b", 3)
+
+
+def test_shards_resume_from_the_newest_step_every_one_of_them_committed(tmp_path):
+    from diloco.checkpoint import CheckpointStore
+
+    role = ShardRole(1, ("a:1", "b:2", "c:3"), b"s" * 32)
+    assert role.common_step(str(tmp_path), keep_last=3) is None  # a fresh run
+    for shard, steps in enumerate([(1, 2, 3), (1, 2), (2, 3)]):
+        store = CheckpointStore(ShardRole(shard, role.addresses, b"").checkpoint_url(str(tmp_path)), keep_last=3)
+        for step in steps:
+            store.save(step, {"x": torch.zeros(1)}, {"step": step})
+    assert role.common_step(str(tmp_path), keep_last=3) == 2  # shard 1 never committed 3
+    CheckpointStore(role.checkpoint_url(str(tmp_path)), keep_last=1).save(5, {"x": torch.zeros(1)}, {"step": 5})
+    with pytest.raises(ValueError, match="share no committed checkpoint"):
+        role.common_step(str(tmp_path), keep_last=3)
