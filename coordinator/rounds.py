@@ -96,7 +96,7 @@ from diloco.outer import OuterOptimizer, PseudoGradientAccumulator
 from diloco.pace import lr_position, max_round_steps, round_first_position
 from diloco.params import ranges_checksum
 from diloco.wire.refusal import Reason, Refused
-from diloco.robust import NormGuard, Sketcher, Verdict
+from diloco.robust import NormGuard, Sketcher, Verdict, add_exact
 from diloco.v1 import diloco_pb2 as pb
 from diloco.wire.messages import (ChunkCorrupt, ChunkError, Coverage, FlatRange, Manifest, downlink_codec, framed_size, tensor_chunks,
                          verify_and_decode, verify_chunk)
@@ -122,7 +122,7 @@ class Contribution:
     spools: list[Spool] = field(default_factory=list)
     state: str = "pending"  # pending -> folding -> committed
     samples: list[tuple[int, int]] = field(default_factory=list)  # token corpus: the positions trained on
-    sumsq: float = 0.0  # of its values, summed as chunks arrive: the norm guard judges it at the close
+    sumsq_parts: list[float] = field(default_factory=list)  # of its values, summed exactly as chunks arrive (add_exact)
     sketch: np.ndarray | None = None  # its CountSketch, made as chunks arrive: the guard's direction check
     sketched: bool = True  # every stream of it came with a sketch (a run below three members sketches nothing)
     lr_sum: float = 1.0  # the inner learning rates it was trained with, summed: its norm is judged per unit of it
@@ -132,6 +132,11 @@ class Contribution:
     # the factor on its token weight (rounds.late_discount ** staleness), set when that round closes.
     staleness: int = 0
     discount: float = 1.0
+
+    @property
+    def sumsq(self) -> float:
+        """Its values' sum of squares, what the norm guard judges at the close."""
+        return math.fsum(self.sumsq_parts)
 
     @property
     def weight(self) -> float | int:
@@ -285,6 +290,10 @@ class FragmentContext:
     codecs: dict[str, Codec] | None = None  # what islands may push with, by name (wire.link_codecs; None: the run's codec)
     links: LinkAdvisor | None = None  # compression per link: throughput measured, codecs advised (coordinator/links.py)
     pool: Executor | None = None  # threads a close's folds and lossy publications run on (None: the driver's)
+    # A coordinator of several shards (coordinator/judging.py): the round's verdict from every shard's part, and the
+    # sketches' keys the shards share. None: this process judges alone, with keys only it knows.
+    judge: Callable[[FragmentRounds, Closing], Verdict] | None = None
+    sketch_secret: bytes | None = None
 
 
 class FragmentRounds:
@@ -300,7 +309,7 @@ class FragmentRounds:
         self.accumulator = PseudoGradientAccumulator(self.manifest.shapes)
         self.ahead = FoldAhead()  # what of the open round is folded already (the driver's thread only)
         self.guard = NormGuard(cfg.robust)
-        self.sketcher = Sketcher(os.urandom(16))  # keys only this process knows (diloco/robust.py)
+        self.sketcher = Sketcher(ctx.sketch_secret or os.urandom(16))  # keys only this coordinator knows (diloco/robust.py)
         self.param_lock = ReadWriteLock()
         self.phase, self.round, self.round_opened_at = Phase.OPEN, 0, self.clock()
         self.contributions: dict[str, Contribution] = {}
@@ -469,7 +478,8 @@ class FragmentRounds:
             contribution.coverage = trial
             contribution.spools.append(spool)
             contribution.codecs.append(codec)
-            contribution.sumsq += sum(r[3] for r in ranges)
+            for r in ranges:
+                add_exact(contribution.sumsq_parts, r[3])
             if sketch is None:
                 contribution.sketched = False
             else:
@@ -684,7 +694,7 @@ class FragmentRounds:
 
     def apply(self, closing: Closing) -> pb.RoundSummary:
         """Folds, takes the outer step, publishes the result and opens the next round; returns the round's summary."""
-        verdict = judge(self.guard, closing.contributions, self.label)
+        verdict = self.ctx.judge(self, closing) if self.ctx.judge is not None else judge(self.guard, closing.contributions, self.label)
         kept = [(i, c) for i, c in closing.contributions if fold_key(i, c) not in verdict.dropped]
         summary = round_summary(self.round, self.index, kept, self.manifest.total_numel(), self.cfg)
         summary.clipped.extend(verdict.clipped)

@@ -19,6 +19,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from coordinator import durable
 from coordinator.audit import AuditLog, NoAudit
+from coordinator.judging import ShardJudging
 from coordinator.ledger import DataLedger, account_dict
 from coordinator.metrics import CheckpointStats, coordinator_metrics
 from coordinator.rounds import Closed, RoundDriver
@@ -86,6 +87,7 @@ class Coordinator:
     checkpoints: CheckpointStats = field(default_factory=CheckpointStats)
     web: RunWebServer | None = None
     runlog: RunLog | None = None
+    judging: ShardJudging | None = None  # a shard of several: its part in judging each round
 
     def wait(self, timeout: float | None = None) -> bool:
         return self.driver.wait(timeout)
@@ -101,6 +103,8 @@ class Coordinator:
             self.web.stop()
         if self.runlog is not None:
             self.runlog.close()
+        if self.judging is not None:
+            self.judging.close()
 
     def report(self) -> dict:
         s = self.state
@@ -280,6 +284,10 @@ def start_coordinator(
     audit = AuditLog(audit_url) if audit_url else NoAudit()
     whole = shard is None or shard.count == 1
     part = shard.part(cfg, initial_parameters(cfg)) if shard is not None else {"params": initial_parameters(cfg)}
+    judging = None
+    if not whole:  # one verdict per round from every shard's statistics (coordinator/judging.py)
+        judging = ShardJudging(shard.index, shard.addresses, shard.secret, tls, cfg.rounds.deadline_s, lambda: state.fragments)
+        part |= {"judge": judging, "sketch_secret": judging.sketch_secret}
     state = CoordinatorState(cfg, spool_dir=spool, evaluate=make_evaluator(cfg) if whole else None,
                              tasks=make_task_evaluator(cfg) if whole else None, ledger=ledger, data_digest=data_digest,
                              revoked=revocations.is_revoked if revocations is not None else (lambda owner: False),
@@ -301,7 +309,8 @@ def start_coordinator(
     # Before the port opens: a log location that cannot be written is an error at start, not mid-run.
     runlog = RunLog(observe.log_url, observe.tensorboard, cfg) if observe.log_url or observe.tensorboard else None
     stop = threading.Event()
-    service = CoordinatorService(state, stop, mutual_tls=tls is not None, audit=audit, shard=shard)
+    service = CoordinatorService(state, stop, mutual_tls=tls is not None, audit=audit, shard=shard,
+                                 judges=judging.leader if judging is not None else None)
     server, bound, health_servicer = start_grpc(cfg, service, host, port, credentials)
 
     saving = threading.Lock()
@@ -328,7 +337,7 @@ def start_coordinator(
     driver = RoundDriver(state.fragments, lambda f: state.step_round(fragment=f), after_close, stop).start()
     log.info("coordinator %sserving on %s:%d (%s)", f"shard {shard.index} of {shard.count} " if shard else "", host, bound,
              "mutual TLS" if tls is not None else "plaintext")
-    return Coordinator(state, server, bound, stop, driver, health_servicer, audit, checkpoints, web, runlog)
+    return Coordinator(state, server, bound, stop, driver, health_servicer, audit, checkpoints, web, runlog, judging)
 
 
 def serve(

@@ -12,6 +12,7 @@ from contextlib import contextmanager
 import grpc
 
 from coordinator.audit import NoAudit
+from coordinator.judging import LeaderJudge, verdict_proto
 from coordinator.ledger import ranges_of
 from coordinator.limits import Limits, idle_bounded
 from coordinator.publish import Reading
@@ -85,9 +86,10 @@ def _refuse_overlaps(ranges: list[FlatRange], total: int) -> None:
 
 class CoordinatorService(pb_grpc.CoordinatorServicer):
     def __init__(self, state: CoordinatorState, stop: threading.Event, mutual_tls: bool = False, audit=None,
-                 shard: ShardRole | None = None):
+                 shard: ShardRole | None = None, judges: LeaderJudge | None = None):
         self.state = state
         self.shard = shard  # this process's place among the coordinator's shards (None: the only one)
+        self.judges = judges  # the leading shard of several: the rounds' verdicts (coordinator/judging.py)
         self.stop = stop
         self.mutual_tls = mutual_tls  # callers present a client certificate of the run's CA: their name is who they are
         self.audit = audit or NoAudit()
@@ -385,6 +387,15 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         self._caller(context, request.island_id)
         ranges = ledger.lease(request.island_id, request.index, request.samples, self.state.canonical_members())
         return pb.LeaseResponse(index=request.index, ranges=[pb.SampleRange(start=a, stop=b) for a, b in ranges])
+
+    @_refusals
+    def Judge(self, request: pb.JudgeRequest, context) -> pb.JudgeResponse:
+        if self.judges is None or not self.judges.admits(request):
+            raise Refused(Reason.NOT_YOURS, "only the coordinator's own shards may send the leading shard a round's "
+                          "statistics (signed with DILOCO_SHARD_SECRET)")
+        self.state.fragment(request.fragment)  # refuses a fragment that does not exist
+        verdict = self.judges.judge(request.fragment, request.round, request.shard, list(request.contributions))
+        return verdict_proto(verdict)
 
     @_refusals
     def WatchRounds(self, request: pb.WatchRequest, context) -> Iterator[pb.RoundSummary]:

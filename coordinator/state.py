@@ -66,10 +66,13 @@ class CoordinatorState:
         record: Callable[..., None] = lambda event, **fields: None,
         layout: FragmentLayout | None = None,
         model: tuple[Manifest, FragmentLayout] | None = None,
+        judge: Callable | None = None,
+        sketch_secret: bytes | None = None,
     ):
         """params: the global parameters this process holds (a shard's part of them, docs/sharding.md); layout:
         their fragments (a shard's: ShardMap.restrict), else the run's over params; model: the whole model's manifest
-        and layout, which a shard tells joining islands (default: its own)."""
+        and layout, which a shard tells joining islands (default: its own); judge, sketch_secret: a shard's
+        (FragmentContext; coordinator/judging.py)."""
         self.cfg = cfg
         self.codec = uplink_codec(cfg.wire)
         self.manifest = Manifest.of(params)
@@ -100,6 +103,7 @@ class CoordinatorState:
             run_finished=lambda: self.finished, fragment_of=self._fragment_of, ledger=ledger, codecs=codecs, links=self.links,
             # Every fragment's folds and publications share the cores (threads start on first use, idle between rounds).
             pool=ThreadPoolExecutor(max(1, torch.get_num_threads()), thread_name_prefix="close"),
+            judge=judge, sketch_secret=sketch_secret,
         )
         self.fragments = [FragmentRounds(ctx, f.index, self.layout.subset(f.index, params)) for f in self.layout]
         # The published parameters of every fragment, in manifest order (the same tensors).

@@ -67,6 +67,24 @@ class Verdict:
     reference: float = math.nan
 
 
+def add_exact(parts: list[float], x: float) -> None:
+    """Adds x to parts, non-overlapping floats whose sum is exactly the sum of everything added (Shewchuk's partials,
+    as math.fsum keeps them). math.fsum(parts) is that sum correctly rounded, whatever the order the values came in,
+    so a contribution's sum of squares is the same whether one coordinator or K shards (each summing its own
+    parameters' chunks, the leader joining their parts) received it."""
+    i = 0
+    for y in parts:
+        if abs(x) < abs(y):
+            x, y = y, x
+        hi = x + y
+        lo = y - (hi - x)
+        if lo:
+            parts[i] = lo
+            i += 1
+        x = hi
+    parts[i:] = [x]
+
+
 SKETCH_DIM = 1 << 14  # the kernel's buckets (diloco/wire/kernels.py _count_sketch): cosines to about +-0.01
 
 
@@ -160,6 +178,11 @@ class NormGuard:
             log.warning("%s%s's pseudo-gradient points against the round's majority (cosines %s with the others, below "
                         "%g): dropped from the round", label, island, ", ".join(f"{c:.2f}" for c in cosines),
                         self.cfg.direction_cosine)
+
+    def remember(self, reference: float) -> None:
+        """A round judged elsewhere (the leading shard's guard, coordinator/judging.py) joins the history as if here."""
+        if not math.isnan(reference):
+            self.history = (self.history + [reference])[-self.cfg.history:]
 
     def state_dict(self) -> dict:
         return {"history": list(self.history)}

@@ -67,7 +67,8 @@ def test_a_run_dir_holds_the_ca_the_coordinator_and_each_island(run_dir: Path):
     assert sorted(san.get_values_for_type(x509.DNSName)) == ["coord.example.com", "localhost"]
     assert sorted(map(str, san.get_values_for_type(x509.IPAddress))) == ["10.0.0.5", "127.0.0.1"]
     eku = coordinator.extensions.get_extension_for_class(x509.ExtendedKeyUsage).value
-    assert list(eku) == [ExtendedKeyUsageOID.SERVER_AUTH]
+    # Client use too: a sharded coordinator's followers call the leader with it (its CN names no island).
+    assert list(eku) == [ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]
     island = x509.load_pem_x509_certificate(cr.island_files(run_dir, "east").read()[1])
     assert list(island.extensions.get_extension_for_class(x509.ExtendedKeyUsage).value) == [ExtendedKeyUsageOID.CLIENT_AUTH]
     assert isinstance(island.public_key(), ec.EllipticCurvePublicKey) and island.public_key().curve.name == "secp256r1"
@@ -374,9 +375,9 @@ def test_clients_without_a_good_certificate_are_refused_at_the_handshake(server:
     expired = issue_at(run_dir, "east", cr._now() - dt.timedelta(days=10), 1, "expired")
     assert server.refuses(ca, Path(expired.key).read_bytes(), Path(expired.cert).read_bytes()) \
         == grpc.StatusCode.UNAVAILABLE
-    # the coordinator's own certificate is for servers (EKU serverAuth): no client may present it
-    assert server.refuses(ca, (run_dir / "coordinator.key").read_bytes(),
-                          (run_dir / "coordinator.pem").read_bytes()) == grpc.StatusCode.UNAVAILABLE
+    # The coordinator's own certificate passes the handshake as a client (a sharded coordinator's followers call the
+    # leader with it, coordinator/judging.py) but names no island: it can act as none (nor watch: _credential).
+    assert server.call(ca, (run_dir / "coordinator.key").read_bytes(), (run_dir / "coordinator.pem").read_bytes()) == b"<none>"
 
 
 @pytest.mark.integration

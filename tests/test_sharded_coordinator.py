@@ -230,3 +230,22 @@ def test_a_follower_and_then_the_leader_sigkilled_mid_round_resume_while_the_oth
     for i in range(2):
         assert "matches the coordinator's" in (tmp_path / f"island-{i}.log").read_text()
     assert "resumed from" in (tmp_path / "shard-1.log").read_text() and "resumed from" in (tmp_path / "shard-0.log").read_text()
+
+
+def test_only_the_shards_own_signed_statistics_reach_the_leaders_judge(tmp_path):
+    """A member (or anyone on the port) cannot feed the leader statistics that would clip or drop other islands:
+    Judge takes only calls signed with the shards' secret, and a one-process coordinator takes none."""
+    from coordinator.judging import proof
+    from diloco.v1 import diloco_pb2 as pb
+    from diloco.v1 import diloco_pb2_grpc as pb_grpc
+
+    cfg = tiny_config()
+    forged = pb.ContributionStats(key="island-0", sumsq_parts=[1e30], lr_sum=1.0)
+    with coordinator_of(cfg, 2, tmp_path / "k2") as (leader, _), coordinator_of(cfg, 0, tmp_path / "k0") as (alone,):
+        for target, signed in ((leader, proof(b"a guess at the secret" * 2, 0, 0, 1)), (leader, ""), (alone, "")):
+            with grpc.insecure_channel(f"127.0.0.1:{target.port}") as channel:
+                with pytest.raises(grpc.RpcError) as refused:
+                    pb_grpc.CoordinatorStub(channel).Judge(
+                        pb.JudgeRequest(fragment=0, round=0, shard=1, proof=signed, contributions=[forged]), timeout=30)
+            assert refusal_of(refused.value).reason == Reason.NOT_YOURS
+        assert not leader.judging.leader.parts and not leader.judging.leader.verdicts

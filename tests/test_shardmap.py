@@ -59,3 +59,43 @@ def test_shards_resume_from_the_newest_step_every_one_of_them_committed(tmp_path
     CheckpointStore(role.checkpoint_url(str(tmp_path)), keep_last=1).save(5, {"x": torch.zeros(1)}, {"step": 5})
     with pytest.raises(ValueError, match="share no committed checkpoint"):
         role.common_step(str(tmp_path), keep_last=3)
+
+
+def test_the_leader_judges_the_shards_parts_as_one_coordinator_judges_the_whole():
+    """Norm clipping and the direction check on parts summed over shards give the one-process verdict, factors bit for
+    bit: sums of squares are exact partials, sketches linear."""
+    import math
+
+    import numpy as np
+
+    from coordinator.judging import judge_stats
+    from diloco.config import RobustConfig
+    from diloco.robust import NormGuard, Sketcher, add_exact
+    from diloco.v1 import diloco_pb2 as pb
+
+    rng = np.random.default_rng(0)
+    names = [f"p{i}" for i in range(6)]
+    honest = {n: rng.standard_normal(1000).astype(np.float32) for n in names}
+    pushes = {f"island-{i}": {n: (v + 0.3 * rng.standard_normal(1000)).astype(np.float32) for n, v in honest.items()}
+              for i in range(4)}
+    pushes["island-4"] = {n: (1000 * v).astype(np.float32) for n, v in honest.items()}  # clipped
+    pushes["island-5"] = {n: (-2.7 * v).astype(np.float32) for n, v in honest.items()}  # points against the rest
+    sketcher, owner = Sketcher(b"k" * 16), {n: (0 if i < 2 else 1 if i < 5 else 2) for i, n in enumerate(names)}
+
+    def stats(keep) -> list[pb.ContributionStats]:
+        out = []
+        for island, push in pushes.items():
+            parts, sketch = [], Sketcher.empty()
+            for n in names:
+                if keep(n):
+                    for lo in range(0, 1000, 256):  # chunks, as pushes arrive
+                        add_exact(parts, float(np.dot(push[n][lo:lo + 256].astype(np.float64), push[n][lo:lo + 256])))
+                        sketcher.add(sketch, n, lo, push[n][lo:lo + 256])
+            out.append(pb.ContributionStats(key=island, sumsq_parts=parts, lr_sum=0.5, sketch=sketch.tobytes()))
+        return out
+
+    whole = judge_stats(NormGuard(RobustConfig()), [stats(lambda n: True)], "")
+    sharded = judge_stats(NormGuard(RobustConfig()), [stats(lambda n, s=s: owner[n] == s) for s in range(3)], "")
+    assert whole.clipped == ["island-4"] and whole.dropped == ["island-5"]
+    assert (sharded.factors, sharded.clipped, sharded.dropped) == (whole.factors, whole.clipped, whole.dropped)
+    assert sharded.reference == whole.reference and math.isfinite(whole.reference)

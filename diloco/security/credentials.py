@@ -115,9 +115,10 @@ def issue_coordinator(out_dir: str | Path, hosts: list[str], days: int = 825, fo
     files = coordinator_files(d)
     _refuse_existing(files, force, "the coordinator's certificate")
     ca, ca_key = _load_ca(d)
-    # A CN outside the island-name alphabet, so the coordinator's certificate can never pass for an island's.
+    # A CN outside the island-name alphabet, so the coordinator's certificate can never pass for an island's. Client
+    # use too: a coordinator's following shards call the leading one with it (coordinator/judging.py).
     subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "diloco coordinator")])
-    _issue(ca, ca_key, subject, sans, ExtendedKeyUsageOID.SERVER_AUTH, days, files)
+    _issue(ca, ca_key, subject, sans, [ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH], days, files)
     log.info("issued the coordinator's certificate for %s", ", ".join(hosts))
     return files
 
@@ -350,7 +351,7 @@ def _refuse_existing(files: TlsFiles, force: bool, what: str) -> None:
 
 
 def _issue(ca: x509.Certificate, ca_key: ec.EllipticCurvePrivateKey, subject: x509.Name,
-           sans: list[x509.GeneralName], usage: x509.ObjectIdentifier, days: int, files: TlsFiles,
+           sans: list[x509.GeneralName], usage: x509.ObjectIdentifier | list[x509.ObjectIdentifier], days: int, files: TlsFiles,
            not_before: dt.datetime | None = None, extra: list[tuple[x509.ExtensionType, bool]] = ()) -> None:
     key = ec.generate_private_key(ec.SECP256R1())
     start = not_before or _now() - _BACKDATE
@@ -358,7 +359,7 @@ def _issue(ca: x509.Certificate, ca_key: ec.EllipticCurvePrivateKey, subject: x5
     end = min(start + _BACKDATE + dt.timedelta(days=days), ca.not_valid_after_utc)
     cert = _certificate(subject, key.public_key(), ca.subject, ca_key, start, end, [
         (x509.BasicConstraints(ca=False, path_length=None), True), (_key_usage(ca=False), True),
-        (x509.ExtendedKeyUsage([usage]), False), (x509.SubjectAlternativeName(sans), False),
+        (x509.ExtendedKeyUsage(usage if isinstance(usage, list) else [usage]), False), (x509.SubjectAlternativeName(sans), False),
         (x509.AuthorityKeyIdentifier.from_issuer_public_key(ca.public_key()), False), *extra])
     _write_key(Path(files.key), key)
     _write(Path(files.cert), cert.public_bytes(serialization.Encoding.PEM))

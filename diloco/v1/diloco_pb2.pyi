@@ -525,3 +525,48 @@ class DataAccount(_message.Message):
     epoch: int
     samples: _containers.RepeatedCompositeFieldContainer[SampleRange]
     def __init__(self, leased: _Optional[int] = ..., folded: _Optional[int] = ..., returned: _Optional[int] = ..., lost: _Optional[int] = ..., held: _Optional[int] = ..., repeated: _Optional[int] = ..., folded_this_round: _Optional[int] = ..., epoch: _Optional[int] = ..., samples: _Optional[_Iterable[_Union[SampleRange, _Mapping]]] = ...) -> None: ...
+
+class ContributionStats(_message.Message):
+    __slots__ = ("key", "sumsq_parts", "lr_sum", "sketch")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    SUMSQ_PARTS_FIELD_NUMBER: _ClassVar[int]
+    LR_SUM_FIELD_NUMBER: _ClassVar[int]
+    SKETCH_FIELD_NUMBER: _ClassVar[int]
+    key: str
+    sumsq_parts: _containers.RepeatedScalarFieldContainer[float]
+    lr_sum: float
+    sketch: bytes
+    def __init__(self, key: _Optional[str] = ..., sumsq_parts: _Optional[_Iterable[float]] = ..., lr_sum: _Optional[float] = ..., sketch: _Optional[bytes] = ...) -> None: ...
+
+class JudgeRequest(_message.Message):
+    __slots__ = ("fragment", "round", "shard", "proof", "contributions")
+    FRAGMENT_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    SHARD_FIELD_NUMBER: _ClassVar[int]
+    PROOF_FIELD_NUMBER: _ClassVar[int]
+    CONTRIBUTIONS_FIELD_NUMBER: _ClassVar[int]
+    fragment: int
+    round: int
+    shard: int
+    proof: str
+    contributions: _containers.RepeatedCompositeFieldContainer[ContributionStats]
+    def __init__(self, fragment: _Optional[int] = ..., round: _Optional[int] = ..., shard: _Optional[int] = ..., proof: _Optional[str] = ..., contributions: _Optional[_Iterable[_Union[ContributionStats, _Mapping]]] = ...) -> None: ...
+
+class JudgeResponse(_message.Message):
+    __slots__ = ("factors", "clipped", "dropped", "reference")
+    class FactorsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    FACTORS_FIELD_NUMBER: _ClassVar[int]
+    CLIPPED_FIELD_NUMBER: _ClassVar[int]
+    DROPPED_FIELD_NUMBER: _ClassVar[int]
+    REFERENCE_FIELD_NUMBER: _ClassVar[int]
+    factors: _containers.ScalarMap[str, float]
+    clipped: _containers.RepeatedScalarFieldContainer[str]
+    dropped: _containers.RepeatedScalarFieldContainer[str]
+    reference: float
+    def __init__(self, factors: _Optional[_Mapping[str, float]] = ..., clipped: _Optional[_Iterable[str]] = ..., dropped: _Optional[_Iterable[str]] = ..., reference: _Optional[float] = ...) -> None: ...

@@ -74,6 +74,11 @@ class CoordinatorStub:
                 request_serializer=diloco_dot_v1_dot_diloco__pb2.LeaseRequest.SerializeToString,
                 response_deserializer=diloco_dot_v1_dot_diloco__pb2.LeaseResponse.FromString,
                 _registered_method=True)
+        self.Judge = channel.unary_unary(
+                '/diloco.v1.Coordinator/Judge',
+                request_serializer=diloco_dot_v1_dot_diloco__pb2.JudgeRequest.SerializeToString,
+                response_deserializer=diloco_dot_v1_dot_diloco__pb2.JudgeResponse.FromString,
+                _registered_method=True)
 
 
 class CoordinatorServicer:
@@ -140,6 +145,16 @@ class CoordinatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Judge(self, request, context):
+        """A coordinator of several shards (docs/sharding.md): a following shard
+        sends the leading shard its statistics of a closing round's
+        contributions; the leader judges the round once, on every shard's
+        statistics together, and answers each shard the same verdict.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CoordinatorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -182,6 +197,11 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.Lease,
                     request_deserializer=diloco_dot_v1_dot_diloco__pb2.LeaseRequest.FromString,
                     response_serializer=diloco_dot_v1_dot_diloco__pb2.LeaseResponse.SerializeToString,
+            ),
+            'Judge': grpc.unary_unary_rpc_method_handler(
+                    servicer.Judge,
+                    request_deserializer=diloco_dot_v1_dot_diloco__pb2.JudgeRequest.FromString,
+                    response_serializer=diloco_dot_v1_dot_diloco__pb2.JudgeResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -400,6 +420,33 @@ class Coordinator:
             '/diloco.v1.Coordinator/Lease',
             diloco_dot_v1_dot_diloco__pb2.LeaseRequest.SerializeToString,
             diloco_dot_v1_dot_diloco__pb2.LeaseResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Judge(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/diloco.v1.Coordinator/Judge',
+            diloco_dot_v1_dot_diloco__pb2.JudgeRequest.SerializeToString,
+            diloco_dot_v1_dot_diloco__pb2.JudgeResponse.FromString,
             options,
             channel_credentials,
             insecure,

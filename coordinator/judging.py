@@ -1,0 +1,179 @@
+"""Robust aggregation across a coordinator's shards (docs/sharding.md): one verdict per round, from every shard's part.
+
+A contribution's norm is the square root of its elements' sum of squares, and
+its direction sketch is linear in its elements, so both are sums over the
+shards: each shard sends the leader, at its close, every contribution's exact
+partial sums (diloco/robust.py add_exact) and partial sketch; the leader adds
+them up, judges the round once with its guard (and its history), and answers
+every shard the same factors. The norms are those the one-process coordinator
+judges, bit for bit; the sketches' cosines agree to float64 rounding.
+
+The leader waits for every shard's part at most rounds.deadline_s, then judges
+on the parts it has (a shard that is down would otherwise stop the run); a
+shard that cannot reach the leader for that long judges its part alone.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import logging
+import math
+import threading
+import time
+from collections.abc import Callable
+
+import grpc
+import numpy as np
+
+from coordinator.rounds import fold_key
+from diloco.robust import NormGuard, Verdict
+from diloco.security.credentials import TlsFiles
+from diloco.v1 import diloco_pb2 as pb
+from diloco.v1 import diloco_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
+
+_KEPT_ROUNDS = 8  # verdicts kept per fragment for a shard that asks late (it restarted, or was slow)
+
+
+def proof(secret: bytes, fragment: int, round_: int, shard: int) -> str:
+    return hmac.new(secret, f"judge\n{fragment}\n{round_}\n{shard}".encode(), hashlib.sha256).hexdigest()
+
+
+def stats_of(contributions) -> list[pb.ContributionStats]:
+    """What a shard knows of a closing round's contributions (those trained on tokens: the guard judges only them),
+    keyed as the verdict names them (rounds.fold_key)."""
+    out = []
+    for island, c in contributions:
+        if not c.tokens:
+            continue
+        sketch = c.sketch.tobytes() if c.sketched and c.sketch is not None else b""
+        out.append(pb.ContributionStats(key=fold_key(island, c), sumsq_parts=list(c.sumsq_parts), lr_sum=c.lr_sum,
+                                        sketch=sketch))
+    return out
+
+
+def judge_stats(guard: NormGuard, parts: list[list[pb.ContributionStats]], label: str) -> Verdict:
+    """The guard's verdict on every shard's statistics together (a contribution's parts summed over the shards)."""
+    sums: dict[str, list[float]] = {}
+    lrs: dict[str, float] = {}
+    sketches: dict[str, np.ndarray | None] = {}
+    for shard in parts:
+        for c in shard:
+            sums.setdefault(c.key, []).extend(c.sumsq_parts)
+            lrs[c.key] = c.lr_sum
+            mine = np.frombuffer(c.sketch, dtype=np.float64) if c.sketch else None
+            if c.key not in sketches:
+                sketches[c.key] = None if mine is None else mine.copy()
+            elif sketches[c.key] is not None:
+                sketches[c.key] = None if mine is None else sketches[c.key] + mine
+    norms = {key: math.sqrt(math.fsum(s)) / lrs[key] for key, s in sums.items()}
+    return guard.judge(norms, label, {k: s for k, s in sketches.items() if s is not None})
+
+
+def verdict_proto(v: Verdict) -> pb.JudgeResponse:
+    return pb.JudgeResponse(factors=v.factors, clipped=v.clipped, dropped=v.dropped, reference=v.reference)
+
+
+def verdict_of(r: pb.JudgeResponse) -> Verdict:
+    return Verdict(dict(r.factors), list(r.clipped), list(r.dropped), r.reference)
+
+
+class LeaderJudge:
+    """On the leading shard: gathers each closing round's parts from every shard and judges it once."""
+
+    def __init__(self, shards: int, secret: bytes, guard_of: Callable[[int], tuple[NormGuard, str]], wait_s: float):
+        self.shards, self.secret, self.guard_of, self.wait_s = shards, secret, guard_of, wait_s
+        self.cond = threading.Condition()
+        self.parts: dict[tuple[int, int], dict[int, list[pb.ContributionStats]]] = {}
+        self.verdicts: dict[tuple[int, int], Verdict] = {}
+
+    def admits(self, request: pb.JudgeRequest) -> bool:
+        return 0 < request.shard < self.shards and hmac.compare_digest(
+            proof(self.secret, request.fragment, request.round, request.shard), request.proof)
+
+    def judge(self, fragment: int, round_: int, shard: int, stats: list[pb.ContributionStats]) -> Verdict:
+        key = (fragment, round_)
+        deadline = time.monotonic() + self.wait_s
+        with self.cond:
+            if key not in self.verdicts:
+                self.parts.setdefault(key, {})[shard] = stats
+                self.cond.notify_all()
+                self.cond.wait_for(lambda: key in self.verdicts or len(self.parts.get(key, {})) == self.shards,
+                                   max(0.0, deadline - time.monotonic()))
+            if key not in self.verdicts:
+                got = self.parts.pop(key, {})
+                if len(got) < self.shards:
+                    log.warning("fragment %d round %d: judged on %d of %d shards' statistics (the others did not send "
+                                "theirs within %.0f s)", fragment, round_, len(got), self.shards, self.wait_s)
+                guard, label = self.guard_of(fragment)
+                self.verdicts[key] = judge_stats(guard, [got[s] for s in sorted(got)], label)
+                for old in [k for k in self.verdicts if k[0] == fragment and k[1] <= round_ - _KEPT_ROUNDS]:
+                    del self.verdicts[old]
+                self.cond.notify_all()
+            return self.verdicts[key]
+
+
+class FollowerJudge:
+    """On a following shard: asks the leader for each closing round's verdict; judges alone if it cannot reach it."""
+
+    def __init__(self, index: int, leader: str, secret: bytes, tls: TlsFiles | None, wait_s: float):
+        self.index, self.secret, self.wait_s = index, secret, wait_s
+        if tls is not None:
+            ca, cert, key = tls.read()
+            self.channel = grpc.secure_channel(leader, grpc.ssl_channel_credentials(ca, key, cert))
+        else:
+            self.channel = grpc.insecure_channel(leader)
+        self.stub = pb_grpc.CoordinatorStub(self.channel)
+
+    def judge(self, fragment: int, round_: int, stats: list[pb.ContributionStats], guard: NormGuard, label: str) -> Verdict:
+        request = pb.JudgeRequest(fragment=fragment, round=round_, shard=self.index, contributions=stats,
+                                  proof=proof(self.secret, fragment, round_, self.index))
+        deadline = time.monotonic() + 2 * self.wait_s  # the leader itself waits up to wait_s for the other shards
+        delay = 0.2
+        while True:
+            try:
+                verdict = verdict_of(self.stub.Judge(request, timeout=max(1.0, deadline - time.monotonic()), wait_for_ready=True))
+                guard.remember(verdict.reference)  # the history the leader's guard keeps: the first quorum ends here too
+                return verdict
+            except grpc.RpcError as e:
+                if time.monotonic() + delay > deadline:
+                    log.error("fragment %d round %d: the leading shard did not judge the round (%s: %s); judging this "
+                              "shard's part alone", fragment, round_, e.code().name, e.details())
+                    return judge_stats(guard, [stats], label)
+                time.sleep(delay)
+                delay = min(2 * delay, 5.0)
+
+    def close(self) -> None:
+        self.channel.close()
+
+
+class ShardJudging:
+    """A shard's part in judging: the round machines' judge hook, the sketches' shared keys, and (the leader) the
+    verdicts its Judge calls answer with."""
+
+    def __init__(self, index: int, addresses: tuple[str, ...], secret: bytes, tls: TlsFiles | None, wait_s: float,
+                 fragments: Callable[[], list]):
+        self.sketch_secret = hmac.new(secret, b"sketch", hashlib.sha256).digest()[:16]
+        self.leader: LeaderJudge | None = None
+        self.follower: FollowerJudge | None = None
+        if index == 0:
+            def guard_of(f: int) -> tuple[NormGuard, str]:
+                rounds = fragments()[f]
+                return rounds.guard, rounds.label
+
+            self.leader = LeaderJudge(len(addresses), secret, guard_of, wait_s)
+        else:
+            self.follower = FollowerJudge(index, addresses[0], secret, tls, wait_s)
+
+    def __call__(self, rounds, closing) -> Verdict:
+        """The verdict on a fragment's closing round (FragmentContext.judge)."""
+        stats = stats_of(closing.contributions)
+        if self.leader is not None:
+            return self.leader.judge(rounds.index, rounds.round, 0, stats)
+        return self.follower.judge(rounds.index, rounds.round, stats, rounds.guard, rounds.label)
+
+    def close(self) -> None:
+        if self.follower is not None:
+            self.follower.close()
