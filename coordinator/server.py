@@ -34,7 +34,7 @@ from diloco.data.sources import eval_batches, open_corpus, resolve_vocab
 from diloco.inner import evaluate
 from diloco.models.evaluation import make_task_evaluator
 from diloco.models.llama import Transformer
-from diloco.params import fp32_copy
+from diloco.models.llama import initial_parameters as model_parameters
 from diloco.security.credentials import RevocationList, TlsFiles
 from diloco.security.net import is_loopback
 
@@ -44,9 +44,8 @@ SERVICE_NAME = "diloco.v1.Coordinator"
 
 
 def initial_parameters(cfg: RunConfig) -> dict[str, torch.Tensor]:
-    """The run's starting point: the model initialised from the run seed, in fp32."""
-    torch.manual_seed(cfg.seed)
-    return fp32_copy(Transformer(cfg.model))
+    """The run's starting point: the model initialised from the run seed, in fp32 (made one parameter at a time)."""
+    return model_parameters(cfg.model, cfg.seed)
 
 
 def make_evaluator(cfg: RunConfig):
@@ -283,7 +282,7 @@ def start_coordinator(
     ledger, data_digest = open_ledger(cfg) if shard is None or shard.leads else (None, "")
     audit = AuditLog(audit_url) if audit_url else NoAudit()
     whole = shard is None or shard.count == 1
-    part = shard.part(cfg, initial_parameters(cfg)) if shard is not None else {"params": initial_parameters(cfg)}
+    part = shard.part(cfg) if shard is not None else {"params": initial_parameters(cfg)}
     judging = None
     if not whole:  # one verdict per round from every shard's statistics (coordinator/judging.py)
         judging = ShardJudging(shard.index, shard.addresses, shard.secret, tls, cfg.rounds.deadline_s, lambda: state.fragments)

@@ -16,11 +16,10 @@ import socket
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-import torch
-
 from diloco.checkpoint import CheckpointStore
 from diloco.config import ConfigError, RunConfig
 from diloco.fragments import layout_for
+from diloco.models.llama import initial_parameters, parameter_shapes
 from diloco.shardmap import ShardMap, ticket, ticket_valid
 from diloco.wire.messages import Manifest
 
@@ -64,14 +63,16 @@ class ShardRole:
                              f"(their newest: {[max(s, default=None) for s in steps]}); a shard's checkpoints are missing")
         return max(common)
 
-    def part(self, cfg: RunConfig, params: dict[str, torch.Tensor]) -> dict:
-        """CoordinatorState's arguments for this shard: the parameters it holds, their fragments (every fragment,
-        with its part of the names), and the whole model's manifest and layout (what joining islands are told)."""
-        layout = layout_for(params, cfg)
-        shard_map = ShardMap.of(layout, {n: t.numel() for n, t in params.items()}, self.count)
+    def part(self, cfg: RunConfig) -> dict:
+        """CoordinatorState's arguments for this shard: the parameters it holds (only those are ever made), their
+        fragments (every fragment, with its part of the names), and the whole model's manifest and layout (what
+        joining islands are told)."""
+        manifest = Manifest(parameter_shapes(cfg.model))
+        layout = layout_for(manifest.shapes, cfg)
+        shard_map = ShardMap.of(layout, {n: manifest.numel(n) for n in manifest.shapes}, self.count)
         mine = set(shard_map.names(self.index))
-        return {"params": {n: t for n, t in params.items() if n in mine}, "layout": shard_map.restrict(layout, self.index),
-                "model": (Manifest.of(params), layout)}
+        return {"params": initial_parameters(cfg.model, cfg.seed, mine.__contains__),
+                "layout": shard_map.restrict(layout, self.index), "model": (manifest, layout)}
 
 
 def launcher_index(environ: Mapping[str, str] = os.environ, hostname: str | None = None) -> tuple[int, int] | None:

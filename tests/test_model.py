@@ -120,3 +120,19 @@ def test_presets_have_their_advertised_size(preset, low, high):
     with torch.device("meta"):
         n = Transformer(cfg.model).num_parameters()
     assert low <= n <= high, f"{preset}: {n / 1e6:.1f}M parameters"
+
+
+@pytest.mark.parametrize("overrides", [(), ("model.moe_experts=4",), ("model.tie_embeddings=false",)])
+def test_parameters_made_one_at_a_time_are_the_models_own(overrides):
+    """A coordinator shard makes only its parameters (diloco.models.llama.initial_parameters), yet each equals what the
+    whole model constructed from the seed holds, bit for bit."""
+    from diloco.models.llama import initial_parameters
+    from diloco.params import fp32_copy
+
+    cfg = load_config(None, list(overrides))
+    torch.manual_seed(cfg.seed)
+    whole = fp32_copy(Transformer(cfg.model))
+    assert initial_parameters(cfg.model, cfg.seed).keys() == whole.keys()
+    part = initial_parameters(cfg.model, cfg.seed, lambda name: name.startswith("blocks.1."))
+    assert part and all(torch.equal(t, whole[n]) for n, t in part.items()) and set(part) < set(whole)
+    assert all(torch.equal(t, whole[n]) for n, t in initial_parameters(cfg.model, cfg.seed).items())

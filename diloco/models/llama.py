@@ -10,10 +10,11 @@ LlamaForCausalLM's by renaming prefixes, with no permutation of q or k.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
+from torch import nn
 
 from diloco.config import ModelConfig
 from diloco.models.moe import MoE, inactive_parameters
@@ -86,6 +87,19 @@ class Block(nn.Module):
         return x + y, aux
 
 
+def init_parameter_(name: str, p: torch.Tensor, cfg: ModelConfig) -> None:
+    """The model's initialisation of one parameter (after every module's own: Transformer.reset_parameters)."""
+    std = cfg.init_std
+    if p.dim() < 2:
+        nn.init.ones_(p)  # RMSNorm gains
+    elif name.endswith(("o_proj.weight", "down_proj.weight")):
+        # GPT-2 style: the projections into the residual stream are scaled by depth, so that
+        # the stream's variance at init does not grow with the number of blocks.
+        nn.init.normal_(p, std=std / math.sqrt(2 * cfg.n_layers))
+    else:
+        nn.init.normal_(p, std=std)
+
+
 class Transformer(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -105,16 +119,8 @@ class Transformer(nn.Module):
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        std = self.cfg.init_std
         for name, p in self.named_parameters():
-            if p.dim() < 2:
-                nn.init.ones_(p)  # RMSNorm gains
-            elif name.endswith(("o_proj.weight", "down_proj.weight")):
-                # GPT-2 style: the projections into the residual stream are scaled by depth, so that
-                # the stream's variance at init does not grow with the number of blocks.
-                nn.init.normal_(p, std=std / math.sqrt(2 * self.cfg.n_layers))
-            else:
-                nn.init.normal_(p, std=std)
+            init_parameter_(name, p, self.cfg)
 
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None):
         t = tokens.shape[1]
@@ -158,3 +164,32 @@ class Transformer(nn.Module):
         n = self.active_parameters() - (0 if self.lm_head is None else self.embed.weight.numel())
         attn = 12 * self.cfg.n_layers * self.cfg.d_model * seq_len
         return 6 * n + attn
+
+
+def parameter_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every parameter's shape, in the model's order, without allocating one."""
+    with torch.device("meta"):
+        return {n: tuple(p.shape) for n, p in Transformer(cfg).named_parameters()}
+
+
+@torch.no_grad()
+def initial_parameters(cfg: ModelConfig, seed: int, keep: Callable[[str], bool] = lambda name: True) -> dict[str, torch.Tensor]:
+    """The model's parameters as Transformer(cfg) after torch.manual_seed(seed) makes them, fp32, only those keep
+    names (a coordinator shard's part), made one at a time: the peak is what is kept plus the largest parameter,
+    never the whole model. Replays the construction's random draws in order (every module's own initialisation,
+    then reset_parameters'), materialising each parameter only while it is drawn."""
+    with torch.device("meta"):
+        model = Transformer(cfg)  # shapes only; meta tensors draw nothing from the generator
+    torch.manual_seed(seed)
+    for module in model.modules():  # construction order: each module's own initialisation draws in this order
+        if next(module.parameters(recurse=False), None) is not None and hasattr(module, "reset_parameters"):
+            module.to_empty(device="cpu", recurse=False)
+            module.reset_parameters()
+            module.to_empty(device="meta", recurse=False)
+    out = {}
+    for name, p in model.named_parameters():
+        real = torch.empty(p.shape, dtype=p.dtype)
+        init_parameter_(name, real, cfg)
+        if keep(name):
+            out[name] = real.to(torch.float32)
+    return out
