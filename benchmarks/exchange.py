@@ -88,8 +88,9 @@ def run_config(size: str, codec: str, islands: int, rounds: int, overrides: tupl
 class Island:
     """One island's connection and its copy of theta_global; exchanges a shared pseudo-gradient."""
 
-    def __init__(self, address: str, cfg: RunConfig, pg: dict[str, torch.Tensor] | None):
-        self.client = CoordinatorClient(address, connect_timeout_s=600)
+    def __init__(self, address: str, cfg: RunConfig, pg: dict[str, torch.Tensor] | None, client=None):
+        """client: a connection made already (benchmarks/shards.py: a sharded coordinator's ShardedClient)."""
+        self.client = client or CoordinatorClient(address, connect_timeout_s=600)
         joined = self.client.join(cfg.digest(), uplink_codec(cfg.wire).name)
         self.id = joined.island_id
         self.manifest = Manifest.from_proto(joined.parameters)

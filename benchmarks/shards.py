@@ -47,9 +47,8 @@ from coordinator.launch import shard_ports
 from coordinator.sharding import SECRET_ENV
 from diloco.cli.common import ArgumentParser, fail
 from diloco.config import ConfigError, RunConfig, config_from_dict, load_config
-from diloco.wire.messages import FlatRange, Manifest, downlink_codec, uplink_codec
+from diloco.wire.messages import uplink_codec
 from islands.client import CoordinatorClient
-from islands.round import FragmentShard, Wire
 from islands.sharded import ShardedClient
 
 PROG = "shards"
@@ -75,19 +74,7 @@ class ShardedIsland(Island):
     """exchange.Island, joined to a coordinator of several shards through a ShardedClient."""
 
     def __init__(self, leader: str, cfg: RunConfig, pg: dict[str, torch.Tensor] | None):
-        self.client = ShardedClient(connect(leader), connect)
-        joined = self.client.join(cfg.digest(), uplink_codec(cfg.wire).name)
-        self.id = joined.island_id
-        self.manifest = Manifest.from_proto(joined.parameters)
-        self.global_ = {n: torch.empty(s) for n, s in self.manifest.shapes.items()}
-        self.checksum = self.client.fetch(self.id, self.global_, self.manifest).checksum
-        self.pg = pg if pg is not None else {n: torch.randn(t.numel()) * 1e-3 for n, t in self.global_.items()}
-        ranges = [FlatRange(n, 0, t.numel()) for n, t in self.global_.items()]
-        self.shard = FragmentShard(0, self.manifest, ranges, True, {}, self.global_)
-        self.wire = Wire(self.client, uplink_codec(cfg.wire), cfg.wire.chunk_bytes, None, 600.0, lambda: self.id)
-        down = downlink_codec(cfg.wire)
-        self.client.codecs[down.name] = down  # the leader's dict, which every shard's client shares
-        self.tokens = cfg.inner.batch_size * cfg.data.seq_len
+        super().__init__(leader, cfg, pg, client=ShardedClient(connect(leader), connect))
 
     def counters(self) -> list[tuple[int, int]]:
         """(bytes sent, bytes received) of this island's connection to each shard, in shard order."""
