@@ -32,7 +32,7 @@ from diloco.v1 import diloco_pb2 as pb
 from diloco.wire.messages import FlatRange, Manifest
 from diloco.wire.refusal import Reason
 from islands.client import CoordinatorClient, LocalRefusal
-from islands.outcome import next_step
+from islands.outcome import Next, next_step
 
 _AGREE_S = 60.0  # the longest the shards may stand at different rounds before a fetch gives up
 
@@ -44,7 +44,9 @@ class ShardedClient:
         self.clients = [leader]
         self.connect = connect  # a client for a following shard's address (the leader's options and credentials)
         self.map: ShardMap | None = None
-        self.ticket = ""
+        # A pull cut short by one shard's wait (STILL_OPEN) keeps what the others delivered: asked again, a shard that
+        # sent a delta would add it twice. (fragment, round) -> shard -> header.
+        self._pulled: dict[tuple[int, int], dict[int, pb.ResultHeader]] = {}
 
     @property
     def leader(self) -> CoordinatorClient:
@@ -119,7 +121,6 @@ class ShardedClient:
         manifest = Manifest.from_proto(reply.parameters)
         layout = FragmentLayout(tuple(Fragment(f.index, tuple(f.names), f.offset) for f in reply.fragments), 1)
         self.map = ShardMap.of(layout, {n: manifest.numel(n) for n in manifest.shapes}, len(reply.shard_addresses))
-        self.ticket = reply.shard_ticket
         leader = self.leader
         for address in reply.shard_addresses[1:]:
             client = self.connect(address)
@@ -170,10 +171,18 @@ class ShardedClient:
         if mean is not None:
             raise LocalRefusal(Reason.BAD_REQUEST, "eager updates (streaming.eager) are not served by a sharded coordinator yet")
         helds = split_checksum(held, self.map.shards)
-        headers = _all(self.clients, [
+        done = self._pulled.setdefault((fragment, round_), {})
+        results, errors = _gather(self.clients, [
             (shard, lambda c, m=m, t=t, r=r, h=helds[shard]: c.pull(island_id, round_, t, m, h, timeout_s, r, fragment))
-            for shard, m, t, r in self._parts(manifest, targets, ranges)])
-        combined = _combine(headers, self.map.shards)
+            for shard, m, t, r in self._parts(manifest, targets, ranges) if shard not in done])
+        done.update(results)
+        if errors:
+            worst = _worst(errors)
+            if not isinstance(worst, grpc.RpcError) or next_step(worst) is not Next.WAIT:
+                del self._pulled[(fragment, round_)]  # the island starts the round over: nothing of it counts
+            raise worst
+        del self._pulled[(fragment, round_)]
+        combined = _combine(sorted(done.items()), self.map.shards)
         if combined is None:
             raise LocalRefusal(Reason.CHECKSUM_MISMATCH, "the coordinator's shards answered the pull at different rounds; fetch")
         return combined
@@ -229,16 +238,16 @@ def _parts_of(checksum: str, shards: int) -> list[str]:
         return [checksum] * shards
 
 
-def _all(clients: Sequence[CoordinatorClient], calls: list[tuple[int, Callable[[CoordinatorClient], Any]]],
-         raise_first: bool = True) -> list[tuple[int, Any]]:
-    """Runs each call on its shard's client at once; after all of them ended, raises the most severe refusal."""
+def _gather(clients: Sequence[CoordinatorClient], calls: list[tuple[int, Callable[[CoordinatorClient], Any]]]
+            ) -> tuple[dict[int, Any], list[BaseException]]:
+    """Runs each call on its shard's client at once; returns what each shard answered and what was raised."""
     results: dict[int, Any] = {}
     errors: list[BaseException] = []
 
     def run(shard: int, call) -> None:
         try:
             results[shard] = call(clients[shard])
-        except BaseException as e:  # noqa: BLE001 - raised below, after every shard answered
+        except BaseException as e:  # noqa: BLE001 - handed to the caller, after every shard answered
             errors.append(e)
 
     threads = [threading.Thread(target=run, args=(s, call), name=f"shard-{s}", daemon=True) for s, call in calls[1:]]
@@ -248,9 +257,21 @@ def _all(clients: Sequence[CoordinatorClient], calls: list[tuple[int, Callable[[
         run(*calls[0])
     for t in threads:
         t.join()
+    return results, errors
+
+
+def _worst(errors: list[BaseException]) -> BaseException:
+    """The refusal that calls for the most (islands/outcome.py Next), or the first error that is none."""
+    refusals = [e for e in errors if isinstance(e, grpc.RpcError)]
+    return max(refusals, key=lambda e: next_step(e).value) if len(refusals) == len(errors) else errors[0]
+
+
+def _all(clients: Sequence[CoordinatorClient], calls: list[tuple[int, Callable[[CoordinatorClient], Any]]],
+         raise_first: bool = True) -> list[tuple[int, Any]]:
+    """Runs each call on its shard's client at once; after all of them ended, raises the most severe refusal."""
+    results, errors = _gather(clients, calls)
     if errors and raise_first:
-        refusals = [e for e in errors if isinstance(e, grpc.RpcError)]
-        raise max(refusals, key=lambda e: next_step(e).value) if refusals else errors[0]
+        raise _worst(errors)
     return sorted(results.items(), key=lambda p: p[0])
 
 
