@@ -16,10 +16,10 @@ import socket
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from diloco.checkpoint import CheckpointStore
 from diloco.config import ConfigError, RunConfig
 from diloco.fragments import layout_for
 from diloco.models.llama import initial_parameters, parameter_shapes
+from diloco.sharded_checkpoint import common_step, shard_url
 from diloco.shardmap import ShardMap, ticket, ticket_valid
 from diloco.wire.messages import Manifest
 
@@ -48,20 +48,11 @@ class ShardRole:
 
     def checkpoint_url(self, base: str) -> str:
         """Where this shard checkpoints its part: a folder of its own under the run's checkpoint.url."""
-        return f"{base.rstrip('/')}/shard-{self.index}-of-{self.count}"
+        return shard_url(base, self.index, self.count)
 
     def common_step(self, base: str, keep_last: int) -> int | None:
-        """The newest checkpoint step every shard committed; None when no shard has one yet. Raises when the shards
-        have checkpoints but none in common (one fell more than keep_last checkpoints behind)."""
-        steps = [set(CheckpointStore(ShardRole(i, self.addresses, b"").checkpoint_url(base), keep_last).steps())
-                 for i in range(self.count)]
-        if not any(steps):
-            return None
-        common = set.intersection(*steps)
-        if not common:
-            raise ValueError(f"the coordinator's shards under {base} share no committed checkpoint "
-                             f"(their newest: {[max(s, default=None) for s in steps]}); a shard's checkpoints are missing")
-        return max(common)
+        """The newest checkpoint step every shard committed (diloco/sharded_checkpoint.py)."""
+        return common_step(base, self.count, keep_last)
 
     def part(self, cfg: RunConfig) -> dict:
         """CoordinatorState's arguments for this shard: the parameters it holds (only those are ever made), their

@@ -4,6 +4,7 @@ one-process coordinator, bit for bit; its followers admit only islands holding t
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import subprocess
@@ -14,8 +15,9 @@ from contextlib import ExitStack, contextmanager
 import grpc
 import pytest
 import torch
-
 from conftest import tiny_config
+from kit import islands_on_threads
+
 from coordinator.launch import shard_ports
 from coordinator.server import start_coordinator
 from coordinator.sharding import ShardRole
@@ -25,7 +27,6 @@ from diloco.shardmap import ShardMap, join_checksums, ticket
 from diloco.wire.refusal import Reason, refusal_of
 from islands.client import CoordinatorClient
 from islands.state import ReplicaSpec
-from kit import islands_on_threads
 
 pytestmark = pytest.mark.integration
 
@@ -243,9 +244,39 @@ def test_only_the_shards_own_signed_statistics_reach_the_leaders_judge(tmp_path)
     forged = pb.ContributionStats(key="island-0", sumsq_parts=[1e30], lr_sum=1.0)
     with coordinator_of(cfg, 2, tmp_path / "k2") as (leader, _), coordinator_of(cfg, 0, tmp_path / "k0") as (alone,):
         for target, signed in ((leader, proof(b"a guess at the secret" * 2, 0, 0, 1)), (leader, ""), (alone, "")):
-            with grpc.insecure_channel(f"127.0.0.1:{target.port}") as channel:
-                with pytest.raises(grpc.RpcError) as refused:
-                    pb_grpc.CoordinatorStub(channel).Judge(
-                        pb.JudgeRequest(fragment=0, round=0, shard=1, proof=signed, contributions=[forged]), timeout=30)
+            with grpc.insecure_channel(f"127.0.0.1:{target.port}") as channel, pytest.raises(grpc.RpcError) as refused:
+                pb_grpc.CoordinatorStub(channel).Judge(
+                    pb.JudgeRequest(fragment=0, round=0, shard=1, proof=signed, contributions=[forged]), timeout=30)
             assert refusal_of(refused.value).reason == Reason.NOT_YOURS
         assert not leader.judging.leader.parts and not leader.judging.leader.verdicts
+
+
+def test_a_sharded_runs_checkpoints_export_and_evaluate_as_one_model(tmp_path, capsys):
+    """diloco-export and diloco-eval take a sharded coordinator's checkpoint.url as they take one process's: the
+    shards' parts at the newest step every shard committed, put back together."""
+    from kit import export_cli
+
+    from diloco.cli.eval import main as eval_main
+    from diloco.models.hf import from_hf_folder
+
+    def config(url):
+        return tiny_config("rounds.rounds=2", f"checkpoint.url={json.dumps(str(url))}", "checkpoint.every_rounds=1")
+
+    sharded = run(config(tmp_path / "ckpt"), 3, tmp_path)
+    run(config(tmp_path / "one"), 0, tmp_path)
+    assert export_cli(tmp_path / "ckpt", tmp_path / "hf") == 0
+    _, state = from_hf_folder(tmp_path / "hf")
+    assert state.keys() == sharded["params"].keys() and all(torch.equal(state[n], t) for n, t in sharded["params"].items())
+    reports = []
+    for url in ("ckpt", "one"):
+        assert eval_main([str(tmp_path / url), "--json", str(tmp_path / f"{url}.json"), "--device", "cpu"]) == 0
+        reports.append(json.loads((tmp_path / f"{url}.json").read_text()))
+    assert reports[0]["step"] == 2 and reports[0]["kind"] == "checkpoint", reports[0]
+    assert math.isfinite(reports[0]["heldout"]["loss"]) and reports[0]["heldout"] == reports[1]["heldout"]
+    # A shard's folder gone: one line naming it, not a model with a third of its parameters missing.
+    import shutil
+
+    shutil.rmtree(tmp_path / "ckpt" / "shard-1-of-3")
+    capsys.readouterr()
+    assert export_cli(tmp_path / "ckpt", tmp_path / "hf2") == 2
+    assert "shards [1] wrote no checkpoint there" in capsys.readouterr().err

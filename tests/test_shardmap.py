@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from conftest import tiny_config
+
 from coordinator.sharding import ShardRole, launcher_index, shard_secret
 from diloco.config import ConfigError
 from diloco.fragments import layout_for

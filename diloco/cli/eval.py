@@ -38,11 +38,28 @@ import torch.nn as nn
 
 from diloco.checkpoint import CheckpointError, CheckpointStore
 from diloco.cli.common import ArgumentParser, add_config_flags, fail, setup_logging
-from diloco.config import ConfigError, ModelConfig, RunConfig, _apply_override, config_from_dict, load_config
-from diloco.data.sources import eval_batches, resolve_vocab, text_eval_batches
-from diloco.models.evaluation import (ByteTokenizer, EvalError, HFTokenizer, Tokenizer, check_vocab, corpus_tokenizer,
-                               heldout_loss, load_hellaswag, multiple_choice)
+from diloco.config import (
+    ConfigError,
+    ModelConfig,
+    RunConfig,
+    _apply_override,
+    config_from_dict,
+    load_config,
+)
 from diloco.data.shards import DataError
+from diloco.data.sources import eval_batches, resolve_vocab, text_eval_batches
+from diloco.models.evaluation import (
+    ByteTokenizer,
+    EvalError,
+    HFTokenizer,
+    Tokenizer,
+    check_vocab,
+    corpus_tokenizer,
+    heldout_loss,
+    load_hellaswag,
+    multiple_choice,
+)
+from diloco.sharded_checkpoint import load_sharded, shards_under
 
 PROG = "diloco-eval"
 _STEP_DIR = re.compile(r"^(?P<root>.*)/step-(?P<step>\d{10})$")
@@ -121,6 +138,13 @@ def load_checkpoint(args: argparse.Namespace, url: str) -> Loaded:
     store.progress = sys.stderr.isatty()
     if not store.fs.exists(store.root):
         raise EvalError(f"no checkpoint at {url}: nothing there")
+    try:
+        shards = shards_under(root)
+        if shards:  # a sharded coordinator's: its shards' parts put back together
+            step, tensors, meta = load_sharded(root, shards, step)
+            return _loaded(args, url, root, tensors, meta)
+    except (CheckpointError, OSError, ValueError) as e:
+        raise EvalError(str(e)) from None
     committed = store.steps()
     if step is None and not committed:
         folders = [e for e in store.fs.ls(store.root, detail=False) if _STEP_NAME.search(e.rstrip("/"))]
@@ -135,6 +159,10 @@ def load_checkpoint(args: argparse.Namespace, url: str) -> Loaded:
         tensors, meta = store.load(step)
     except KeyError:  # a folder step's marker lists files, not one state.pt
         raise EvalError(f"{url}: not a coordinator checkpoint (an island's torch.distributed checkpoint?)") from None
+    return _loaded(args, url, root, tensors, meta)
+
+
+def _loaded(args: argparse.Namespace, url: str, root: str, tensors: Any, meta: dict[str, Any]) -> Loaded:
     params = tensors.get("outer_params") if isinstance(tensors, dict) else None
     if not params or "config_digest" not in meta:
         raise EvalError(f"{url}: not a coordinator checkpoint (it holds no outer_params)")
@@ -174,7 +202,9 @@ def load_folder(args: argparse.Namespace, url: str, fs, path: str) -> Loaded:
     if importlib.util.find_spec("diloco.models.hf") is None:
         raise EvalError(f"{url} is an exported Hugging Face folder (config.json), and reading one needs "
                         "diloco/models/hf.py (from_hf_folder), which this install lacks")
-    from diloco.models.hf import from_hf_folder  # lazily: it pulls in safetensors, which checkpoints do not need
+    from diloco.models.hf import (
+        from_hf_folder,  # lazily: it pulls in safetensors, which checkpoints do not need
+    )
 
     try:
         model_cfg, params = from_hf_folder(url)

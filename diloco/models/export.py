@@ -34,6 +34,7 @@ import torch
 from diloco.checkpoint import CheckpointError, CheckpointStore
 from diloco.config import ConfigError, RunConfig, config_from_toml, load_config
 from diloco.models.hf import INDEX, WEIGHTS, HFError, hf_config, to_hf
+from diloco.sharded_checkpoint import load_sharded, shards_under
 
 log = logging.getLogger(__name__)
 
@@ -72,7 +73,7 @@ def export(checkpoint_url: str, out_dir: str | Path, *, step: int | None = None,
     if dtype not in DTYPES:
         raise ExportError(f"dtype must be one of {sorted(DTYPES)}, not {dtype!r}")
     store = CheckpointStore(checkpoint_url, storage_options=storage_options)
-    step, tensors, meta = _read_checkpoint(store, step)
+    step, tensors, meta = _read_checkpoint(store, step, storage_options)
     cfg = _run_config(meta, tensors["outer_params"], config_path, f"checkpoint {step} under {store.url}")
     if cfg.model.moe_experts:
         raise ExportError(f"checkpoint {step} under {store.url} is a mixture of experts (model.moe_experts="
@@ -111,8 +112,16 @@ def export(checkpoint_url: str, out_dir: str | Path, *, step: int | None = None,
     return Exported(step, out, sorted(p.name for p in out.iterdir()), sum(t.numel() for t in params.values()))
 
 
-def _read_checkpoint(store: CheckpointStore, step: int | None) -> tuple[int, dict[str, Any], dict[str, Any]]:
-    """(step, tensors, meta) of a committed coordinator checkpoint that matches its commit marker."""
+def _read_checkpoint(store: CheckpointStore, step: int | None,
+                     storage_options: dict | None = None) -> tuple[int, dict[str, Any], dict[str, Any]]:
+    """(step, tensors, meta) of a committed coordinator checkpoint that matches its commit marker; a sharded
+    coordinator's (shard-I-of-K folders) put back together at the newest step every shard committed."""
+    try:
+        shards = shards_under(store.url, storage_options)
+        if shards:
+            return load_sharded(store.url, shards, step, storage_options)
+    except (CheckpointError, OSError, RuntimeError, ValueError) as e:
+        raise ExportError(str(e)) from None
     committed = store.steps()
     if step is None:
         if not committed:
