@@ -19,6 +19,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from coordinator import durable
 from coordinator.audit import AuditLog, NoAudit
+from coordinator.gather import WholeModel
 from coordinator.judging import ShardJudging
 from coordinator.ledger import DataLedger, account_dict
 from coordinator.metrics import CheckpointStats, coordinator_metrics
@@ -87,6 +88,7 @@ class Coordinator:
     web: RunWebServer | None = None
     runlog: RunLog | None = None
     judging: ShardJudging | None = None  # a shard of several: its part in judging each round
+    gathering: WholeModel | None = None  # the leading shard of several: the others' parts, for its evaluation
 
     def wait(self, timeout: float | None = None) -> bool:
         return self.driver.wait(timeout)
@@ -104,6 +106,8 @@ class Coordinator:
             self.runlog.close()
         if self.judging is not None:
             self.judging.close()
+        if self.gathering is not None:
+            self.gathering.close()
 
     def report(self) -> dict:
         s = self.state
@@ -282,15 +286,24 @@ def start_coordinator(
     ledger, data_digest = open_ledger(cfg) if shard is None or shard.leads else (None, "")
     audit = AuditLog(audit_url) if audit_url else NoAudit()
     whole = shard is None or shard.count == 1
-    part = shard.part(cfg) if shard is not None else {"params": initial_parameters(cfg)}
-    judging = None
+    part, manifests = shard.part(cfg) if shard is not None else ({"params": initial_parameters(cfg)}, [])
+    judging, evaluate, tasks, gathering, built = None, make_evaluator(cfg), make_task_evaluator(cfg), None, []
     if not whole:  # one verdict per round from every shard's statistics (coordinator/judging.py)
         judging = ShardJudging(shard.index, shard.addresses, shard.secret, tls, cfg.rounds.deadline_s, lambda: state.fragments)
         part |= {"judge": judging, "sketch_secret": judging.sketch_secret}
-    state = CoordinatorState(cfg, spool_dir=spool, evaluate=make_evaluator(cfg) if whole else None,
-                             tasks=make_task_evaluator(cfg) if whole else None, ledger=ledger, data_digest=data_digest,
+        evaluate = tasks = None  # only the leader evaluates, reading the others' parts (coordinator/gather.py)
+        if shard.leads and (make_evaluator(cfg) or make_task_evaluator(cfg)):
+            gathering = WholeModel(shard.addresses, shard.secret, tls, manifests[1:])
+            rounds = lambda: [f.round for f in built[0].fragments]  # noqa: E731
+            # The state's constructor evaluates the initial parameters, which the leader makes whole itself: the other
+            # shards may not serve yet.
+            whole = {"rounds": rounds, "initial": lambda: initial_parameters(cfg), "ready": lambda: bool(built)}
+            evaluate = gathering.evaluating(make_evaluator(cfg), missing=math.nan, **whole)
+            tasks = gathering.evaluating(make_task_evaluator(cfg), missing={}, **whole)
+    state = CoordinatorState(cfg, spool_dir=spool, evaluate=evaluate, tasks=tasks, ledger=ledger, data_digest=data_digest,
                              revoked=revocations.is_revoked if revocations is not None else (lambda owner: False),
                              record=audit.record, **part)
+    built.append(state)
     url = cfg.checkpoint.url if whole or not cfg.checkpoint.url else shard.checkpoint_url(cfg.checkpoint.url)
     store = CheckpointStore(url, keep_last=cfg.checkpoint.keep_last) if url else None
     if resume:
@@ -336,7 +349,8 @@ def start_coordinator(
     driver = RoundDriver(state.fragments, lambda f: state.step_round(fragment=f), after_close, stop).start()
     log.info("coordinator %sserving on %s:%d (%s)", f"shard {shard.index} of {shard.count} " if shard else "", host, bound,
              "mutual TLS" if tls is not None else "plaintext")
-    return Coordinator(state, server, bound, stop, driver, health_servicer, audit, checkpoints, web, runlog, judging)
+    return Coordinator(state, server, bound, stop, driver, health_servicer, audit, checkpoints, web, runlog, judging,
+                       gathering)
 
 
 def serve(

@@ -54,16 +54,17 @@ class ShardRole:
         """The newest checkpoint step every shard committed (diloco/sharded_checkpoint.py)."""
         return common_step(base, self.count, keep_last)
 
-    def part(self, cfg: RunConfig) -> dict:
+    def part(self, cfg: RunConfig) -> tuple[dict, list[Manifest]]:
         """CoordinatorState's arguments for this shard: the parameters it holds (only those are ever made), their
         fragments (every fragment, with its part of the names), and the whole model's manifest and layout (what
-        joining islands are told)."""
+        joining islands are told); and every shard's manifest, in shard order."""
         manifest = Manifest(parameter_shapes(cfg.model))
         layout = layout_for(manifest.shapes, cfg)
         shard_map = ShardMap.of(layout, {n: manifest.numel(n) for n in manifest.shapes}, self.count)
         mine = set(shard_map.names(self.index))
+        manifests = [Manifest({n: manifest.shapes[n] for n in shard_map.names(i)}) for i in range(self.count)]
         return {"params": initial_parameters(cfg.model, cfg.seed, mine.__contains__),
-                "layout": shard_map.restrict(layout, self.index), "model": (manifest, layout)}
+                "layout": shard_map.restrict(layout, self.index), "model": (manifest, layout)}, manifests
 
 
 def launcher_index(environ: Mapping[str, str] = os.environ, hostname: str | None = None) -> tuple[int, int] | None:

@@ -67,8 +67,10 @@ def run(cfg, shards: int, tmp_path, islands: int = 2) -> dict:
                     momentum[name] = f.outer.optimizer.state[p]["momentum_buffer"]
         sums = [join_checksums([c.state.fragments[f].checksum for c in running]) for f in range(len(running[0].state.fragments))]
         rounds = [c.state.round for c in running]
-        return {"params": params, "momentum": momentum, "checksums": sums, "rounds": rounds,
-                "finals": [r.checksum for r in results.values()]}
+        # The leader evaluates the whole model (rounds not evaluated: None).
+        evals = [(s.round, s.fragment, None if math.isnan(s.eval_loss) else s.eval_loss) for s in running[0].state.summaries]
+        return {"params": params, "momentum": momentum, "checksums": sums, "rounds": rounds, "evals": evals,
+                "initial_eval": running[0].state.initial_eval_loss, "finals": [r.checksum for r in results.values()]}
 
 
 def assert_same_run(sharded: dict, reference: dict, cfg, shards: int) -> None:
@@ -77,6 +79,9 @@ def assert_same_run(sharded: dict, reference: dict, cfg, shards: int) -> None:
         assert torch.equal(sharded["params"][name], t), f"{name} differs from the one-process coordinator's"
         assert torch.equal(sharded["momentum"][name], reference["momentum"][name]), f"{name}'s momentum differs"
     assert set(sharded["rounds"]) == {cfg.rounds.rounds}
+    # The leader's evaluation reads the other shards' parts: the one-process coordinator's figures, bit for bit.
+    assert sharded["evals"] == reference["evals"] and sharded["initial_eval"] == reference["initial_eval"]
+    assert any(loss is not None for _, _, loss in reference["evals"])
     # The run's checksum of each fragment is its shards' checksums of the one-process coordinator's parameters.
     layout = layout_for(reference["params"], cfg)
     shard_map = ShardMap.of(layout, {n: t.numel() for n, t in reference["params"].items()}, shards)
@@ -95,7 +100,7 @@ CASES = {
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_k_shards_give_the_one_process_coordinators_parameters_momentum_and_checksums(case, tmp_path):
-    cfg = tiny_config("rounds.rounds=3", *CASES[case])
+    cfg = tiny_config("rounds.rounds=3", "eval.batches=2", *CASES[case])  # evaluated: the leader reads every part
     reference = run(cfg, 0, tmp_path)
     for shards in (1, 2, 3):
         assert_same_run(run(cfg, shards, tmp_path), reference, cfg, shards)

@@ -178,14 +178,16 @@ class HeartbeatResponse(_message.Message):
     def __init__(self, round: _Optional[int] = ..., run_finished: _Optional[bool] = ...) -> None: ...
 
 class FetchRequest(_message.Message):
-    __slots__ = ("island_id", "ranges", "fragment")
+    __slots__ = ("island_id", "ranges", "fragment", "shard_proof")
     ISLAND_ID_FIELD_NUMBER: _ClassVar[int]
     RANGES_FIELD_NUMBER: _ClassVar[int]
     FRAGMENT_FIELD_NUMBER: _ClassVar[int]
+    SHARD_PROOF_FIELD_NUMBER: _ClassVar[int]
     island_id: str
     ranges: _containers.RepeatedCompositeFieldContainer[TensorRange]
     fragment: int
-    def __init__(self, island_id: _Optional[str] = ..., ranges: _Optional[_Iterable[_Union[TensorRange, _Mapping]]] = ..., fragment: _Optional[int] = ...) -> None: ...
+    shard_proof: str
+    def __init__(self, island_id: _Optional[str] = ..., ranges: _Optional[_Iterable[_Union[TensorRange, _Mapping]]] = ..., fragment: _Optional[int] = ..., shard_proof: _Optional[str] = ...) -> None: ...
 
 class TensorRange(_message.Message):
     __slots__ = ("name", "offset", "numel")
