@@ -1,4 +1,5 @@
-"""The whole model on a coordinator's leading shard, for its evaluation (docs/sharding.md).
+"""The whole run on a coordinator's leading shard: the whole model for its evaluation, every shard's figures for
+its round summaries (docs/sharding.md).
 
 No shard holds the whole model. When the leader evaluates (eval.every_rounds),
 it reads every following shard's published values for the same fragment rounds
@@ -13,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import logging
+import threading
 import time
 from collections.abc import Callable
 
@@ -20,7 +22,9 @@ import grpc
 import torch
 
 from diloco.security.credentials import TlsFiles
+from diloco.shardmap import join_checksums
 from diloco.v1 import diloco_pb2 as pb
+from diloco.v1 import diloco_pb2_grpc as pb_grpc
 from diloco.wire.codec import get_codec
 from diloco.wire.frames import ResultRest, stub_for
 from diloco.wire.messages import Manifest, apply_chunks
@@ -28,9 +32,10 @@ from diloco.wire.messages import Manifest, apply_chunks
 log = logging.getLogger(__name__)
 
 
-def fetch_proof(secret: bytes) -> str:
-    """What a leading shard shows a following one to read its values (they are what every member holds already)."""
-    return hmac.new(secret, b"fetch", hashlib.sha256).hexdigest()
+def leader_proof(secret: bytes) -> str:
+    """What a leading shard shows a following one to read its values and watch its rounds (what every member may
+    read already, and no island's to change)."""
+    return hmac.new(secret, b"leader reads", hashlib.sha256).hexdigest()
 
 
 class WholeModel:
@@ -38,12 +43,8 @@ class WholeModel:
 
     def __init__(self, addresses: tuple[str, ...], secret: bytes, tls: TlsFiles | None, manifests: list[Manifest],
                  wait_s: float = 60.0):
-        self.proof, self.manifests, self.wait_s = fetch_proof(secret), manifests, wait_s
-        if tls is not None:
-            ca, cert, key = tls.read()
-            self.channels = [grpc.secure_channel(a, grpc.ssl_channel_credentials(ca, key, cert)) for a in addresses[1:]]
-        else:
-            self.channels = [grpc.insecure_channel(a) for a in addresses[1:]]
+        self.proof, self.manifests, self.wait_s = leader_proof(secret), manifests, wait_s
+        self.channels = [_channel(a, tls) for a in addresses[1:]]
         self.stubs = [stub_for(c) for c in self.channels]
 
     def gather(self, own: dict[str, torch.Tensor], rounds: list[int]) -> dict[str, torch.Tensor] | None:
@@ -104,3 +105,92 @@ class WholeModel:
     def close(self) -> None:
         for c in self.channels:
             c.close()
+
+
+class FollowerRounds:
+    """The following shards' round summaries, watched from the leader (WatchRounds, signed with the shards' secret),
+    so that the leader's summary of each round is the run's: every shard's bytes and traffic added, the slowest
+    shard's seconds, the shards' checksums joined; and a row per shard for the dashboard and /metrics."""
+
+    def __init__(self, addresses: tuple[str, ...], secret: bytes, tls: TlsFiles | None, wait_s: float = 10.0):
+        self.addresses, self.wait_s = addresses, wait_s
+        self.cond = threading.Condition()
+        self.got: dict[tuple[int, int], dict[int, pb.RoundSummary]] = {}  # (fragment, round) -> shard -> summary
+        self.rounds: dict[int, dict[int, int]] = {}  # each follower's fragments' rounds now (the last closed + 1)
+        self.bytes: dict[int, list[int]] = {}  # each follower's bytes [up, down] over the run
+        self.stop = threading.Event()
+        proof = leader_proof(secret)
+        self.channels = [_channel(a, tls) for a in addresses[1:]]
+        self.threads = [threading.Thread(target=self._watch, args=(shard, channel, proof), name=f"watch-shard-{shard}",
+                                         daemon=True) for shard, channel in enumerate(self.channels, start=1)]
+        for t in self.threads:
+            t.start()
+
+    def _watch(self, shard: int, channel: grpc.Channel, proof: str) -> None:
+        stub, seen = pb_grpc.CoordinatorStub(channel), set()
+        while not self.stop.is_set():  # a follower restarting: watch again, skipping what came already
+            try:
+                for s in stub.WatchRounds(pb.WatchRequest(from_round=0, shard_proof=proof), wait_for_ready=True):
+                    if (s.fragment, s.round) in seen:
+                        continue
+                    seen.add((s.fragment, s.round))
+                    with self.cond:
+                        self.got.setdefault((s.fragment, s.round), {})[shard] = s
+                        self.rounds.setdefault(shard, {})[s.fragment] = s.round + 1
+                        totals = self.bytes.setdefault(shard, [0, 0])
+                        totals[0] += s.bytes_up
+                        totals[1] += s.bytes_down
+                        self.cond.notify_all()
+                    if s.run_finished:
+                        return
+            except grpc.RpcError:
+                self.stop.wait(1.0)
+
+    def merge(self, summary: pb.RoundSummary) -> None:
+        """Adds the other shards' part of the round to the leader's summary (waiting up to wait_s for them)."""
+        key, others = (summary.fragment, summary.round), len(self.addresses) - 1
+        with self.cond:
+            self.cond.wait_for(lambda: len(self.got.get(key, {})) == others or self.stop.is_set(), self.wait_s)
+            parts = self.got.pop(key, {})
+        if len(parts) < others:
+            log.warning("round %d's summary has %d of %d shards' figures (the others' did not come within %.0f s)",
+                        summary.round, len(parts) + 1, others + 1, self.wait_s)
+        checksums = [summary.checksum] + [parts[i].checksum if i in parts else "" for i in range(1, others + 1)]
+        traffic = {t.island_id: [t.bytes_up, t.bytes_down] for t in summary.traffic}
+        for p in parts.values():
+            summary.bytes_up += p.bytes_up
+            summary.bytes_down += p.bytes_down
+            summary.ddp_bytes += p.ddp_bytes
+            summary.elements_folded += p.elements_folded
+            summary.elements_expected += p.elements_expected
+            for name in ("seconds", "fold_s", "step_s", "publish_s"):
+                setattr(summary, name, max(getattr(summary, name), getattr(p, name)))
+            for t in p.traffic:
+                both = traffic.setdefault(t.island_id, [0, 0])
+                both[0] += t.bytes_up
+                both[1] += t.bytes_down
+        del summary.traffic[:]
+        summary.traffic.extend(pb.IslandTraffic(island_id=i, bytes_up=u, bytes_down=d) for i, (u, d) in traffic.items())
+        summary.checksum = join_checksums(checksums)
+
+    def rows(self) -> list[dict]:
+        """One row per following shard: its address, its round (its slowest fragment's, as far as this leader has seen
+        them close) and the bytes it carried."""
+        with self.cond:
+            return [{"shard": shard, "address": address, "round": min(self.rounds[shard].values()) if shard in self.rounds else None,
+                     "bytes_up": self.bytes.get(shard, [0, 0])[0], "bytes_down": self.bytes.get(shard, [0, 0])[1]}
+                    for shard, address in enumerate(self.addresses[1:], start=1)]
+
+    def close(self) -> None:
+        self.stop.set()
+        with self.cond:
+            self.cond.notify_all()
+        for c in self.channels:
+            c.close()
+
+
+def _channel(address: str, tls: TlsFiles | None) -> grpc.Channel:
+    if tls is None:
+        return grpc.insecure_channel(address)
+    ca, cert, key = tls.read()
+    return grpc.secure_channel(address, grpc.ssl_channel_credentials(ca, key, cert))

@@ -15,8 +15,10 @@ import time
 from collections import defaultdict
 
 from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
+
+from coordinator.snapshot import shard_rows
 
 PHASES = ("wait", "fold", "step", "publish", "eval")
 
@@ -96,6 +98,12 @@ class CoordinatorCollector:
             joined, departed, expired = members.joined, len(members.departed), len(members.expired)
             events = dataclasses.asdict(members.events)
         yield _gauge("diloco_round", "The round each fragment is in", ["fragment"], [((str(f),), r) for f, r in rounds])
+        shards = shard_rows(state)  # a sharded coordinator's leader: the run as one above, each shard here
+        if shards:
+            yield _gauge("diloco_shard_round", "The round each coordinator shard is in (its slowest fragment's)", ["shard"],
+                         [((str(r["shard"]),), r["round"]) for r in shards if r["round"] is not None])
+            yield _counter("diloco_shard_bytes", "Bytes each coordinator shard carried", ["shard", "direction"],
+                           [((str(r["shard"]), d), r[f"bytes_{d}"]) for r in shards for d in ("up", "down")])
         yield _counter("diloco_rounds_closed", "Rounds closed", ["fragment"],
                        [((str(f),), totals.closed.get(f, 0)) for f, _ in rounds])
         yield _gauge("diloco_islands", "Islands in the run now", ["status"],

@@ -19,7 +19,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from coordinator import durable
 from coordinator.audit import AuditLog, NoAudit
-from coordinator.gather import WholeModel
+from coordinator.gather import FollowerRounds, WholeModel
 from coordinator.judging import ShardJudging
 from coordinator.ledger import DataLedger, account_dict
 from coordinator.metrics import CheckpointStats, coordinator_metrics
@@ -89,6 +89,7 @@ class Coordinator:
     runlog: RunLog | None = None
     judging: ShardJudging | None = None  # a shard of several: its part in judging each round
     gathering: WholeModel | None = None  # the leading shard of several: the others' parts, for its evaluation
+    followers: FollowerRounds | None = None  # the leading shard of several: the others' rounds, in its summaries
 
     def wait(self, timeout: float | None = None) -> bool:
         return self.driver.wait(timeout)
@@ -108,6 +109,8 @@ class Coordinator:
             self.judging.close()
         if self.gathering is not None:
             self.gathering.close()
+        if self.followers is not None:
+            self.followers.close()
 
     def report(self) -> dict:
         s = self.state
@@ -287,14 +290,16 @@ def start_coordinator(
     audit = AuditLog(audit_url) if audit_url else NoAudit()
     whole = shard is None or shard.count == 1
     part, manifests = shard.part(cfg) if shard is not None else ({"params": initial_parameters(cfg)}, [])
-    judging, evaluate, tasks, gathering, built = None, make_evaluator(cfg), make_task_evaluator(cfg), None, []
+    judging, evaluate, tasks, gathering, followers, built = None, make_evaluator(cfg), make_task_evaluator(cfg), None, None, []
     if not whole:  # one verdict per round from every shard's statistics (coordinator/judging.py)
         judging = ShardJudging(shard.index, shard.addresses, shard.secret, tls, cfg.rounds.deadline_s, lambda: state.fragments)
         part |= {"judge": judging, "sketch_secret": judging.sketch_secret}
         evaluate = tasks = None  # only the leader evaluates, reading the others' parts (coordinator/gather.py)
+        if shard.leads:
+            part["followers"] = followers = FollowerRounds(shard.addresses, shard.secret, tls)
         if shard.leads and (make_evaluator(cfg) or make_task_evaluator(cfg)):
             gathering = WholeModel(shard.addresses, shard.secret, tls, manifests[1:])
-            rounds = lambda: [f.round for f in built[0].fragments]  # noqa: E731
+            rounds = lambda: [f.round for f in built[0].fragments]
             # The state's constructor evaluates the initial parameters, which the leader makes whole itself: the other
             # shards may not serve yet.
             whole = {"rounds": rounds, "initial": lambda: initial_parameters(cfg), "ready": lambda: bool(built)}
@@ -350,7 +355,7 @@ def start_coordinator(
     log.info("coordinator %sserving on %s:%d (%s)", f"shard {shard.index} of {shard.count} " if shard else "", host, bound,
              "mutual TLS" if tls is not None else "plaintext")
     return Coordinator(state, server, bound, stop, driver, health_servicer, audit, checkpoints, web, runlog, judging,
-                       gathering)
+                       gathering, followers)
 
 
 def serve(

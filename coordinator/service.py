@@ -13,7 +13,7 @@ from contextlib import contextmanager
 import grpc
 
 from coordinator.audit import NoAudit
-from coordinator.gather import fetch_proof
+from coordinator.gather import leader_proof
 from coordinator.judging import LeaderJudge, verdict_proto
 from coordinator.ledger import ranges_of
 from coordinator.limits import Limits, idle_bounded
@@ -292,9 +292,10 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                 trailer.ranges_checksum = self.state.fragment(fragment).ranges_checksum_after(reading.stream, ranges)
             yield pb.ResultMessage(trailer=trailer)
 
-    def _leader_reads(self, request: pb.FetchRequest) -> bool:
-        return (self.shard is not None and not self.shard.leads and not request.island_id and bool(request.shard_proof)
-                and hmac.compare_digest(fetch_proof(self.shard.secret), request.shard_proof))
+    def _leader_reads(self, request: pb.FetchRequest | pb.WatchRequest) -> bool:
+        """The leading shard reading this following one's values or rounds (coordinator/gather.py)."""
+        return (self.shard is not None and not self.shard.leads and not getattr(request, "island_id", "")
+                and bool(request.shard_proof) and hmac.compare_digest(leader_proof(self.shard.secret), request.shard_proof))
 
     def _credential(self, context) -> str | None:
         """The caller's credential (mutual TLS), None without TLS; refused when revoked or naming no island."""
@@ -409,7 +410,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
     def WatchRounds(self, request: pb.WatchRequest, context) -> Iterator[pb.RoundSummary]:
         """Round summaries as rounds close. Each watch holds a server thread for as long as it lasts: a revoked
         credential is refused, and watches are bounded per credential and in all (coordinator/streams.py)."""
-        credential = self._credential(context)
+        credential = None if self._leader_reads(request) else self._credential(context)
         with self.streams.open("watch", credential, context.cancel) as ticket:
             # A caller gone frees its thread (is_active); a revoked one is refused within half a second (check).
             yield from self.state.watch(request.from_round, self.stop, context.is_active, ticket.check)

@@ -27,17 +27,17 @@ import torch
 
 from coordinator.ledger import DataLedger, account_dict
 from coordinator.links import LinkAdvisor
-from coordinator.memory import FreedMemory, MemoryPeaks, state_memory
 from coordinator.membership import Events, Island, Membership, canonical_order
+from coordinator.memory import FreedMemory, MemoryPeaks, state_memory
 from coordinator.publish import Reading
 from coordinator.rounds import Closed, Closing, FragmentContext, FragmentRounds, Phase
 from coordinator.spool import Spools
 from diloco.config import RunConfig
 from diloco.fragments import FragmentLayout, layout_for
 from diloco.params import checksum, ranges_checksum
-from diloco.wire.refusal import Reason, Refused
 from diloco.v1 import diloco_pb2 as pb
 from diloco.wire.messages import FlatRange, Manifest, link_codecs, uplink_codec
+from diloco.wire.refusal import Reason, Refused
 
 log = logging.getLogger(__name__)
 
@@ -68,11 +68,13 @@ class CoordinatorState:
         model: tuple[Manifest, FragmentLayout] | None = None,
         judge: Callable | None = None,
         sketch_secret: bytes | None = None,
+        followers=None,
     ):
         """params: the global parameters this process holds (a shard's part of them, docs/sharding.md); layout:
         their fragments (a shard's: ShardMap.restrict), else the run's over params; model: the whole model's manifest
         and layout, which a shard tells joining islands (default: its own); judge, sketch_secret: a shard's
-        (FragmentContext; coordinator/judging.py)."""
+        (FragmentContext; coordinator/judging.py); followers: a leading shard's
+        view of the others' rounds (coordinator/gather.py FollowerRounds), which makes its summaries the run's."""
         self.cfg = cfg
         self.codec = uplink_codec(cfg.wire)
         self.manifest = Manifest.of(params)
@@ -90,6 +92,7 @@ class CoordinatorState:
                                   revoked=revoked, record=record, idle_rounds=cfg.limits.idle_rounds * cfg.streaming.fragments,
                                   departed_kept=cfg.limits.departed_kept)
         self.summaries: list[pb.RoundSummary] = []
+        self.followers = followers
         self._wave = _Wave()
         # Compression per link (coordinator/links.py): the codecs islands may push with, and who advises which.
         codecs = link_codecs(cfg.wire)
@@ -341,6 +344,8 @@ class CoordinatorState:
             with self.reading_all():
                 summary.task_scores.update(self.tasks(self.params))
             summary.eval_s += time.perf_counter() - started
+        if self.followers is not None:  # a leading shard: the round's summary is the run's, every shard's part in it
+            self.followers.merge(summary)
         with self.cond:
             if finisher:
                 self.cond.wait_for(lambda: self._wave.pending == 1)

@@ -19,7 +19,9 @@ from conftest import tiny_config
 from kit import islands_on_threads
 
 from coordinator.launch import shard_ports
+from coordinator.metrics import coordinator_metrics
 from coordinator.server import start_coordinator
+from coordinator.snapshot import run_snapshot
 from coordinator.sharding import ShardRole
 from diloco.fragments import layout_for
 from diloco.params import checksum
@@ -69,7 +71,13 @@ def run(cfg, shards: int, tmp_path, islands: int = 2) -> dict:
         rounds = [c.state.round for c in running]
         # The leader evaluates the whole model (rounds not evaluated: None).
         evals = [(s.round, s.fragment, None if math.isnan(s.eval_loss) else s.eval_loss) for s in running[0].state.summaries]
-        return {"params": params, "momentum": momentum, "checksums": sums, "rounds": rounds, "evals": evals,
+        # The leader's summaries are the run's (every shard's part added): elements folded as one process folds them.
+        folded = [(s.round, s.fragment, s.elements_folded, s.elements_expected, s.bytes_up > 0) for s in running[0].state.summaries]
+        rows = run_snapshot(running[0].state)["shards"]  # the leader's dashboard: a row per shard
+        metrics = coordinator_metrics(running[0].state)()[0].decode()
+        return {"params": params, "momentum": momentum, "checksums": sums, "rounds": rounds, "evals": evals, "folded": folded,
+                "rows": rows, "metrics": metrics, "own_bytes": [sum(s.bytes_up for s in c.state.summaries) for c in running[1:]],
+                "last_checksum": running[0].state.summaries[-1].checksum, "bytes_up": [s.bytes_up for s in running[0].state.summaries],
                 "initial_eval": running[0].state.initial_eval_loss, "finals": [r.checksum for r in results.values()]}
 
 
@@ -82,12 +90,30 @@ def assert_same_run(sharded: dict, reference: dict, cfg, shards: int) -> None:
     # The leader's evaluation reads the other shards' parts: the one-process coordinator's figures, bit for bit.
     assert sharded["evals"] == reference["evals"] and sharded["initial_eval"] == reference["initial_eval"]
     assert any(loss is not None for _, _, loss in reference["evals"])
+    assert sharded["folded"] == reference["folded"]
+    if shards > 1:  # the leader shows each shard's part: the followers' as they counted it, the leader's the rest
+        rows = sharded["rows"]
+        assert [r["shard"] for r in rows] == list(range(shards)) and all(r["round"] == cfg.rounds.rounds for r in rows)
+        assert [r["bytes_up"] for r in rows[1:]] == sharded["own_bytes"] and rows[0]["bytes_up"] > 0
+        assert sum(r["bytes_up"] for r in rows) == sum(sharded["bytes_up"])
+        assert f'diloco_shard_bytes_total{{direction="up",shard="{shards - 1}"}} {float(rows[-1]["bytes_up"])}' in sharded["metrics"]
+    assert sharded["last_checksum"] == join_checksums(parts_of_last(reference, cfg, shards))
+    # Each shard's pushes carry a header of their own: the bytes are the one process's within a few hundred a round.
+    assert all(abs(a - b) < 300 * shards * 2 for a, b in zip(sharded["bytes_up"], reference["bytes_up"])), (sharded["bytes_up"], reference["bytes_up"])
     # The run's checksum of each fragment is its shards' checksums of the one-process coordinator's parameters.
     layout = layout_for(reference["params"], cfg)
     shard_map = ShardMap.of(layout, {n: t.numel() for n, t in reference["params"].items()}, shards)
     for f, fragment in enumerate(layout):
         parts = [checksum({n: reference["params"][n] for n in fragment.names if shard_map.owner[n] == s}) for s in range(shards)]
         assert sharded["checksums"][f] == join_checksums(parts)
+
+
+def parts_of_last(reference: dict, cfg, shards: int) -> list[str]:
+    """The shards' checksums of the fragment that closed last, from the one-process run's parameters."""
+    layout = layout_for(reference["params"], cfg)
+    shard_map = ShardMap.of(layout, {n: t.numel() for n, t in reference["params"].items()}, shards)
+    names = layout[reference["folded"][-1][1]].names
+    return [checksum({n: reference["params"][n] for n in names if shard_map.owner[n] == s}) for s in range(shards)]
 
 
 # fp32 and the 4-bit codec, plain and with streaming fragments; 2 islands each (the norm guard judging every round).
@@ -144,9 +170,9 @@ def test_the_demo_with_a_sharded_coordinator_over_mutual_tls_ends_with_every_isl
     shards = [json.loads((tmp_path / name).read_text()) for name in ("report.json", "report.json.shard-1")]
     assert report["checksum"] == join_checksums([s["checksum"] for s in shards])
     assert set(report["islands"].values()) == {report["checksum"]} and len(report["islands"]) == 2
-    for r, *parts in zip(report["rounds"], *(s["rounds"] for s in shards)):
-        assert all(p["bytes_up"] > 0 for p in parts), "every shard received pushes"
-        assert r["bytes_up"] == sum(p["bytes_up"] for p in parts)
+    for merged, follower in zip(report["rounds"], shards[1]["rounds"]):  # the leader's rounds are the run's
+        assert merged["bytes_up"] > follower["bytes_up"] > 0, "every shard received pushes, the leader's round counts all"
+        assert merged["checksum"].split("+")[1] == follower["checksum"]
     assert len((tmp_path / "port.shards").read_text().split()) == 2
 
 

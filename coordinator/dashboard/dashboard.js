@@ -277,6 +277,24 @@ function drawIslands() {
   $("islands-note").textContent = `${snap.islands.length} seen · ${by("departed")} departed · ${by("expired")} expired`;
 }
 
+function drawShards() {
+  // A sharded coordinator's leader: the run above is every shard's; here each shard's part of it.
+  const shards = run.snap.shards || [];
+  $("shards-card").hidden = !shards.length;
+  if (!shards.length) return;
+  $("shards").tBodies[0].replaceChildren(...shards.map((r) => {
+    const tr = document.createElement("tr");
+    tr.dataset.shard = String(r.shard);
+    htmlEl("td", "num", tr, String(r.shard));
+    htmlEl("td", "host", tr, r.address);
+    htmlEl("td", "num" + (r.round == null ? " none" : ""), tr, r.round == null ? "—" : String(r.round));
+    htmlEl("td", "num", tr, bytes(r.bytes_up));
+    htmlEl("td", "num", tr, bytes(r.bytes_down));
+    return tr;
+  }));
+  $("shards-note").textContent = `${shards.length} shards · the leader's figures above are the run's`;
+}
+
 function drawHeader() {
   const snap = run.snap, r = snap.run;
   document.title = `diloco · ${r.name} · round ${snap.round}/${r.total_rounds}`;
@@ -332,6 +350,7 @@ function render() {
   drawLoss();
   drawBandwidth();
   drawIslands();
+  drawShards();
   drawTimeline();
   drawFooter();
 }

@@ -416,10 +416,12 @@ class IslandTraffic(_message.Message):
     def __init__(self, island_id: _Optional[str] = ..., bytes_up: _Optional[int] = ..., bytes_down: _Optional[int] = ...) -> None: ...
 
 class WatchRequest(_message.Message):
-    __slots__ = ("from_round",)
+    __slots__ = ("from_round", "shard_proof")
     FROM_ROUND_FIELD_NUMBER: _ClassVar[int]
+    SHARD_PROOF_FIELD_NUMBER: _ClassVar[int]
     from_round: int
-    def __init__(self, from_round: _Optional[int] = ...) -> None: ...
+    shard_proof: str
+    def __init__(self, from_round: _Optional[int] = ..., shard_proof: _Optional[str] = ...) -> None: ...
 
 class RoundSummary(_message.Message):
     __slots__ = ("round", "islands", "tokens", "train_loss", "eval_loss", "bytes_up", "bytes_down", "seconds", "checksum", "run_finished", "initial_eval_loss", "ddp_bytes", "traffic", "dropped", "elements_folded", "elements_expected", "fragment", "fragments", "data", "clipped", "wait_s", "fold_s", "step_s", "publish_s", "eval_s", "contributions", "closed_at", "task_scores", "folded_ahead")

@@ -12,7 +12,6 @@ import json
 import logging
 import math
 import os
-import queue
 import random
 import signal
 import socket
@@ -168,8 +167,6 @@ class Simulation:
             args.append("--resume")
         self.coordinator = self._spawn(args, "coordinator.log")
         self.port = _wait_for_port(port_file, self.coordinator, 120)
-        shards = Path(f"{port_file}.shards")  # a sharded coordinator's every address (coordinator/launch.py)
-        self.shard_addresses = shards.read_text().split() if self.coordinator_shards > 1 else [f"127.0.0.1:{self.port}"]
         if http_port_file.exists():  # written before the gRPC port: the same port again after a restart
             self.http_port = int(http_port_file.read_text())
 
@@ -256,30 +253,25 @@ class Simulation:
 
     def _summaries(self, deadline: float, next_round: dict[int, int], current: list) -> Generator[pb.RoundSummary, None, bool]:
         """The round summaries of watch(); returns True once the run finished, False when the deadline passed or an
-        island failed. With a sharded coordinator, each round's summaries of every shard merged into one."""
+        island failed. A sharded coordinator's leader sends the run's: every shard's part of each round in it."""
         while time.monotonic() < deadline and self.failed_island() is None:
-            channels = [self._channel(address) for address in self.shard_addresses]
             try:
-                streams = []
-                for channel in channels:
+                with self._channel(f"127.0.0.1:{self.port}") as channel:
                     stub = pb_grpc.CoordinatorStub(channel)
-                    streams.append(stub.WatchRounds(pb.WatchRequest(from_round=0), timeout=deadline - time.monotonic(),
-                                                    wait_for_ready=True))
-                current[:] = streams
-                for summary in merged_rounds(streams):
-                    if summary.round < next_round.get(summary.fragment, 0):
-                        continue  # already seen before a coordinator restart
-                    next_round[summary.fragment] = summary.round + 1
-                    yield summary
-                    if summary.run_finished:
-                        return True
+                    stream = stub.WatchRounds(pb.WatchRequest(from_round=0), timeout=deadline - time.monotonic(),
+                                              wait_for_ready=True)
+                    current[:] = [stream]
+                    for summary in stream:
+                        if summary.round < next_round.get(summary.fragment, 0):
+                            continue  # already seen before a coordinator restart
+                        next_round[summary.fragment] = summary.round + 1
+                        yield summary
+                        if summary.run_finished:
+                            return True
             except grpc.RpcError as e:
                 if e.code() in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED):
                     return False
                 time.sleep(0.5)  # the coordinator is down or restarting
-            finally:
-                for channel in channels:
-                    channel.close()
         return False
 
     def _channel(self, address: str) -> grpc.Channel:
@@ -310,76 +302,14 @@ class Simulation:
             link.stop()
 
 
-def merged_rounds(streams: list) -> Iterator[pb.RoundSummary]:
-    """The shards' round summaries as one per (fragment, round), once every shard sent its: the leader's (the first
-    stream's) with every shard's bytes and traffic added and the slowest shard's seconds. One stream: as it comes."""
-    if len(streams) == 1:
-        yield from streams[0]
-        return
-    arrived: queue.Queue = queue.Queue()
-
-    def read(shard: int, stream) -> None:
-        try:
-            for summary in stream:
-                arrived.put((shard, summary))
-            arrived.put((shard, None))
-        except grpc.RpcError as e:
-            arrived.put((shard, e))
-
-    for shard, stream in enumerate(streams):
-        threading.Thread(target=read, args=(shard, stream), name=f"sim-watch-{shard}", daemon=True).start()
-    pending: dict[tuple[int, int], dict[int, pb.RoundSummary]] = {}
-    ended = 0
-    while ended < len(streams):
-        shard, item = arrived.get()
-        if isinstance(item, grpc.RpcError):
-            for stream in streams:
-                stream.cancel()
-            raise item
-        if item is None:
-            ended += 1
-            continue
-        parts = pending.setdefault((item.fragment, item.round), {})
-        parts[shard] = item
-        if len(parts) == len(streams):
-            del pending[(item.fragment, item.round)]
-            yield merge_summaries([parts[i] for i in range(len(streams))])
-
-
-def merge_summaries(parts: list[pb.RoundSummary]) -> pb.RoundSummary:
-    out = pb.RoundSummary()
-    out.CopyFrom(parts[0])
-    out.bytes_up, out.bytes_down = sum(p.bytes_up for p in parts), sum(p.bytes_down for p in parts)
-    out.ddp_bytes = sum(p.ddp_bytes for p in parts)
-    out.seconds = max(p.seconds for p in parts)
-    out.checksum = join_checksums([p.checksum for p in parts])
-    traffic: dict[str, list[int]] = {}
-    for p in parts:
-        for t in p.traffic:
-            up_down = traffic.setdefault(t.island_id, [0, 0])
-            up_down[0] += t.bytes_up
-            up_down[1] += t.bytes_down
-    del out.traffic[:]
-    out.traffic.extend(pb.IslandTraffic(island_id=i, bytes_up=u, bytes_down=d) for i, (u, d) in traffic.items())
-    return out
-
-
 def merged_report(leader: dict, followers: list[dict]) -> dict:
-    """A sharded coordinator's reports as one: the leader's, every shard's bytes added per round, checksums joined."""
+    """A sharded coordinator's reports as one: the leader's (its round summaries are the run's already), with the
+    shards' checksums of the model and of what each island left holding joined in shard order."""
     if not followers:
         return leader
     everyone = [leader] + followers
-    report = dict(leader, checksum=join_checksums([r["checksum"] for r in everyone]),
-                  islands={i: join_checksums([r["islands"].get(i, "") for r in everyone]) for i in leader["islands"]})
-    rounds = [dict(r) for r in leader["rounds"]]
-    for follower in followers:
-        theirs = {(r.get("fragment", 0), r["round"]): r for r in follower["rounds"]}
-        for r in rounds:
-            other = theirs.get((r.get("fragment", 0), r["round"]), {})
-            for key in ("bytes_up", "bytes_down", "ddp_bytes"):
-                r[key] += other.get(key, 0)
-    report["rounds"] = rounds
-    return report
+    return dict(leader, checksum=join_checksums([r["checksum"] for r in everyone]),
+                islands={i: join_checksums([r["islands"].get(i, "") for r in everyone]) for i in leader["islands"]})
 
 
 def run_sim(
