@@ -302,9 +302,9 @@ def start_coordinator(
             rounds = lambda: [f.round for f in built[0].fragments]
             # The state's constructor evaluates the initial parameters, which the leader makes whole itself: the other
             # shards may not serve yet.
-            whole = {"rounds": rounds, "initial": lambda: initial_parameters(cfg), "ready": lambda: bool(built)}
-            evaluate = gathering.evaluating(make_evaluator(cfg), missing=math.nan, **whole)
-            tasks = gathering.evaluating(make_task_evaluator(cfg), missing={}, **whole)
+            reading = {"rounds": rounds, "initial": lambda: initial_parameters(cfg), "ready": lambda: bool(built)}
+            evaluate = gathering.evaluating(make_evaluator(cfg), missing=math.nan, **reading)
+            tasks = gathering.evaluating(make_task_evaluator(cfg), missing={}, **reading)
     state = CoordinatorState(cfg, spool_dir=spool, evaluate=evaluate, tasks=tasks, ledger=ledger, data_digest=data_digest,
                              revoked=revocations.is_revoked if revocations is not None else (lambda owner: False),
                              record=audit.record, **part)

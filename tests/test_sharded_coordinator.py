@@ -291,10 +291,13 @@ def test_a_sharded_runs_checkpoints_export_and_evaluate_as_one_model(tmp_path, c
     from diloco.models.hf import from_hf_folder
 
     def config(url):
-        return tiny_config("rounds.rounds=2", f"checkpoint.url={json.dumps(str(url))}", "checkpoint.every_rounds=1")
+        # Evaluated too: the leader, which reads the others' parts for it, checkpoints only its own.
+        return tiny_config("rounds.rounds=2", f"checkpoint.url={json.dumps(str(url))}", "checkpoint.every_rounds=1",
+                           "eval.batches=2")
 
     sharded = run(config(tmp_path / "ckpt"), 3, tmp_path)
     run(config(tmp_path / "one"), 0, tmp_path)
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == [f"shard-{i}-of-3" for i in range(3)]
     assert export_cli(tmp_path / "ckpt", tmp_path / "hf") == 0
     _, state = from_hf_folder(tmp_path / "hf")
     assert state.keys() == sharded["params"].keys() and all(torch.equal(state[n], t) for n, t in sharded["params"].items())
