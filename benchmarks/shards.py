@@ -43,8 +43,7 @@ from benchmarks.transfer import (
     stop,
     timed,
 )
-from coordinator.launch import shard_ports
-from coordinator.sharding import SECRET_ENV
+from coordinator.launch import SECRET_ENV, shard_ports
 from diloco.cli.common import ArgumentParser, fail
 from diloco.config import ConfigError, RunConfig, config_from_dict, load_config
 from diloco.wire.messages import uplink_codec

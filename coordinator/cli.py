@@ -59,7 +59,7 @@ def build_parser() -> ArgumentParser:
 
 def shard_place(prog: str, args) -> tuple[int, int] | None:
     """(index, count) of the shard this process serves; None for an unsharded coordinator or the local launcher."""
-    from coordinator.sharding import launcher_index
+    from coordinator.launch import launcher_index
 
     addresses = [a for a in args.shard_addresses.split(",") if a]
     if args.shard is not None:
@@ -114,7 +114,8 @@ def main(argv: list[str] | None = None) -> None:
         observe = Observe(args.http_host, None if args.http_port < 0 else args.http_port, args.log_url, args.tensorboard)
         shard = None
         if place is not None:
-            from coordinator.sharding import ShardRole, shard_secret
+            from coordinator.launch import shard_secret
+            from coordinator.sharding import ShardRole
 
             shard = ShardRole(place[0], tuple(args.shard_addresses.split(",")), shard_secret())
         raise_open_file_limit()  # each island's connection and spooled push takes a file

@@ -1,4 +1,6 @@
-"""`diloco-coordinator serve --shards K` on one machine: starts the K shard processes and waits for them.
+"""How a coordinator's shards are launched: `diloco-coordinator serve --shards K` on one machine starts the K shard
+processes and waits for them; under the field's launchers a shard reads its place and the shards' secret from its
+environment (launcher_index, shard_secret).
 
 Each child is the same command with `--shard I` and the shards' addresses
 appended (argparse takes an option's last value), on port P+I, with a secret the
@@ -10,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import secrets
 import signal
 import socket
@@ -17,11 +20,14 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Mapping
 from pathlib import Path
 
-from coordinator.sharding import SECRET_ENV
+from diloco.config import ConfigError
 
 log = logging.getLogger(__name__)
+
+SECRET_ENV = "DILOCO_SHARD_SECRET"  # hex; made by `serve --shards K`, handed to remote shards by their launcher
 
 _WILDCARD = ("", "0.0.0.0", "::")
 
@@ -114,3 +120,29 @@ def _forward_signals(children: list[subprocess.Popen]):
 
     previous = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
     return lambda: [signal.signal(s, h) for s, h in previous.items()]
+
+
+def launcher_index(environ: Mapping[str, str] = os.environ, hostname: str | None = None) -> tuple[int, int] | None:
+    """(index, count) from the launcher's environment, or None outside one. A StatefulSet gives only the
+    ordinal (its hostname's "-N" suffix): the count is then None's job, given by --shards."""
+    for rank, size in (("RANK", "WORLD_SIZE"), ("SLURM_PROCID", "SLURM_NTASKS")):
+        if rank in environ and size in environ:
+            return int(environ[rank]), int(environ[size])
+    if "KUBERNETES_SERVICE_HOST" in environ:
+        m = re.search(r"-(\d+)$", hostname or socket.gethostname())
+        if m:
+            return int(m.group(1)), 0
+    return None
+
+
+def shard_secret(environ: Mapping[str, str] = os.environ) -> bytes:
+    raw = environ.get(SECRET_ENV, "")
+    try:
+        secret = bytes.fromhex(raw)
+    except ValueError:
+        secret = b""
+    if len(secret) < 16:
+        raise ConfigError(f"a coordinator of several shards needs the shards' shared secret: set {SECRET_ENV} to the same "
+                          "32+ hex digits on every shard (e.g. `python -c 'import secrets; print(secrets.token_hex(32))'`); "
+                          "`serve --shards K` on one machine makes one itself")
+    return secret

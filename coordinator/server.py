@@ -19,14 +19,12 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from coordinator import durable
 from coordinator.audit import AuditLog, NoAudit
-from coordinator.gather import FollowerRounds, WholeModel
-from coordinator.judging import ShardJudging
 from coordinator.ledger import DataLedger, account_dict
 from coordinator.metrics import CheckpointStats, coordinator_metrics
 from coordinator.rounds import Closed, RoundDriver
 from coordinator.runlog import RunLog
 from coordinator.service import CoordinatorService, add_to_server
-from coordinator.sharding import ShardRole
+from coordinator.sharding import ShardRole, ShardServices
 from coordinator.state import CoordinatorState
 from coordinator.web import RunWebServer
 from diloco.checkpoint import CheckpointStore
@@ -87,9 +85,7 @@ class Coordinator:
     checkpoints: CheckpointStats = field(default_factory=CheckpointStats)
     web: RunWebServer | None = None
     runlog: RunLog | None = None
-    judging: ShardJudging | None = None  # a shard of several: its part in judging each round
-    gathering: WholeModel | None = None  # the leading shard of several: the others' parts, for its evaluation
-    followers: FollowerRounds | None = None  # the leading shard of several: the others' rounds, in its summaries
+    shard_services: ShardServices | None = None  # a shard of several: what makes the shards one run
 
     def wait(self, timeout: float | None = None) -> bool:
         return self.driver.wait(timeout)
@@ -105,12 +101,8 @@ class Coordinator:
             self.web.stop()
         if self.runlog is not None:
             self.runlog.close()
-        if self.judging is not None:
-            self.judging.close()
-        if self.gathering is not None:
-            self.gathering.close()
-        if self.followers is not None:
-            self.followers.close()
+        if self.shard_services is not None:
+            self.shard_services.close()
 
     def report(self) -> dict:
         s = self.state
@@ -290,24 +282,15 @@ def start_coordinator(
     audit = AuditLog(audit_url) if audit_url else NoAudit()
     whole = shard is None or shard.count == 1
     part, manifests = shard.part(cfg) if shard is not None else ({"params": initial_parameters(cfg)}, [])
-    judging, evaluate, tasks, gathering, followers, built = None, make_evaluator(cfg), make_task_evaluator(cfg), None, None, []
-    if not whole:  # one verdict per round from every shard's statistics (coordinator/judging.py)
-        judging = ShardJudging(shard.index, shard.addresses, shard.secret, tls, cfg.rounds.deadline_s, lambda: state.fragments)
-        part |= {"judge": judging, "sketch_secret": judging.sketch_secret}
-        evaluate = tasks = None  # only the leader evaluates, reading the others' parts (coordinator/gather.py)
-        if shard.leads:
-            part["followers"] = followers = FollowerRounds(shard.addresses, shard.secret, tls)
-        if shard.leads and (make_evaluator(cfg) or make_task_evaluator(cfg)):
-            gathering = WholeModel(shard.addresses, shard.secret, tls, manifests[1:])
-            rounds = lambda: [f.round for f in built[0].fragments]
-            # The state's constructor evaluates the initial parameters, which the leader makes whole itself: the other
-            # shards may not serve yet.
-            reading = {"rounds": rounds, "initial": lambda: initial_parameters(cfg), "ready": lambda: bool(built)}
-            evaluate = gathering.evaluating(make_evaluator(cfg), missing=math.nan, **reading)
-            tasks = gathering.evaluating(make_task_evaluator(cfg), missing={}, **reading)
-    state = CoordinatorState(cfg, spool_dir=spool, evaluate=evaluate, tasks=tasks, ledger=ledger, data_digest=data_digest,
+    evaluators, services, built = {"evaluate": make_evaluator(cfg), "tasks": make_task_evaluator(cfg)}, None, []
+    if not whole:  # judged, summarised and evaluated as one run (coordinator/sharding.py ShardServices)
+        fragments = lambda: built[0].fragments if built else []  # the state's, once it exists
+        services = ShardServices.start(shard, cfg, tls, manifests, fragments)
+        part |= services.state_args()
+        evaluators = services.evaluators(evaluators["evaluate"], evaluators["tasks"], lambda: initial_parameters(cfg), fragments)
+    state = CoordinatorState(cfg, spool_dir=spool, ledger=ledger, data_digest=data_digest,
                              revoked=revocations.is_revoked if revocations is not None else (lambda owner: False),
-                             record=audit.record, **part)
+                             record=audit.record, **evaluators, **part)
     built.append(state)
     url = cfg.checkpoint.url if whole or not cfg.checkpoint.url else shard.checkpoint_url(cfg.checkpoint.url)
     store = CheckpointStore(url, keep_last=cfg.checkpoint.keep_last) if url else None
@@ -327,7 +310,7 @@ def start_coordinator(
     runlog = RunLog(observe.log_url, observe.tensorboard, cfg) if observe.log_url or observe.tensorboard else None
     stop = threading.Event()
     service = CoordinatorService(state, stop, mutual_tls=tls is not None, audit=audit, shard=shard,
-                                 judges=judging.leader if judging is not None else None)
+                                 judges=services.judging.leader if services is not None else None)
     server, bound, health_servicer = start_grpc(cfg, service, host, port, credentials)
 
     saving = threading.Lock()
@@ -354,8 +337,7 @@ def start_coordinator(
     driver = RoundDriver(state.fragments, lambda f: state.step_round(fragment=f), after_close, stop).start()
     log.info("coordinator %sserving on %s:%d (%s)", f"shard {shard.index} of {shard.count} " if shard else "", host, bound,
              "mutual TLS" if tls is not None else "plaintext")
-    return Coordinator(state, server, bound, stop, driver, health_servicer, audit, checkpoints, web, runlog, judging,
-                       gathering, followers)
+    return Coordinator(state, server, bound, stop, driver, health_servicer, audit, checkpoints, web, runlog, services)
 
 
 def serve(

@@ -10,20 +10,18 @@ StatefulSet pod's ordinal at the end of its hostname); `diloco-coordinator serve
 
 from __future__ import annotations
 
-import os
-import re
-import socket
-from collections.abc import Mapping
+import math
 from dataclasses import dataclass
 
-from diloco.config import ConfigError, RunConfig
+from coordinator.gather import FollowerRounds, WholeModel
+from coordinator.judging import ShardJudging
+from diloco.config import RunConfig
 from diloco.fragments import layout_for
 from diloco.models.llama import initial_parameters, parameter_shapes
+from diloco.security.credentials import TlsFiles
 from diloco.sharded_checkpoint import common_step, shard_url
 from diloco.shardmap import ShardMap, ticket, ticket_valid
 from diloco.wire.messages import Manifest
-
-SECRET_ENV = "DILOCO_SHARD_SECRET"  # hex; made by `serve --shards K`, handed to remote shards by their launcher
 
 
 @dataclass(frozen=True)
@@ -67,27 +65,40 @@ class ShardRole:
                 "layout": shard_map.restrict(layout, self.index), "model": (manifest, layout)}, manifests
 
 
-def launcher_index(environ: Mapping[str, str] = os.environ, hostname: str | None = None) -> tuple[int, int] | None:
-    """(index, count) from the launcher's environment, or None outside one. A StatefulSet gives only the
-    ordinal (its hostname's "-N" suffix): the count is then None's job, given by --shards."""
-    for rank, size in (("RANK", "WORLD_SIZE"), ("SLURM_PROCID", "SLURM_NTASKS")):
-        if rank in environ and size in environ:
-            return int(environ[rank]), int(environ[size])
-    if "KUBERNETES_SERVICE_HOST" in environ:
-        m = re.search(r"-(\d+)$", hostname or socket.gethostname())
-        if m:
-            return int(m.group(1)), 0
-    return None
+@dataclass
+class ShardServices:
+    """What a shard of several runs beside its round machines: its part in judging each round (coordinator/judging.py)
+    and, on the leader, the other shards' rounds in its summaries and their values for its evaluation
+    (coordinator/gather.py)."""
 
+    judging: ShardJudging
+    followers: FollowerRounds | None = None
+    gathering: WholeModel | None = None
 
-def shard_secret(environ: Mapping[str, str] = os.environ) -> bytes:
-    raw = environ.get(SECRET_ENV, "")
-    try:
-        secret = bytes.fromhex(raw)
-    except ValueError:
-        secret = b""
-    if len(secret) < 16:
-        raise ConfigError(f"a coordinator of several shards needs the shards' shared secret: set {SECRET_ENV} to the same "
-                          "32+ hex digits on every shard (e.g. `python -c 'import secrets; print(secrets.token_hex(32))'`); "
-                          "`serve --shards K` on one machine makes one itself")
-    return secret
+    @staticmethod
+    def start(shard: ShardRole, cfg: RunConfig, tls: TlsFiles | None, manifests: list[Manifest], fragments) -> ShardServices:
+        """fragments(): the state's round machines once it exists."""
+        services = ShardServices(ShardJudging(shard.index, shard.addresses, shard.secret, tls, cfg.rounds.deadline_s, fragments))
+        if shard.leads:
+            services.followers = FollowerRounds(shard.addresses, shard.secret, tls)
+            services.gathering = WholeModel(shard.addresses, shard.secret, tls, manifests[1:])
+        return services
+
+    def state_args(self) -> dict:
+        """CoordinatorState's arguments for a shard: the round machines' judge and sketch keys, the leader's followers."""
+        return {"judge": self.judging, "sketch_secret": self.judging.sketch_secret, "followers": self.followers}
+
+    def evaluators(self, evaluate, tasks, initial, fragments) -> dict:
+        """The leader's evaluation and task scores over the whole model (the others' parts read at its fragments'
+        rounds; initial() before its state exists); none on the others."""
+        if self.gathering is None:
+            return {"evaluate": None, "tasks": None}
+        reading = {"rounds": lambda: [f.round for f in fragments()], "initial": initial, "ready": lambda: bool(fragments())}
+        return {"evaluate": self.gathering.evaluating(evaluate, missing=math.nan, **reading),
+                "tasks": self.gathering.evaluating(tasks, missing={}, **reading)}
+
+    def close(self) -> None:
+        self.judging.close()
+        for part in (self.followers, self.gathering):
+            if part is not None:
+                part.close()

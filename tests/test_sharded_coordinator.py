@@ -279,7 +279,8 @@ def test_only_the_shards_own_signed_statistics_reach_the_leaders_judge(tmp_path)
                 pb_grpc.CoordinatorStub(channel).Judge(
                     pb.JudgeRequest(fragment=0, round=0, shard=1, proof=signed, contributions=[forged]), timeout=30)
             assert refusal_of(refused.value).reason == Reason.NOT_YOURS
-        assert not leader.judging.leader.parts and not leader.judging.leader.verdicts
+        judge = leader.shard_services.judging.leader
+        assert not judge.parts and not judge.verdicts
 
 
 def test_a_sharded_runs_checkpoints_export_and_evaluate_as_one_model(tmp_path, capsys):

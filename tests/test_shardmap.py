@@ -6,7 +6,8 @@ import pytest
 import torch
 from conftest import tiny_config
 
-from coordinator.sharding import ShardRole, launcher_index, shard_secret
+from coordinator.launch import launcher_index, shard_secret
+from coordinator.sharding import ShardRole
 from diloco.config import ConfigError
 from diloco.fragments import layout_for
 from diloco.shardmap import ShardMap, join_checksums, split_checksum
