@@ -19,8 +19,7 @@ from diloco.config import RunConfig
 from diloco.fragments import layout_for
 from diloco.models.llama import initial_parameters, parameter_shapes
 from diloco.security.credentials import TlsFiles
-from diloco.sharded_checkpoint import common_step, shard_url
-from diloco.shardmap import ShardMap, ticket, ticket_valid
+from diloco.shardmap import ShardMap, common_step, shard_url, ticket, ticket_valid
 from diloco.wire.messages import Manifest
 
 
@@ -49,7 +48,7 @@ class ShardRole:
         return shard_url(base, self.index, self.count)
 
     def common_step(self, base: str, keep_last: int) -> int | None:
-        """The newest checkpoint step every shard committed (diloco/sharded_checkpoint.py)."""
+        """The newest checkpoint step every shard committed (diloco/shardmap.py)."""
         return common_step(base, self.count, keep_last)
 
     def part(self, cfg: RunConfig) -> tuple[dict, list[Manifest]]:

@@ -54,14 +54,15 @@ class Run:
         self.deadline = time.monotonic() + deadline_s
         self.config_path = workdir / "run.toml"
         self.config_path.write_text(cfg.to_toml())
+        self.followers = []  # a sharded coordinator's other shards; self.coordinator is the leader (scenarios may replace it)
         if coordinator_shards:
             ports = shard_ports("127.0.0.1", 0, coordinator_shards)
             addresses, secret = tuple(f"127.0.0.1:{p}" for p in ports), os.urandom(32)
-            self.shards = [start_coordinator(cfg, "127.0.0.1", port, spool_dir=str(workdir / f"spool-{i}"),
-                                             shard=ShardRole(i, addresses, secret)) for i, port in enumerate(ports)]
+            shards = [start_coordinator(cfg, "127.0.0.1", port, spool_dir=str(workdir / f"spool-{i}"),
+                                        shard=ShardRole(i, addresses, secret)) for i, port in enumerate(ports)]
+            self.coordinator, self.followers = shards[0], shards[1:]
         else:
-            self.shards = [start_coordinator(cfg, "127.0.0.1", 0, spool_dir=str(workdir / "spool"))]
-        self.coordinator = self.shards[0]
+            self.coordinator = start_coordinator(cfg, "127.0.0.1", 0, spool_dir=str(workdir / "spool"))
         self.procs: dict[str, subprocess.Popen] = {}
         self.env = dict(
             os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1",
@@ -69,6 +70,10 @@ class Run:
             MALLOC_MMAP_THRESHOLD_="65536",
         )
         self.notes: dict = {}
+
+    @property
+    def shards(self) -> list:
+        return [self.coordinator, *self.followers]
 
     def island(self, name: str, *flags: str, env: dict | None = None, module: list[str] | None = None) -> None:
         argv = [sys.executable, "-m", *(module or ["islands"]), "join", "--coordinator", f"127.0.0.1:{self.coordinator.port}",

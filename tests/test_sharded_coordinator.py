@@ -87,8 +87,15 @@ def assert_same_run(sharded: dict, reference: dict, cfg, shards: int) -> None:
         assert torch.equal(sharded["params"][name], t), f"{name} differs from the one-process coordinator's"
         assert torch.equal(sharded["momentum"][name], reference["momentum"][name]), f"{name}'s momentum differs"
     assert set(sharded["rounds"]) == {cfg.rounds.rounds}
-    # The leader's evaluation reads the other shards' parts: the one-process coordinator's figures, bit for bit.
-    assert sharded["evals"] == reference["evals"] and sharded["initial_eval"] == reference["initial_eval"]
+    # The leader's evaluation reads the other shards' parts: the one-process coordinator's figures, bit for bit. With
+    # streaming, a wave's evaluation is left out when another fragment's next round closed on a shard before the leader
+    # read it (here H/P = 1 inner step apart; docs/sharding.md); the run's last one always stands.
+    assert sharded["initial_eval"] == reference["initial_eval"]
+    if cfg.streaming.fragments == 1:
+        assert sharded["evals"] == reference["evals"]
+    assert [e[:2] for e in sharded["evals"]] == [e[:2] for e in reference["evals"]]
+    assert all(got[2] in (None, want[2]) for got, want in zip(sharded["evals"], reference["evals"]))
+    assert sharded["evals"][-1] == reference["evals"][-1] and reference["evals"][-1][2] is not None
     assert any(loss is not None for _, _, loss in reference["evals"])
     assert sharded["folded"] == reference["folded"]
     if shards > 1:  # the leader shows each shard's part: the followers' as they counted it, the leader's the rest

@@ -59,7 +59,7 @@ from diloco.models.evaluation import (
     load_hellaswag,
     multiple_choice,
 )
-from diloco.sharded_checkpoint import load_sharded, shards_under
+from diloco.shardmap import load_sharded, shards_under
 
 PROG = "diloco-eval"
 _STEP_DIR = re.compile(r"^(?P<root>.*)/step-(?P<step>\d{10})$")

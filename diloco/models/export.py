@@ -34,7 +34,7 @@ import torch
 from diloco.checkpoint import CheckpointError, CheckpointStore
 from diloco.config import ConfigError, RunConfig, config_from_toml, load_config
 from diloco.models.hf import INDEX, WEIGHTS, HFError, hf_config, to_hf
-from diloco.sharded_checkpoint import load_sharded, shards_under
+from diloco.shardmap import load_sharded, shards_under
 
 log = logging.getLogger(__name__)
 
