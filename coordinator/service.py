@@ -250,6 +250,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
     def _result(
         self, island_id: str, delta_from_round: int | None, ranges: list[FlatRange] | None = None,
         fragment: int | None = None, want_mean: bool = False, held_s: float = 0.0, context=None, ticket: Ticket | None = None,
+        counted: bool = True,
     ) -> Iterator[pb.ResultMessage | bytes]:
         """The global parameters: as fp32 values, or as the last round's delta when the island can take it.
 
@@ -273,7 +274,8 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                     ticket.check()
                 sent += len(message) if isinstance(message, bytes) else message.ByteSize()
                 yield message
-        self.state.count_down(header.round, island_id, sent, fragment or 0)
+        if counted:
+            self.state.count_down(header.round, island_id, sent, fragment or 0)
 
     def _messages(self, reading: Reading, ranges: list[FlatRange] | None, fragment: int | None) -> Iterator[pb.ResultMessage | bytes]:
         """A result's messages: its header, the update's or the values' chunks, the mean's, and a streamed update's
@@ -305,7 +307,8 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
     def FetchParameters(self, request: pb.FetchRequest, context) -> Iterator[pb.ResultMessage]:
         # The leading shard reading this one's part for its evaluation (coordinator/gather.py); else an island or a
         # watcher, who is who its certificate says.
-        credential = None if self._leader_reads(request) else self._caller(context, request.island_id)
+        leader = self._leader_reads(request)
+        credential = None if leader else self._caller(context, request.island_id)
         if request.island_id:
             self.state.touch(request.island_id)
         fragment = request.fragment if request.HasField("fragment") else None
@@ -316,7 +319,9 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         holder = request.island_id or (credential or context.peer().rsplit(":", 1)[0])
         with self.limits.stream("result", holder, self._ranks(request.island_id)), \
                 self.streams.open("fetch", credential, context.cancel) as ticket:
-            yield from self._result(request.island_id or "observer", None, ranges, fragment, context=context, ticket=ticket)
+            # The leader's reads for its evaluation are the coordinator's own, not the run's traffic.
+            yield from self._result(request.island_id or "observer", None, ranges, fragment, context=context, ticket=ticket,
+                                    counted=not leader)
 
     @_refusals
     def PushPseudoGradient(self, request_iterator: Iterator[pb.PushMessage], context) -> pb.PushResponse:

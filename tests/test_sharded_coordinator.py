@@ -78,6 +78,7 @@ def run(cfg, shards: int, tmp_path, islands: int = 2) -> dict:
         return {"params": params, "momentum": momentum, "checksums": sums, "rounds": rounds, "evals": evals, "folded": folded,
                 "rows": rows, "metrics": metrics, "own_bytes": [sum(s.bytes_up for s in c.state.summaries) for c in running[1:]],
                 "last_checksum": running[0].state.summaries[-1].checksum, "bytes_up": [s.bytes_up for s in running[0].state.summaries],
+                "bytes_down": [s.bytes_down for s in running[0].state.summaries],
                 "initial_eval": running[0].state.initial_eval_loss, "finals": [r.checksum for r in results.values()]}
 
 
@@ -107,6 +108,9 @@ def assert_same_run(sharded: dict, reference: dict, cfg, shards: int) -> None:
     assert sharded["last_checksum"] == join_checksums(parts_of_last(reference, cfg, shards))
     # Each shard's pushes carry a header of their own: the bytes are the one process's within a few hundred a round.
     assert all(abs(a - b) < 300 * shards * 2 for a, b in zip(sharded["bytes_up"], reference["bytes_up"])), (sharded["bytes_up"], reference["bytes_up"])
+    # Down too: the leader's reads of the others' values for its evaluation are not the run's traffic.
+    assert all(abs(a - b) < 300 * shards * 4 for a, b in zip(sharded["bytes_down"], reference["bytes_down"])), \
+        (sharded["bytes_down"], reference["bytes_down"])
     # The run's checksum of each fragment is its shards' checksums of the one-process coordinator's parameters.
     layout = layout_for(reference["params"], cfg)
     shard_map = ShardMap.of(layout, {n: t.numel() for n, t in reference["params"].items()}, shards)
