@@ -11,8 +11,6 @@ evaluation out (NaN, logged) rather than measure a model no island held.
 
 from __future__ import annotations
 
-import hashlib
-import hmac
 import logging
 import threading
 import time
@@ -22,7 +20,7 @@ import grpc
 import torch
 
 from diloco.security.credentials import TlsFiles
-from diloco.shardmap import join_checksums
+from diloco.shardmap import join_checksums, sign
 from diloco.v1 import diloco_pb2 as pb
 from diloco.v1 import diloco_pb2_grpc as pb_grpc
 from diloco.wire.codec import get_codec
@@ -35,7 +33,7 @@ log = logging.getLogger(__name__)
 def leader_proof(secret: bytes) -> str:
     """What a leading shard shows a following one to read its values and watch its rounds (what every member may
     read already, and no island's to change)."""
-    return hmac.new(secret, b"leader reads", hashlib.sha256).hexdigest()
+    return sign(secret, "leader reads")
 
 
 class WholeModel:
@@ -44,7 +42,7 @@ class WholeModel:
     def __init__(self, addresses: tuple[str, ...], secret: bytes, tls: TlsFiles | None, manifests: list[Manifest],
                  wait_s: float = 60.0):
         self.proof, self.manifests, self.wait_s = leader_proof(secret), manifests, wait_s
-        self.channels = [_channel(a, tls) for a in addresses[1:]]
+        self.channels = [shard_channel(a, tls) for a in addresses[1:]]
         self.stubs = [stub_for(c) for c in self.channels]
 
     def gather(self, own: dict[str, torch.Tensor], rounds: list[int]) -> dict[str, torch.Tensor] | None:
@@ -117,10 +115,10 @@ class FollowerRounds:
         self.cond = threading.Condition()
         self.got: dict[tuple[int, int], dict[int, pb.RoundSummary]] = {}  # (fragment, round) -> shard -> summary
         self.rounds: dict[int, dict[int, int]] = {}  # each follower's fragments' rounds now (the last closed + 1)
-        self.bytes: dict[int, list[int]] = {}  # each follower's bytes [up, down] over the run
+        self.bytes: dict[int, list[int]] = {0: [0, 0]}  # each shard's bytes [up, down] over the run (0: the leader's)
         self.stop = threading.Event()
         proof = leader_proof(secret)
-        self.channels = [_channel(a, tls) for a in addresses[1:]]
+        self.channels = [shard_channel(a, tls) for a in addresses[1:]]
         self.threads = [threading.Thread(target=self._watch, args=(shard, channel, proof), name=f"watch-shard-{shard}",
                                          daemon=True) for shard, channel in enumerate(self.channels, start=1)]
         for t in self.threads:
@@ -152,6 +150,10 @@ class FollowerRounds:
         with self.cond:
             self.cond.wait_for(lambda: len(self.got.get(key, {})) == others or self.stop.is_set(), self.wait_s)
             parts = self.got.pop(key, {})
+            for old in [k for k in self.got if k[0] == summary.fragment and k[1] < summary.round]:  # never merged
+                del self.got[old]
+            self.bytes[0][0] += summary.bytes_up
+            self.bytes[0][1] += summary.bytes_down
         if len(parts) < others:
             log.warning("round %d's summary has %d of %d shards' figures (the others' did not come within %.0f s)",
                         summary.round, len(parts) + 1, others + 1, self.wait_s)
@@ -173,13 +175,14 @@ class FollowerRounds:
         summary.traffic.extend(pb.IslandTraffic(island_id=i, bytes_up=u, bytes_down=d) for i, (u, d) in traffic.items())
         summary.checksum = join_checksums(checksums)
 
-    def rows(self) -> list[dict]:
-        """One row per following shard: its address, its round (its slowest fragment's, as far as this leader has seen
-        them close) and the bytes it carried."""
+    def rows(self, leader_round: int) -> list[dict]:
+        """One row per shard, the leader's (at leader_round) first: its address, its round (a follower's slowest
+        fragment's, as far as the leader has seen them close) and the bytes it carried."""
         with self.cond:
-            return [{"shard": shard, "address": address, "round": min(self.rounds[shard].values()) if shard in self.rounds else None,
+            rounds = {0: leader_round} | {s: min(r.values()) for s, r in self.rounds.items()}
+            return [{"shard": shard, "address": address, "round": rounds.get(shard),
                      "bytes_up": self.bytes.get(shard, [0, 0])[0], "bytes_down": self.bytes.get(shard, [0, 0])[1]}
-                    for shard, address in enumerate(self.addresses[1:], start=1)]
+                    for shard, address in enumerate(self.addresses)]
 
     def close(self) -> None:
         self.stop.set()
@@ -189,7 +192,9 @@ class FollowerRounds:
             c.close()
 
 
-def _channel(address: str, tls: TlsFiles | None) -> grpc.Channel:
+def shard_channel(address: str, tls: TlsFiles | None) -> grpc.Channel:
+    """A shard's channel to another: mutual TLS with the coordinator's own certificate (it allows client use), or
+    plaintext where the shards serve plaintext."""
     if tls is None:
         return grpc.insecure_channel(address)
     ca, cert, key = tls.read()

@@ -15,8 +15,6 @@ shard that cannot reach the leader for that long judges its part alone.
 
 from __future__ import annotations
 
-import hashlib
-import hmac
 import logging
 import math
 import threading
@@ -26,9 +24,11 @@ from collections.abc import Callable
 import grpc
 import numpy as np
 
+from coordinator.gather import shard_channel
 from coordinator.rounds import fold_key
 from diloco.robust import NormGuard, Verdict
 from diloco.security.credentials import TlsFiles
+from diloco.shardmap import sign, signed
 from diloco.v1 import diloco_pb2 as pb
 from diloco.v1 import diloco_pb2_grpc as pb_grpc
 
@@ -38,7 +38,7 @@ _KEPT_ROUNDS = 8  # verdicts kept per fragment for a shard that asks late (it re
 
 
 def proof(secret: bytes, fragment: int, round_: int, shard: int) -> str:
-    return hmac.new(secret, f"judge\n{fragment}\n{round_}\n{shard}".encode(), hashlib.sha256).hexdigest()
+    return sign(secret, "judge", fragment, round_, shard)
 
 
 def stats_of(contributions) -> list[pb.ContributionStats]:
@@ -90,8 +90,8 @@ class LeaderJudge:
         self.verdicts: dict[tuple[int, int], Verdict] = {}
 
     def admits(self, request: pb.JudgeRequest) -> bool:
-        return 0 < request.shard < self.shards and hmac.compare_digest(
-            proof(self.secret, request.fragment, request.round, request.shard), request.proof)
+        return 0 < request.shard < self.shards and signed(self.secret, request.proof, "judge", request.fragment,
+                                                          request.round, request.shard)
 
     def judge(self, fragment: int, round_: int, shard: int, stats: list[pb.ContributionStats]) -> Verdict:
         key = (fragment, round_)
@@ -120,11 +120,7 @@ class FollowerJudge:
 
     def __init__(self, index: int, leader: str, secret: bytes, tls: TlsFiles | None, wait_s: float):
         self.index, self.secret, self.wait_s = index, secret, wait_s
-        if tls is not None:
-            ca, cert, key = tls.read()
-            self.channel = grpc.secure_channel(leader, grpc.ssl_channel_credentials(ca, key, cert))
-        else:
-            self.channel = grpc.insecure_channel(leader)
+        self.channel = shard_channel(leader, tls)
         self.stub = pb_grpc.CoordinatorStub(self.channel)
 
     def judge(self, fragment: int, round_: int, stats: list[pb.ContributionStats], guard: NormGuard, label: str) -> Verdict:
@@ -155,7 +151,7 @@ class ShardJudging:
 
     def __init__(self, index: int, addresses: tuple[str, ...], secret: bytes, tls: TlsFiles | None, wait_s: float,
                  fragments: Callable[[], list]):
-        self.sketch_secret = hmac.new(secret, b"sketch", hashlib.sha256).digest()[:16]
+        self.sketch_secret = bytes.fromhex(sign(secret, "sketch"))[:16]
         self.leader: LeaderJudge | None = None
         self.follower: FollowerJudge | None = None
         if index == 0:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import hmac
 import logging
 import math
 import threading
@@ -13,7 +12,6 @@ from contextlib import contextmanager
 import grpc
 
 from coordinator.audit import NoAudit
-from coordinator.gather import leader_proof
 from coordinator.judging import LeaderJudge, verdict_proto
 from coordinator.ledger import ranges_of
 from coordinator.limits import Limits, idle_bounded
@@ -27,6 +25,7 @@ from diloco.security.credentials import (
     ranks_from_auth_context,
 )
 from diloco.security.untrusted import CHECKSUM_MAX, ID_MAX, bounded
+from diloco.shardmap import signed
 from diloco.v1 import diloco_pb2 as pb
 from diloco.v1 import diloco_pb2_grpc as pb_grpc
 from diloco.wire.frames import ChunkView, chunk_deserializer, frame_chunk, serialized
@@ -297,7 +296,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
     def _leader_reads(self, request: pb.FetchRequest | pb.WatchRequest) -> bool:
         """The leading shard reading this following one's values or rounds (coordinator/gather.py)."""
         return (self.shard is not None and not self.shard.leads and not getattr(request, "island_id", "")
-                and bool(request.shard_proof) and hmac.compare_digest(leader_proof(self.shard.secret), request.shard_proof))
+                and signed(self.shard.secret, request.shard_proof, "leader reads"))
 
     def _credential(self, context) -> str | None:
         """The caller's credential (mutual TLS), None without TLS; refused when revoked or naming no island."""

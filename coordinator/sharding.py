@@ -19,7 +19,7 @@ from diloco.config import RunConfig
 from diloco.fragments import layout_for
 from diloco.models.llama import initial_parameters, parameter_shapes
 from diloco.security.credentials import TlsFiles
-from diloco.shardmap import ShardMap, common_step, shard_url, ticket, ticket_valid
+from diloco.shardmap import ShardMap, common_step, shard_url, signed, ticket
 from diloco.wire.messages import Manifest
 
 
@@ -41,7 +41,7 @@ class ShardRole:
         return ticket(self.secret, island_id, owner or "", ranks)
 
     def admits(self, presented: str, island_id: str, owner: str | None, ranks: int) -> bool:
-        return bool(presented) and ticket_valid(self.secret, presented, island_id, owner or "", ranks)
+        return signed(self.secret, presented, island_id, owner or "", ranks)
 
     def checkpoint_url(self, base: str) -> str:
         """Where this shard checkpoints its part: a folder of its own under the run's checkpoint.url."""

@@ -195,14 +195,9 @@ def run_snapshot(state: CoordinatorState, since_round_index: int = 0) -> dict:
 
 def shard_rows(state: CoordinatorState) -> list[dict]:
     """A sharded coordinator's leader: a row per shard (its round and the bytes it carried), the leader's first;
-    empty for a coordinator of one process. The leader's own bytes are the run's less the others'."""
+    empty for a coordinator of one process."""
     if state.followers is None:
         return []
-    others = state.followers.rows()
     with state.cond:
-        up = sum(s.bytes_up for s in state.summaries)
-        down = sum(s.bytes_down for s in state.summaries)
-        rounds = min(f.round for f in state.fragments)
-    leader = {"shard": 0, "address": state.followers.addresses[0], "round": rounds,
-              "bytes_up": up - sum(r["bytes_up"] for r in others), "bytes_down": down - sum(r["bytes_down"] for r in others)}
-    return [leader, *others]
+        leader_round = min(f.round for f in state.fragments)
+    return state.followers.rows(leader_round)

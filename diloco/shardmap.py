@@ -100,13 +100,19 @@ def split_checksum(checksum: str, shards: int) -> list[str]:
     return parts
 
 
+def sign(secret: bytes, *parts: object) -> str:
+    """An HMAC under the shards' shared secret over parts: the leader's join tickets, and what the shards show each
+    other (a round's statistics, the leader reading a follower)."""
+    return hmac.new(secret, "\n".join(map(str, parts)).encode(), hashlib.sha256).hexdigest()
+
+
+def signed(secret: bytes, presented: str, *parts: object) -> bool:
+    return bool(presented) and hmac.compare_digest(sign(secret, *parts), presented)
+
+
 def ticket(secret: bytes, island_id: str, owner: str, ranks: int) -> str:
     """What the leading shard signs for an island it admitted; the other shards admit the island on it."""
-    return hmac.new(secret, f"{island_id}\n{owner}\n{ranks}".encode(), hashlib.sha256).hexdigest()
-
-
-def ticket_valid(secret: bytes, presented: str, island_id: str, owner: str, ranks: int) -> bool:
-    return hmac.compare_digest(ticket(secret, island_id, owner, ranks), presented)
+    return sign(secret, island_id, owner, ranks)
 
 
 # --- the shards' checkpoints ---------------------------------------------------------------------------

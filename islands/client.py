@@ -68,10 +68,6 @@ class ReplayableChunks:
             yield self._cache[i]
             i += 1
 
-    def only(self, names: Collection[str]) -> ReplayableChunks:
-        """The chunks of these parameters (a coordinator shard's, islands/sharded.py)."""
-        return ReplayableChunks(c for c in self.iter_from(0) if c.name in names)
-
 
 class RegeneratingChunks:
     """Chunks produced afresh for every (re)send from a pure function of the chunk index.

@@ -188,7 +188,7 @@ class ShardedClient:
         return combined
 
     def push(self, header: pb.PushHeader, chunks) -> pb.PushResponse:
-        """chunks: a RegeneratingChunks (or ReplayableChunks) that can give each shard only its parameters' chunks."""
+        """chunks: the islands' RegeneratingChunks (islands/round.py push), which make each shard's chunks alone."""
         if self.map is None:
             return self.leader.push(header, chunks)
         sums = split_checksum(header.global_checksum, self.map.shards)
