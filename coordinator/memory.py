@@ -38,7 +38,6 @@ log = logging.getLogger(__name__)
 # Each component, and what it is: the names the report, /metrics and the exchange benchmark print.
 COMPONENTS = {
     "outer_params": "the global parameters theta in fp32, the outer optimizer's (with a lossless downlink what islands hold)",
-    "published_params": "the lossy downlink's published copy, what islands hold (theta - it: the downlink's error feedback)",
     "momentum": "the outer Nesterov momentum (delayed Nesterov's carry)",
     "accumulator": "the round's token-weighted sum of pseudo-gradients, divided in place into the mean",
     "accumulator_late": "delayed Nesterov's sum of late contributions (allocated at the first one)",
@@ -117,7 +116,6 @@ def fragment_memory(fragment, counter: StorageCounter, closing=None) -> dict[str
     stream = fragment.streaming  # a lossy update being made: its chunks are delta_chunks once published
     return {
         "outer_params": counter.count(outer.params.values()),
-        "published_params": counter.count(publication.params.values()),
         "momentum": counter.count([*momentum, *(outer.carry or {}).values()]),
         "accumulator": counter.count(accumulator.sums.values()),
         "accumulator_late": counter.count(late.values()) if late is not None else 0,

@@ -5,7 +5,9 @@ With a lossy one the coordinator sends each round's update compressed and adds
 exactly what it sent to its published copy, so the published copy and every
 island's stay bit-identical; the outer parameters keep full precision and the
 gap between the two (theta_outer - theta_published) is the downlink's error
-feedback, carried into the next round's update.
+feedback, carried into the next round's update. The published copy is file-backed
+(coordinator/filebacked.py): every use hands back the pages it touched, so it is
+not a fourth model in the coordinator's resident memory.
 """
 
 from __future__ import annotations
@@ -22,10 +24,11 @@ from dataclasses import dataclass, field
 
 import torch
 
+from coordinator.filebacked import FileBackedParams
 from diloco.wire.codec import Codec, get_codec
 from diloco.outer import OuterOptimizer, PseudoGradientAccumulator
 from diloco.wire.refusal import Reason, Refused
-from diloco.params import checksum
+from diloco.params import checksum, checksum_slices
 from diloco.v1 import diloco_pb2 as pb
 from diloco.wire.frames import Chunk, chunk_of, fp32_payload, frame_chunk, parse_chunk_message
 from diloco.wire.messages import FlatRange, chunk_spans, make_chunk, payload_digest
@@ -118,8 +121,11 @@ class PublishedValues:
     change. What stalled readers can hold is bounded by Publication (see _supersede).
     """
 
-    def __init__(self, params: Mapping[str, torch.Tensor], chunk_bytes: int, spill_dir: str | None = None):
+    def __init__(self, params: Mapping[str, torch.Tensor], chunk_bytes: int, spill_dir: str | None = None,
+                 release: Callable[[str, int, int], None] | None = None):
+        """release(name, lo, hi): what hands back the pages a message was framed from (a file-backed copy's)."""
         fp32 = get_codec("fp32")
+        self._release = release
         self._flat = {name: t.detach().reshape(-1) for name, t in params.items()}
         self._names = {name: name.encode() for name in params}
         self.spans = [(name, lo, hi) for name, t in self._flat.items() for lo, hi in chunk_spans(t.numel(), fp32, chunk_bytes)]
@@ -159,6 +165,8 @@ class PublishedValues:
         """Message k framed from the parameters (the caller holds the frame lock)."""
         name, lo, hi = self.spans[k]
         payload = fp32_payload(self._flat[name][lo:hi])
+        if self._release is not None:
+            self._release(name, lo, hi)
         if self._digests[k] is None:
             self._digests[k] = payload_digest(payload)
         return frame_chunk(2, Chunk(name, lo, hi - lo, payload, self._digests[k]), self._names[name])
@@ -301,8 +309,10 @@ class Publication:
         self.codec = codec
         self.chunk_bytes = chunk_bytes
         self.lossless = codec.name == "fp32"
-        self.params = dict(outer_params) if self.lossless else {n: t.clone() for n, t in outer_params.items()}
-        self.checksum = checksum(self.params)
+        # A lossy downlink's published copy is file-backed: each use below hands its pages back (release).
+        self.file = None if self.lossless else FileBackedParams(outer_params, spill_dir)
+        self.params = dict(outer_params) if self.file is None else self.file.tensors
+        self.checksum = self._checksum()
         # The last round's update: it takes params with delta_base to params with checksum.
         self.delta_chunks: list[pb.TensorChunk] = []
         self.delta_base = ""
@@ -328,7 +338,8 @@ class Publication:
         """
         with self._values_lock:
             if self._values is None:
-                self._values = PublishedValues(self.params, self.chunk_bytes, self.spill_dir)
+                self._values = PublishedValues(self.params, self.chunk_bytes, self.spill_dir,
+                                               None if self.file is None else self.release)
             return self._values
 
     def open_values(self, cut: Callable[[], None] = lambda: None) -> tuple[PublishedValues, Callable[[], None]]:
@@ -336,7 +347,8 @@ class Publication:
         reader's call, see _supersede). The caller holds the parameters' read lock, only while it calls this."""
         with self._values_lock:
             if self._values is None:
-                self._values = PublishedValues(self.params, self.chunk_bytes, self.spill_dir)
+                self._values = PublishedValues(self.params, self.chunk_bytes, self.spill_dir,
+                                               None if self.file is None else self.release)
             values, closing = self._values, self._closing
             done = values.open(cut)
         if closing:  # the step is coming and the reader may be slow: made whole now, under the caller's read lock
@@ -406,8 +418,17 @@ class Publication:
                 if into is not None:
                     into.extend([chunk])
             self.delta_chunks, self.delta_base = chunks, self.checksum
-        self.checksum = checksum(self.params)
+        self.checksum = self._checksum()
         return thread_s
+
+    def release(self, name: str | None = None, lo: int = 0, hi: int | None = None) -> None:
+        """Hands back the pages of a file-backed published copy that were read or written (elements [lo, hi) of name;
+        all of them without a name): called after each use. Nothing to do with a lossless downlink."""
+        if self.file is not None:
+            self.file.release(name, lo, hi)
+
+    def _checksum(self) -> str:
+        return checksum(self.params) if self.file is None else checksum_slices(self.params, self.release)
 
     def unchanged(self) -> None:
         """A round that took no outer step: the parameters stay, so there is no update to send; a pull of the next
@@ -426,18 +447,26 @@ class Publication:
         published, outer = self.params[name].view(-1)[lo:hi], self.outer_params[name].view(-1)[lo:hi]
         payload = self.codec.encode(outer - published)
         self.codec.decode_add(payload, published)  # what every island adds, bit for bit, with no decoded copy
+        self.release(name, lo, hi)
         return make_chunk(name, lo, hi - lo, payload), time.perf_counter() - started
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        return {} if self.lossless else {n: t.clone() for n, t in self.params.items()}
+        if self.lossless:
+            return {}
+        state = {}
+        for n, t in self.params.items():
+            state[n] = t.clone()
+            self.release(n)
+        return state
 
     def load_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
         if not self.lossless:
             for name, t in state.items():
                 self.params[name].copy_(t)
+                self.release(name)
         self._supersede()
         self.delta_chunks, self.delta_base = [], ""
-        self.checksum = checksum(self.params)
+        self.checksum = self._checksum()
 
 
 def step_and_publish(publication: Publication, accumulator: PseudoGradientAccumulator, outer: OuterOptimizer,

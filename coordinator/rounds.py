@@ -604,6 +604,7 @@ class FragmentRounds:
                 if ranges is not None:
                     header.ranges_checksum = ranges_checksum(
                         (r.name, r.offset, pub.params[r.name].view(-1)[r.offset : r.end]) for r in ranges)
+                    pub.release()
                 if reading.delta is None:
                     reading.add_values(pub, cancel)
         try:
@@ -618,7 +619,9 @@ class FragmentRounds:
             if self.round != stream.round:  # the run went on meanwhile (this island was dropped from a round)
                 raise Refused(Reason.STILL_OPEN, f"{self.label}round {stream.round} is over; pull again", current_round=self.round)
             params = self.publication.params
-            return ranges_checksum((r.name, r.offset, params[r.name].view(-1)[r.offset : r.end]) for r in ranges)
+            found = ranges_checksum((r.name, r.offset, params[r.name].view(-1)[r.offset : r.end]) for r in ranges)
+            self.publication.release()
+            return found
 
     # --- closing a round: close, then apply ------------------------------------------------
 

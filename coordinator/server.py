@@ -34,6 +34,7 @@ from diloco.inner import evaluate
 from diloco.models.evaluation import make_task_evaluator
 from diloco.models.llama import Transformer
 from diloco.models.llama import initial_parameters as model_parameters
+from diloco.params import load_parameters
 from diloco.security.credentials import RevocationList, TlsFiles
 from diloco.security.net import is_loopback
 
@@ -55,7 +56,7 @@ def make_evaluator(cfg: RunConfig):
     model = Transformer(cfg.model)
 
     def run(params: dict[str, torch.Tensor]) -> float:
-        model.load_state_dict(params, strict=False)
+        load_parameters(model, params)
         return evaluate(model, batches)
 
     return run

@@ -17,14 +17,16 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
+from coordinator.filebacked import HandingBack
 from coordinator.ledger import DataLedger, account_dict
 from coordinator.links import LinkAdvisor
 from coordinator.membership import Events, Island, Membership, canonical_order
@@ -34,7 +36,7 @@ from coordinator.rounds import Closed, Closing, FragmentContext, FragmentRounds,
 from coordinator.spool import Spools
 from diloco.config import RunConfig
 from diloco.fragments import FragmentLayout, layout_for
-from diloco.params import checksum, ranges_checksum
+from diloco.params import checksum, checksum_slices, ranges_checksum
 from diloco.v1 import diloco_pb2 as pb
 from diloco.wire.messages import FlatRange, Manifest, link_codecs, uplink_codec
 from diloco.wire.refusal import Reason, Refused
@@ -114,7 +116,7 @@ class CoordinatorState:
         self._whole: tuple[tuple[str, ...], str] | None = None
         if len(self.fragments) > 1:
             log.info("streaming: %s", self.layout.describe())
-        self.initial_eval_loss = evaluate(self.params) if evaluate else math.nan
+        self.initial_eval_loss = self._read_whole(evaluate) if evaluate else math.nan
         # The most each part of memory held, sampled by the round drivers around each close (coordinator/memory.py).
         self.memory_peaks = MemoryPeaks(self.memory)
         self.freed_memory = FreedMemory()  # the allocator's slack handed back after each close
@@ -200,8 +202,27 @@ class CoordinatorState:
             return self.fragments[0].checksum
         key = tuple(f.checksum for f in self.fragments)
         if self._whole is None or self._whole[0] != key:
-            self._whole = (key, checksum(self._params))
+            found = checksum(self._params) if self._in_memory() else checksum_slices(self._params, self._release)
+            self._whole = (key, found)
         return self._whole[1]
+
+    def _in_memory(self) -> bool:
+        """The published parameters are the outer optimizers' (a lossless downlink), not file-backed copies."""
+        return all(f.publication.file is None for f in self.fragments)
+
+    def _release(self, name: str, lo: int = 0, hi: int | None = None) -> None:
+        self.fragments[self.layout.fragment_of(name)].publication.release(name, lo, hi)
+
+    def _read_whole(self, read: Callable[[Mapping[str, torch.Tensor]], Any]) -> Any:
+        """read(the published parameters); file-backed ones (a lossy downlink's, coordinator/filebacked.py) are handed
+        back a tensor at a time as read reads on (diloco/params.py load_parameters)."""
+        if self._in_memory():
+            return read(self._params)
+        try:
+            return read(HandingBack(self._params, self._release))
+        finally:  # what read kept hold of and read again (a sharded leader's gathered whole)
+            for f in self.fragments:
+                f.publication.release()
 
     @property
     def finished(self) -> bool:
@@ -286,7 +307,8 @@ class CoordinatorState:
         """memory() now, its peaks over the run (MemoryPeaks), the pool, and the fp32 model's bytes to compare with."""
         return {"now": self.memory(), **self.memory_peaks.report(), "spool_pool": self.memory_pool(),
                 "model_fp32_bytes": 4 * self.manifest.total_numel(),
-                "values_on_disk": sum(f.publication.held_values()["values_on_disk"] for f in self.fragments)}
+                "values_on_disk": sum(f.publication.held_values()["values_on_disk"] for f in self.fragments),
+                "published_on_disk": sum(f.publication.file.nbytes for f in self.fragments if f.publication.file is not None)}
 
     # --- calls for one fragment (fragment 0 without streaming) ---------------------------
 
@@ -336,13 +358,13 @@ class CoordinatorState:
         if self.evaluate and (finisher or (f.index == 0 and summary.round % self.cfg.eval.every_rounds == 0)):
             started = time.perf_counter()
             with self.reading_all():
-                summary.eval_loss = self.evaluate(self.params)
+                summary.eval_loss = self._read_whole(self.evaluate)
             summary.eval_s = time.perf_counter() - started
         every = self.cfg.eval.tasks_every_rounds
         if self.tasks and (finisher or (f.index == 0 and (summary.round + 1) % every == 0)):
             started = time.perf_counter()
             with self.reading_all():
-                summary.task_scores.update(self.tasks(self.params))
+                summary.task_scores.update(self._read_whole(self.tasks))
             summary.eval_s += time.perf_counter() - started
         if self.followers is not None:  # a leading shard: the round's summary is the run's, every shard's part in it
             self.followers.merge(summary)

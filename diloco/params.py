@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 
 import torch
 import torch.nn as nn
@@ -12,6 +12,17 @@ import xxhash
 def fp32_copy(model: nn.Module) -> dict[str, torch.Tensor]:
     """Detached fp32 CPU copies of a module's parameters, in module order."""
     return {n: p.detach().to("cpu", torch.float32).clone() for n, p in model.named_parameters()}
+
+
+@torch.no_grad()
+def load_parameters(model: nn.Module, params: Mapping[str, torch.Tensor]) -> None:
+    """Copies params into the model's parameters of the same names (others stay), reading them one at a time in the
+    model's order: a mapping that hands back a file-backed tensor's pages when the next is read
+    (coordinator/filebacked.py HandingBack) then holds one tensor resident, which load_state_dict, copying the
+    mapping whole first, would not."""
+    for name, p in model.named_parameters():
+        if name in params:
+            p.copy_(params[name])
 
 
 def _hash_fp32(h: "xxhash.xxh3_128", header: str, t: torch.Tensor) -> None:
@@ -30,6 +41,25 @@ def checksum(tensors: Mapping[str, torch.Tensor]) -> str:
     h = xxhash.xxh3_128()
     for name in sorted(tensors):
         _hash_fp32(h, name + str(tuple(tensors[name].shape)), tensors[name])
+    return h.hexdigest()
+
+
+CHECKSUM_SLICE = 1 << 22  # elements hashed at a time by checksum_slices: 16 MiB of fp32
+
+
+def checksum_slices(tensors: Mapping[str, torch.Tensor], after: Callable[[str, int, int], None]) -> str:
+    """checksum(tensors), the same digest (XXH3 is streamed), hashing fp32 CPU tensors a slice at a time and calling
+    after(name, lo, hi) once elements [lo, hi) of name were read: a file-backed copy hands their pages back
+    (coordinator/filebacked.py), so no more than a slice of it is resident at once."""
+    h = xxhash.xxh3_128()
+    for name in sorted(tensors):
+        t = tensors[name]
+        h.update((name + str(tuple(t.shape))).encode())
+        flat = t.detach().reshape(-1)
+        for lo in range(0, flat.numel(), CHECKSUM_SLICE):
+            hi = min(lo + CHECKSUM_SLICE, flat.numel())
+            h.update(flat[lo:hi].numpy())
+            after(name, lo, hi)
     return h.hexdigest()
 
 

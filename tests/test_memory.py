@@ -42,8 +42,9 @@ def test_a_closed_round_is_accounted_by_component_exactly(tmp_path):
     assert now["outer_params"] == model
     assert now["momentum"] == model
     assert now["accumulator"] == model
-    # A lossless downlink publishes the outer optimizer's own tensors: counted once, as the global parameters.
-    assert now["published_params"] == 0 and state.publication.lossless
+    # A lossless downlink publishes the outer optimizer's own tensors: nothing more to hold.
+    assert state.publication.lossless and state.publication.file is None
+    assert all(state.publication.params[n] is t for n, t in state.outer_params.items())
     assert now["delta_chunks"] == now["accumulator_late"] == now["eager_mean"] == now["evaluator"] == 0
     # Two fp32 pushes fit in one model's pool: its blocks are allocated and kept once the round released them.
     pool = state.memory_pool()
@@ -76,13 +77,18 @@ def test_a_pull_holds_no_copy_of_the_values(tmp_path):
     assert state.memory()["published_values"] == 0
     assert state.memory_report()["values_on_disk"] == 0, "nobody was reading across the step"
 
-def test_a_lossy_downlink_holds_a_published_copy_and_the_update(tmp_path):
+def test_a_lossy_downlink_keeps_its_published_copy_in_a_file_and_holds_the_update(tmp_path):
     state = make_state(tmp_path, "wire.codec='int8'")
     model = 4 * state.manifest.total_numel()
     assert not state.publication.lossless
     one_round(state)
     now = state.memory()
-    assert now["outer_params"] == now["published_params"] == now["momentum"] == now["accumulator"] == model
+    assert now["outer_params"] == now["momentum"] == now["accumulator"] == model
+    # The copy every island holds is a file beside the spool (coordinator/filebacked.py), not a fourth model.
+    assert "published_params" not in now and model <= state.memory_report()["published_on_disk"] < 2 * model
+    assert state.publication.file is not None
+    published = {n: t.clone() for n, t in state.params.items()}
+    assert not all(torch.equal(published[n], t) for n, t in state.outer_params.items()), "int8 down: theta differs"
     delta = state.publication.delta_chunks
     assert delta and now["delta_chunks"] == sum(c.ByteSize() for c in delta) < model / 3
 

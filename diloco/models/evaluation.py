@@ -38,6 +38,7 @@ import torch.nn.functional as F
 from diloco.config import ConfigError, DataConfig, RunConfig
 from diloco.data.sources import Batch
 from diloco.inner import compute_precision
+from diloco.params import load_parameters
 
 log = logging.getLogger(__name__)
 
@@ -383,7 +384,7 @@ def make_task_evaluator(cfg: RunConfig, device: torch.device | str = "cpu"
              ev.tasks_every_rounds, tokenizer.name)
 
     def run(params: dict[str, torch.Tensor]) -> dict[str, float]:
-        model.load_state_dict(params, strict=False)  # as make_evaluator: the global parameters, nothing else
+        load_parameters(model, params)  # as make_evaluator: the global parameters, nothing else
         scores = multiple_choice(model, tokenizer, examples, ev.batch_size, device)
         return {"hellaswag_acc": scores["acc"], "hellaswag_acc_norm": scores["acc_norm"], "hellaswag_n": float(scores["n"])}
 
