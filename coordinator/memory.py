@@ -28,6 +28,7 @@ import ctypes.util
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 
 import numpy as np
@@ -195,13 +196,17 @@ class FreedMemory:
     glibc keeps what a thread frees in that thread's arena for its next allocation: after a round, the pushes' and
     pulls' message buffers (a megabyte a chunk, made and freed by many gRPC threads at once) stay resident as slack
     that grows with the number of islands. Fewer arenas (M_ARENA_MAX) make threads reuse each other's free memory, and
-    malloc_trim after each close returns the free pages. Opt-out for a measurement: DILOCO_MALLOC_TUNING=0.
+    malloc_trim returns the free pages: after each close, and at most once a second while pushes arrive (the slack
+    their buffers leave mid-round was 0.47x the fp32 model at 125M with 8 islands). Opt-out for a measurement:
+    DILOCO_MALLOC_TUNING=0.
     """
 
     M_ARENA_MAX = -8  # glibc's mallopt parameter
 
     def __init__(self, arenas: int = 2) -> None:
         self._libc = None
+        self._last = 0.0
+        self._lock = threading.Lock()
         if os.environ.get("DILOCO_MALLOC_TUNING", "1") == "0":
             return
         try:
@@ -212,6 +217,13 @@ class FreedMemory:
         libc.mallopt(self.M_ARENA_MAX, arenas)
         self._libc = libc
 
-    def trim(self) -> None:
-        if self._libc is not None:
-            self._libc.malloc_trim(0)
+    def trim(self, at_most_every_s: float = 0.0) -> None:
+        """Hands the free pages back; with at_most_every_s, not if it did less than that many seconds ago."""
+        if self._libc is None:
+            return
+        now = time.monotonic()
+        with self._lock:
+            if now - self._last < at_most_every_s:
+                return
+            self._last = now
+        self._libc.malloc_trim(0)

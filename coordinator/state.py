@@ -338,6 +338,7 @@ class CoordinatorState:
         closing = f.close(poll_s)
         if closing is None:
             f.fold_ahead()  # the contributions in so far, while the others are still pushing
+            self.freed_memory.trim(at_most_every_s=1.0)  # the slack the pushes' buffers leave mid-round
             return None
         with self.cond:
             self._wave.pending += 1
