@@ -311,6 +311,9 @@ class Publication:
         self.lossless = codec.name == "fp32"
         # A lossy downlink's published copy is file-backed: each use below hands its pages back (release).
         self.file = None if self.lossless else FileBackedParams(outer_params, spill_dir)
+        if self.file is not None:
+            log.info("the published parameters (%s downlink, %.1f MiB) are kept in a file in %s, not in memory",
+                     codec.name, self.file.nbytes / 2**20, spill_dir or tempfile.gettempdir())
         self.params = dict(outer_params) if self.file is None else self.file.tensors
         self.checksum = self._checksum()
         # The last round's update: it takes params with delta_base to params with checksum.

@@ -6,6 +6,7 @@ import dataclasses
 import json
 import logging
 import math
+import shutil
 import tempfile
 import threading
 import time
@@ -87,6 +88,7 @@ class Coordinator:
     web: RunWebServer | None = None
     runlog: RunLog | None = None
     shard_services: ShardServices | None = None  # a shard of several: what makes the shards one run
+    made_spool: Path | None = None  # a spool directory this coordinator made (none was given): removed at stop
 
     def wait(self, timeout: float | None = None) -> bool:
         return self.driver.wait(timeout)
@@ -104,6 +106,8 @@ class Coordinator:
             self.runlog.close()
         if self.shard_services is not None:
             self.shard_services.close()
+        if self.made_spool is not None:  # its pushes are folded or lost with the process; nothing resumes from it
+            shutil.rmtree(self.made_spool, ignore_errors=True)
 
     def report(self) -> dict:
         s = self.state
@@ -338,7 +342,8 @@ def start_coordinator(
     driver = RoundDriver(state.fragments, lambda f: state.step_round(fragment=f), after_close, stop).start()
     log.info("coordinator %sserving on %s:%d (%s)", f"shard {shard.index} of {shard.count} " if shard else "", host, bound,
              "mutual TLS" if tls is not None else "plaintext")
-    return Coordinator(state, server, bound, stop, driver, health_servicer, audit, checkpoints, web, runlog, services)
+    return Coordinator(state, server, bound, stop, driver, health_servicer, audit, checkpoints, web, runlog, services,
+                       made_spool=None if spool_dir else spool)
 
 
 def serve(

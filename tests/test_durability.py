@@ -115,3 +115,20 @@ def test_sim_with_a_bad_chaos_spec_exits_2_with_one_line(text, message):
 def test_parse_chaos():
     assert (parse_chaos("3:4").island_every, parse_chaos("3:4").coordinator_at) == (3, 4)
     assert parse_chaos("2").coordinator_at == -1  # the coordinator is left alone
+
+
+@pytest.mark.integration
+def test_a_spool_directory_the_coordinator_made_goes_when_it_stops_and_one_it_was_given_stays(tmp_path, monkeypatch):
+    import tempfile
+
+    from coordinator.server import start_coordinator
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # where serve's own spool goes: TMPDIR
+    cfg = one_island_config("wire.codec='e3m0'")  # a lossy downlink: its published copy is a file in the spool
+    made = start_coordinator(cfg, "127.0.0.1", 0)
+    assert len(list(tmp_path.glob("diloco-spool-*"))) == 1
+    made.stop(0.5)
+    assert list(tmp_path.glob("diloco-spool-*")) == []
+    given = tmp_path / "given"
+    start_coordinator(cfg, "127.0.0.1", 0, spool_dir=str(given)).stop(0.5)
+    assert given.is_dir()
