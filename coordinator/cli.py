@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import signal
 import sys
 from pathlib import Path
 
@@ -119,12 +120,25 @@ def main(argv: list[str] | None = None) -> None:
 
             shard = ShardRole(place[0], tuple(args.shard_addresses.split(",")), shard_secret())
         raise_open_file_limit()  # each island's connection and spooled push takes a file
+        stop_on_sigterm()
         serve(cfg, args.host, args.port, args.report, args.linger, args.port_file, args.resume, tls, args.insecure, revocations,
               args.audit, observe, args.http_port_file, shard)
     except (OSError, ValueError) as e:
         fail(parser.prog, str(e))
     except KeyboardInterrupt:
         pass
+
+
+def stop_on_sigterm() -> None:
+    """SIGTERM (Kubernetes, systemd, SLURM at a job's end, `serve --shards K` passing its own on) stops the coordinator
+    as Ctrl-C does: the server stops, the report is written and the spool directory it made is removed. A second one
+    while it stops is ignored (SIGKILL still ends it)."""
+
+    def interrupt(signum, frame):
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, interrupt)
 
 
 if __name__ == "__main__":

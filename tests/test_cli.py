@@ -166,3 +166,31 @@ def test_bad_shard_flags_are_one_line_errors(argv, message):
     lines = out.stderr.strip().splitlines()
     assert out.returncode == 2 and len(lines) == 1, out.stderr[-2000:]
     assert message in lines[0], lines[0]
+
+
+@pytest.mark.integration
+def test_sigterm_stops_the_coordinator_as_ctrl_c_does(tmp_path):
+    """What Kubernetes, systemd and SLURM send: the server stops, the report is written, the spool it made goes."""
+    import json
+    import signal
+    import time
+
+    port_file, report = tmp_path / "port", tmp_path / "report.json"
+    env = {**os.environ, "TMPDIR": str(tmp_path)}  # where serve makes its spool
+    with open(tmp_path / "coordinator.log", "w") as log:
+        proc = subprocess.Popen(SCRIPTS["diloco-coordinator"] + ["serve", "--host", "127.0.0.1", "--port", "0", "--http-port", "-1",
+                                "--port-file", str(port_file), "--report", str(report)], stdout=log, stderr=subprocess.STDOUT, env=env)
+        try:
+            deadline = time.monotonic() + 120
+            while not (port_file.exists() and port_file.read_text()) and proc.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.2)
+            assert port_file.exists(), (tmp_path / "coordinator.log").read_text()[-3000:]
+            assert len(list(tmp_path.glob("diloco-spool-*"))) == 1
+            proc.send_signal(signal.SIGTERM)
+            assert proc.wait(60) == 0, (tmp_path / "coordinator.log").read_text()[-3000:]
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(30)
+    assert json.loads(report.read_text())["rounds"] == []
+    assert list(tmp_path.glob("diloco-spool-*")) == []
