@@ -163,11 +163,15 @@ def test_grpc_through_the_link(links, make_coordinator):
         health = health_pb2_grpc.HealthStub(channel)
         request = health_pb2.HealthCheckRequest(service="diloco.v1.Coordinator")
         assert health.Check(request, timeout=10).status == health_pb2.HealthCheckResponse.SERVING
-        start = time.monotonic()
-        health.Check(request, timeout=10)
-        rtt = time.monotonic() - start
+        rtts = []
+        for _ in range(5):
+            start = time.monotonic()
+            health.Check(request, timeout=10)
+            rtts.append(time.monotonic() - start)
         assert join(pb_grpc.CoordinatorStub(channel)).island_id
-    assert 0.050 <= rtt < 0.050 + 0.030
+    # 25 ms each way. Every call takes at least that; the fastest of five is well under a delay applied twice
+    # (100 ms): one call alone read 90 ms on a busy machine.
+    assert 0.050 <= min(rtts) < 0.050 + 0.040, rtts
     assert link.bytes_up > 0 and link.bytes_down > 0 and link.connections == 1
 
 
