@@ -341,17 +341,19 @@ class Publication:
         """
         with self._values_lock:
             if self._values is None:
-                self._values = PublishedValues(self.params, self.chunk_bytes, self.spill_dir,
-                                               None if self.file is None else self.release)
+                self._values = self._new_values()
             return self._values
+
+    def _new_values(self) -> PublishedValues:
+        """A version of the values framed from the parameters (the caller holds the values lock)."""
+        return PublishedValues(self.params, self.chunk_bytes, self.spill_dir, None if self.file is None else self.release)
 
     def open_values(self, cut: Callable[[], None] = lambda: None) -> tuple[PublishedValues, Callable[[], None]]:
         """This round's value messages, counted as read until the returned callable is called (cut: what ends the
         reader's call, see _supersede). The caller holds the parameters' read lock, only while it calls this."""
         with self._values_lock:
             if self._values is None:
-                self._values = PublishedValues(self.params, self.chunk_bytes, self.spill_dir,
-                                               None if self.file is None else self.release)
+                self._values = self._new_values()
             values, closing = self._values, self._closing
             done = values.open(cut)
         if closing:  # the step is coming and the reader may be slow: made whole now, under the caller's read lock
