@@ -28,7 +28,7 @@ from coordinator.filebacked import FileBackedParams
 from diloco.wire.codec import Codec, get_codec
 from diloco.outer import OuterOptimizer, PseudoGradientAccumulator
 from diloco.wire.refusal import Reason, Refused
-from diloco.params import checksum, checksum_slices
+from diloco.params import checksum
 from diloco.v1 import diloco_pb2 as pb
 from diloco.wire.frames import Chunk, chunk_of, fp32_payload, frame_chunk, parse_chunk_message
 from diloco.wire.messages import FlatRange, chunk_spans, make_chunk, payload_digest
@@ -433,7 +433,7 @@ class Publication:
             self.file.release(name, lo, hi)
 
     def _checksum(self) -> str:
-        return checksum(self.params) if self.file is None else checksum_slices(self.params, self.release)
+        return checksum(self.params, None if self.file is None else self.release)
 
     def unchanged(self) -> None:
         """A round that took no outer step: the parameters stay, so there is no update to send; a pull of the next

@@ -36,7 +36,7 @@ from coordinator.rounds import Closed, Closing, FragmentContext, FragmentRounds,
 from coordinator.spool import Spools
 from diloco.config import RunConfig
 from diloco.fragments import FragmentLayout, layout_for
-from diloco.params import checksum, checksum_slices, ranges_checksum
+from diloco.params import checksum, ranges_checksum
 from diloco.v1 import diloco_pb2 as pb
 from diloco.wire.messages import FlatRange, Manifest, link_codecs, uplink_codec
 from diloco.wire.refusal import Reason, Refused
@@ -202,8 +202,7 @@ class CoordinatorState:
             return self.fragments[0].checksum
         key = tuple(f.checksum for f in self.fragments)
         if self._whole is None or self._whole[0] != key:
-            found = checksum(self._params) if self._in_memory() else checksum_slices(self._params, self._release)
-            self._whole = (key, found)
+            self._whole = (key, checksum(self._params, None if self._in_memory() else self._release))
         return self._whole[1]
 
     def _in_memory(self) -> bool:
@@ -338,7 +337,8 @@ class CoordinatorState:
         closing = f.close(poll_s)
         if closing is None:
             f.fold_ahead()  # the contributions in so far, while the others are still pushing
-            self.freed_memory.trim(at_most_every_s=1.0)  # the slack the pushes' buffers leave mid-round
+            if self.spools.used:  # pushes arrived: the slack their buffers leave mid-round
+                self.freed_memory.trim(at_most_every_s=1.0)
             return None
         with self.cond:
             self._wave.pending += 1

@@ -31,36 +31,33 @@ def _hash_fp32(h: "xxhash.xxh3_128", header: str, t: torch.Tensor) -> None:
     h.update(t.detach().to("cpu", torch.float32).contiguous().numpy())
 
 
-def checksum(tensors: Mapping[str, torch.Tensor]) -> str:
+def checksum(tensors: Mapping[str, torch.Tensor], after: Callable[[str, int, int], None] | None = None) -> str:
     """Content hash of a parameter set (names, shapes and fp32 bytes); order-independent.
 
     XXH3-128: it guards against drift and corruption, not an adversary, and is many
     times faster than a cryptographic hash (a 124M-parameter model is hashed several
-    times a round).
+    times a round). With after (fp32 CPU tensors): the same digest (XXH3 is streamed),
+    hashed CHECKSUM_SLICE elements at a time, after(name, lo, hi) called once elements
+    [lo, hi) of name were read: a file-backed copy hands their pages back
+    (coordinator/filebacked.py), so no more than a slice of it is resident at once.
     """
     h = xxhash.xxh3_128()
     for name in sorted(tensors):
-        _hash_fp32(h, name + str(tuple(tensors[name].shape)), tensors[name])
-    return h.hexdigest()
-
-
-CHECKSUM_SLICE = 1 << 22  # elements hashed at a time by checksum_slices: 16 MiB of fp32
-
-
-def checksum_slices(tensors: Mapping[str, torch.Tensor], after: Callable[[str, int, int], None]) -> str:
-    """checksum(tensors), the same digest (XXH3 is streamed), hashing fp32 CPU tensors a slice at a time and calling
-    after(name, lo, hi) once elements [lo, hi) of name were read: a file-backed copy hands their pages back
-    (coordinator/filebacked.py), so no more than a slice of it is resident at once."""
-    h = xxhash.xxh3_128()
-    for name in sorted(tensors):
         t = tensors[name]
-        h.update((name + str(tuple(t.shape))).encode())
+        header = name + str(tuple(t.shape))
+        if after is None:
+            _hash_fp32(h, header, t)
+            continue
+        h.update(header.encode())
         flat = t.detach().reshape(-1)
         for lo in range(0, flat.numel(), CHECKSUM_SLICE):
             hi = min(lo + CHECKSUM_SLICE, flat.numel())
             h.update(flat[lo:hi].numpy())
             after(name, lo, hi)
     return h.hexdigest()
+
+
+CHECKSUM_SLICE = 1 << 22  # elements checksum hashes at a time when it hands pages back: 16 MiB of fp32
 
 
 def module_checksum(model: nn.Module) -> str:

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from coordinator.filebacked import FileBackedParams, HandingBack
-from diloco.params import CHECKSUM_SLICE, checksum, checksum_slices, load_parameters
+from diloco.params import CHECKSUM_SLICE, checksum, load_parameters
 
 pytestmark = pytest.mark.unit
 
@@ -62,7 +62,7 @@ def test_a_disk_too_small_is_an_error_at_start_naming_what_to_do(tmp_path):
     code = f"""
 import resource, signal, torch
 from coordinator.filebacked import FileBackedParams, HandingBack
-from diloco.params import CHECKSUM_SLICE, checksum, checksum_slices, load_parameters
+from diloco.params import CHECKSUM_SLICE, checksum, load_parameters
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
 resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
 try:
@@ -104,6 +104,6 @@ def test_a_checksum_a_slice_at_a_time_is_the_checksum(tmp_path):
         read.setdefault(name, []).append((lo, hi))
         params.release(name, lo, hi)
 
-    assert checksum_slices(params.tensors, after) == checksum(like) == checksum(params.tensors)
+    assert checksum(params.tensors, after) == checksum(like) == checksum(params.tensors)
     assert read == {"big": [(0, CHECKSUM_SLICE), (CHECKSUM_SLICE, 2 * CHECKSUM_SLICE), (2 * CHECKSUM_SLICE, 2 * CHECKSUM_SLICE + 5)],
                     "small": [(0, 21)]}
