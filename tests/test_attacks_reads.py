@@ -123,8 +123,10 @@ def rounds_close(coordinator, n: int, timeout_s: float = 60.0) -> int:
         return state.round - start
 
 
-def test_a_fetch_that_reads_one_message_and_stalls_holds_up_no_round(coordinator, channels):
-    c = coordinator()
+@pytest.mark.parametrize("downlink", ["", "e3m0"])  # e3m0: the values are framed from a file-backed published copy
+def test_a_fetch_that_reads_one_message_and_stalls_holds_up_no_round(coordinator, channels, downlink):
+    c = coordinator(f"wire.downlink_codec='{downlink}'")
+    assert c.state.publication.lossless == (not downlink)
     cfg = c.state.cfg
     stalled = pb_grpc.CoordinatorStub(channels(c, "mallory")).FetchParameters(pb.FetchRequest(), timeout=600)  # an observer: no island id
     assert next(stalled).HasField("header")  # and nothing more is read: the coordinator's sends stop after a few chunks
