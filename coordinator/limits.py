@@ -1,4 +1,4 @@
-"""What one island may take of the coordinator: open streams, heartbeats, joins, time between chunks.
+"""What one island may take of the coordinator: open streams, heartbeats, joins, time between chunks, push slots.
 
 Each bound is refused with its own reason (diloco/wire/refusal.py), so a client
 sees a precise status and an honest island, which never comes near a bound,
@@ -89,6 +89,84 @@ class Limits:
         """The island left: its heartbeat bucket goes (a credential's join bucket stays: it bounds rejoining)."""
         with self._lock:
             self._heartbeats.pop(island_id, None)
+
+
+class Abandoned(Exception):
+    """A push gave up its place in the queue for a slot: its caller went away, or the coordinator is stopping."""
+
+
+class PushSlots:
+    """Push streams the coordinator reads at once, all islands together (limits.push_slots; 0: no bound).
+
+    gRPC buffers up to limits.receive_window_mb of every stream the coordinator
+    has not read yet, and on a coordinator whose cores fall behind every open
+    push fills its window: memory that grows with the islands and ranks pushing
+    at once. A push waits here after its header, before its chunks are read,
+    and an island sends nothing more until the coordinator's initial metadata
+    says it was admitted (islands/client.py push). What the transport holds for
+    pushes is then at most push_slots windows.
+
+    No island holds more than its share, max(1, push_slots // members), so an
+    island that keeps streams open (a stolen key trickling chunks) holds at most
+    that many and the others the rest. Among the waiting, the earliest whose
+    island is under its share goes first.
+    """
+
+    def __init__(self, slots: int, members: Callable[[], int]):
+        self.slots, self.members = slots, members
+        self._held: dict[str, int] = {}  # island -> slots it holds now
+        self._waiting: list[tuple[object, str]] = []  # (ticket, island), in arrival order
+        self._cond = threading.Condition()
+
+    def share(self) -> int:
+        return max(1, self.slots // max(1, self.members()))
+
+    @contextmanager
+    def slot(self, island_id: str, still_wanted: Callable[[], bool]) -> Iterator[None]:
+        """Holds one slot for the island while the block runs; waits for it first, and raises Abandoned once
+        still_wanted() says no (the caller gone, or the coordinator stopping)."""
+        if self.slots <= 0:
+            yield
+            return
+        ticket = object()
+        with self._cond:
+            self._waiting.append((ticket, island_id))
+            try:
+                while not self._admissible(ticket):
+                    if not still_wanted():
+                        raise Abandoned(f"{island_id}'s push gave up waiting for a push slot")
+                    self._cond.wait(0.5)
+            finally:
+                self._waiting.remove((ticket, island_id))
+                self._cond.notify_all()  # the next waiter may be admissible now
+            self._held[island_id] = self._held.get(island_id, 0) + 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._held[island_id] -= 1
+                if not self._held[island_id]:
+                    del self._held[island_id]
+                self._cond.notify_all()
+
+    def _admissible(self, ticket: object) -> bool:
+        """Whether ticket is among the waiters that the free slots go to: in arrival order, skipping those whose
+        island holds its share already (counting the waiters ahead that go in)."""
+        free, share, held = self.slots - sum(self._held.values()), self.share(), dict(self._held)
+        for waiting, island in self._waiting:
+            if free <= 0:
+                return False
+            if held.get(island, 0) < share:
+                if waiting is ticket:
+                    return True
+                free -= 1
+                held[island] = held.get(island, 0) + 1
+        return False
+
+    def status(self) -> dict[str, int]:
+        """For /metrics: slots held and pushes waiting now, and the bound (0: none)."""
+        with self._cond:
+            return {"held": sum(self._held.values()), "waiting": len(self._waiting), "bound": self.slots}
 
 
 _END = object()

@@ -150,6 +150,8 @@ class CoordinatorCollector:
                      "of them together held the most", ["component"], [((k,), v) for k, v in peaks["at_peak_total"].items()])
         yield _gauge("diloco_coordinator_spool_pool_bytes", "The spool's memory pool: allocated, held by spools now, "
                      "and its bound", ["kind"], [((k,), v) for k, v in pool.items()])
+        yield _gauge("diloco_push_slots", "Push streams read now (held), waiting for a slot, and the bound (limits.push_slots)",
+                     ["kind"], [((k,), v) for k, v in state.push_slots.status().items()])
         c = self.checkpoints
         yield _counter("diloco_checkpoints", "Checkpoints written", [], [((), c.written)])
         yield _counter("diloco_checkpoint_failures", "Checkpoint writes that failed", [], [((), c.failed)])

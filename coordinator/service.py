@@ -14,7 +14,7 @@ import grpc
 from coordinator.audit import NoAudit
 from coordinator.judging import LeaderJudge, verdict_proto
 from coordinator.ledger import ranges_of
-from coordinator.limits import Limits, idle_bounded
+from coordinator.limits import Abandoned, Limits, idle_bounded
 from coordinator.publish import Reading
 from coordinator.sharding import ShardRole
 from coordinator.state import CoordinatorState
@@ -31,6 +31,7 @@ from diloco.v1 import diloco_pb2_grpc as pb_grpc
 from diloco.wire.frames import ChunkView, chunk_deserializer, frame_chunk, serialized
 from diloco.wire.messages import (
     PROTOCOL_VERSION,
+    PUSH_ADMITTED,
     ChunkError,
     FlatRange,
     overlapping_chunks,
@@ -353,7 +354,12 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         self._caller(context, first.header.island_id)
         h = first.header
         with self.limits.stream("push", h.island_id, self._ranks(h.island_id)):
-            response = self.state.receive(h, chunks())
+            try:
+                with self.state.push_slots.slot(h.island_id, lambda: context.is_active() and not self.stop.is_set()):
+                    context.send_initial_metadata(PUSH_ADMITTED)  # the island sends its chunks from now on
+                    response = self.state.receive(h, chunks())
+            except Abandoned as e:  # as when the coordinator stops mid-push: the island pushes again to its restart
+                context.abort(grpc.StatusCode.CANCELLED, str(e))
         self.audit.record("push", island=h.island_id, round=h.round, fragment=h.fragment, tokens=h.tokens, elements=response.elements,
                           complete=response.contribution_complete, **self._who(context))
         return response

@@ -28,6 +28,7 @@ import torch
 
 from coordinator.filebacked import HandingBack
 from coordinator.ledger import DataLedger, account_dict
+from coordinator.limits import PushSlots
 from coordinator.links import LinkAdvisor
 from coordinator.membership import Events, Island, Membership, canonical_order
 from coordinator.memory import FreedMemory, MemoryPeaks, state_memory
@@ -103,6 +104,8 @@ class CoordinatorState:
         # Pushes wait in memory up to limits.spool_memory_models fp32 models, then on disk (coordinator/spool.py).
         self.spools = spools = Spools(spool_dir, int(cfg.limits.spool_gb * 1e9),
                                       int(4 * self.manifest.total_numel() * cfg.limits.spool_memory_models), cfg.wire.chunk_bytes)
+        # At most limits.push_slots pushes read at once, each island its share (coordinator/limits.py).
+        self.push_slots = PushSlots(cfg.limits.push_slots, lambda: len(self.members.islands))
         ctx = FragmentContext(
             cfg, self.codec, self.cond, clock, spools, self.members,
             run_finished=lambda: self.finished, fragment_of=self._fragment_of, ledger=ledger, codecs=codecs, links=self.links,

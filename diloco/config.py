@@ -128,7 +128,7 @@ class RunConfig:
             (-1 <= self.robust.direction_cosine < 1 and self.robust.first_quorum >= 1,
              "robust.direction_cosine must be in [-1, 1) and robust.first_quorum >= 1"),
             (self.checkpoint.keep_last >= 1, "checkpoint.keep_last must be >= 1"),
-            (self.limits.valid(), "limits.*: every bound must be > 0 (limits.idle_rounds >= 0, limits.spool_memory_models >= 0 and limits.receive_window_mb >= 0: 0 turns them off)"),
+            (self.limits.valid(), "limits.*: every bound must be > 0 (limits.idle_rounds >= 0, limits.spool_memory_models >= 0, limits.receive_window_mb >= 0 and limits.push_slots >= 0: 0 turns them off)"),
         ]
         for ok, message in checks:
             if not ok:

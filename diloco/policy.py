@@ -68,6 +68,12 @@ class LimitsConfig:
     # carries at most window / round-trip time: 32 MiB is 2.7 Gbit/s at 100 ms (each rank pushes on a stream of
     # its own). Raise it for faster, longer links; 0: gRPC's probing, unbounded.
     receive_window_mb: float = 32.0
+    # Push streams the coordinator reads at once, all islands together (coordinator/limits.py PushSlots). A push
+    # beyond waits, its island sending nothing but its header until admitted, so what the transport buffers for
+    # pushes is at most push_slots x receive_window_mb (1 GiB) whatever the number of islands and ranks. No island
+    # holds more than max(1, push_slots // members) at once. 32 keeps 8 islands at 4 streams each, which fill a
+    # 10 Gbit/s link at 100 ms; 0: no bound (every stream is read as it opens).
+    push_slots: int = 32
     # Round watches (WatchRounds) one credential may hold open at once, and all callers together: each holds one
     # of the coordinator's server threads while it lasts, so the total stays well under the threads kept beyond
     # the islands' own (coordinator/server.py). Beyond either: TOO_MANY_STREAMS. Without mutual TLS only the
@@ -80,4 +86,4 @@ class LimitsConfig:
             return False
         return (min(self.push_streams_per_rank, self.push_idle_s, self.heartbeats_per_interval, self.joins_per_minute,
                     self.spool_gb, self.departed_kept) > 0 and self.idle_rounds >= 0 and self.spool_memory_models >= 0
-                and self.receive_window_mb >= 0)
+                and self.receive_window_mb >= 0 and self.push_slots >= 0)

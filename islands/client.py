@@ -108,6 +108,28 @@ def channel_options(receive_window_bytes: int = 0) -> list[tuple[str, int]]:
     return [("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", receive_window_bytes)]
 
 
+def admitted_push(stub, frames: Iterator[bytes], timeout_s: float) -> pb.PushResponse:
+    """One push stream: its header, then its chunks once the coordinator has admitted it to one of its push slots
+    (its initial metadata, coordinator/limits.py PushSlots). Until then the chunks wait here, not in the
+    coordinator's receive buffers."""
+    admitted = threading.Event()
+
+    def gated() -> Iterator[bytes]:
+        yield next(frames)  # the header
+        admitted.wait(timeout_s)
+        yield from frames
+
+    call = stub.PushPseudoGradient.future(gated(), timeout=timeout_s)
+    try:
+        call.initial_metadata()  # admitted, or the call ended (refused, failed, timed out)
+    except BaseException:
+        call.cancel()
+        raise
+    finally:
+        admitted.set()
+    return call.result()
+
+
 class CoordinatorClient:
     def __init__(self, address: str, connect_timeout_s: float = 30.0, reconnect_s: float = 120.0, receive_window_bytes: int = 0,
                  tls: TlsFiles | None = None):
@@ -350,13 +372,10 @@ class CoordinatorClient:
                 tally[0] += n
                 yield chunk
 
-        def messages() -> Iterator[bytes]:
-            return push_frames(header, counted(chunks.iter_from(start)))
-
         def attempt() -> pb.PushResponse:
             nonlocal start
             try:
-                return self.stub.PushPseudoGradient(messages(), timeout=600)
+                return admitted_push(self.stub, push_frames(header, counted(chunks.iter_from(start))), timeout_s=600)
             except grpc.RpcError as e:
                 refusal = refusal_of(e)
                 if refusal.reason == Reason.CORRUPT_CHUNK:

@@ -27,7 +27,13 @@ from diloco.v1 import diloco_pb2 as pb
 #    compression per link (ResultHeader.push_codec; pushes in any of wire.link_codecs).
 # 9: chunks carry an XXH3-64 of their payload (TensorChunk.xxh3) instead of a CRC-32.
 # 10: a pull served while the round's update is still being made streams it, and a ResultTrailer completes the header.
-PROTOCOL_VERSION = 11
+# 11: a sharded coordinator (shard addresses and tickets at join, Judge, shard proofs).
+# 12: a push sends its header, then waits for the coordinator's initial metadata (PUSH_ADMITTED) before its chunks:
+#     the coordinator reads at most limits.push_slots pushes at once (coordinator/limits.py PushSlots).
+PROTOCOL_VERSION = 12
+
+# The initial metadata by which the coordinator admits a push to one of its slots.
+PUSH_ADMITTED = (("diloco-push", "admitted"),)
 
 
 class ChunkError(ValueError):
