@@ -36,6 +36,7 @@ from diloco.outer import pseudo_gradient
 from diloco.params import fp32_copy
 from diloco.v1 import diloco_pb2 as pb
 from diloco.wire.messages import payload_digest, tensor_chunks
+from diloco.wire.tensor_codec import e3m0_decode, e3m0_encode, from_payload, to_payload
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 CHUNK_BYTES = 1 << 20
@@ -63,38 +64,10 @@ def ref_int8_decode(payload: bytes, n: int) -> torch.Tensor:
     return (torch.nn.functional.pad(q.to(torch.float32), (0, pad)).view(-1, BLOCK) * scales[:, None]).view(-1)[:n]
 
 
-def ref_e3m0_encode(x: torch.Tensor) -> bytes:
-    n = x.numel()
-    v = torch.nn.functional.pad(x, (0, (-n) % BLOCK)).view(-1, BLOCK)
-    absmax = v.abs().amax(1, keepdim=True)
-    # t = |v| * (4/3) / absmax has the exponent of the power of two nearest to |v| / absmax.
-    inv = torch.where(absmax > 0, (4.0 / 3.0) / absmax, torch.zeros_like(absmax))
-    t = v.abs() * inv
-    _, exponent = torch.frexp(t)  # t = mantissa * 2**exponent, mantissa in [0.5, 1)
-    c = (exponent - 1 + 7).clamp(1, 7)
-    c = torch.where(t < torch.tensor(4.0 / 3.0 * 2.0**-7, dtype=torch.float32), torch.zeros_like(c), c)
-    codes = (c | ((v < 0) & (c > 0)).to(c.dtype) << 3).to(torch.uint8).view(-1)[:n]
-    if n % 2:
-        codes = torch.nn.functional.pad(codes, (0, 1))
-    packed = codes[0::2] | (codes[1::2] << 4)
-    return absmax.view(-1).numpy().tobytes() + packed.numpy().tobytes()
-
-
-_E3M0_TABLE = torch.tensor([0.0] + [2.0 ** (c - 7) for c in range(1, 8)] + [-0.0] + [-(2.0 ** (c - 7)) for c in range(1, 8)])
-
-
-def ref_e3m0_decode(payload: bytes, n: int) -> torch.Tensor:
-    blocks = -(-n // BLOCK)
-    scales = torch.from_numpy(np.frombuffer(payload, np.float32, count=blocks).copy())
-    packed = torch.from_numpy(np.frombuffer(payload, np.uint8, offset=4 * blocks).copy())
-    codes = torch.stack([packed & 15, packed >> 4], dim=1).view(-1)[:n].long()
-    values = torch.nn.functional.pad(_E3M0_TABLE[codes], (0, (-n) % BLOCK)).view(-1, BLOCK)
-    return (values * scales[:, None]).view(-1)[:n]
-
-
 REFERENCES: dict[str, tuple[Callable, Callable]] = {
     "int8": (ref_int8_encode, ref_int8_decode),
-    "e3m0": (ref_e3m0_encode, ref_e3m0_decode),
+    # The torch ops a GPU island will encode with (diloco/wire/tensor_codec.py): the kernels' bytes exactly.
+    "e3m0": (lambda x: to_payload(*e3m0_encode(x, BLOCK)), lambda payload, n: e3m0_decode(*from_payload(payload, n, BLOCK), n, BLOCK)),
 }
 
 
