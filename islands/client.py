@@ -108,6 +108,9 @@ def channel_options(receive_window_bytes: int = 0) -> list[tuple[str, int]]:
     return [("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", receive_window_bytes)]
 
 
+SLOT_NOTICE_S = 10.0  # a push that waits this long for a slot says so
+
+
 def admitted_push(stub, frames: Iterator[bytes], timeout_s: float) -> pb.PushResponse:
     """One push stream: its header, then its chunks once the coordinator has admitted it to one of its push slots
     (its initial metadata, coordinator/limits.py PushSlots). Until then the chunks wait here, not in the
@@ -116,7 +119,9 @@ def admitted_push(stub, frames: Iterator[bytes], timeout_s: float) -> pb.PushRes
 
     def gated() -> Iterator[bytes]:
         yield next(frames)  # the header
-        admitted.wait(timeout_s)
+        if not admitted.wait(SLOT_NOTICE_S):
+            log.info("the push waits for one of the coordinator's push slots (it reads limits.push_slots pushes at once)")
+            admitted.wait(timeout_s)
         yield from frames
 
     call = stub.PushPseudoGradient.future(gated(), timeout=timeout_s)

@@ -9,6 +9,7 @@ the tests that need a slot to be taken set fewer, and say so.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from contextlib import ExitStack
@@ -139,8 +140,10 @@ def _held_open(messages: list, release: threading.Event):
 
 
 @pytest.mark.integration
-def test_a_push_sends_its_chunks_only_once_admitted(make_coordinator, channel_to):
+def test_a_push_sends_its_chunks_only_once_admitted(make_coordinator, channel_to, monkeypatch, caplog):
     # One slot (the default 32 is more than two islands take): the second island's push must wait for the first's.
+    monkeypatch.setattr("islands.client.SLOT_NOTICE_S", 0.0)  # the island says at once that it waits (10 s by default)
+    caplog.set_level(logging.INFO, logger="islands.client")
     cfg = tiny_config("rounds.rounds=1", "rounds.min_islands=2", "limits.push_slots=1")
     coordinator = make_coordinator(cfg)
     stub = channel_to(coordinator)
@@ -165,6 +168,7 @@ def test_a_push_sends_its_chunks_only_once_admitted(make_coordinator, channel_to
         second.start()
         until(lambda: slots.status()["waiting"] == 1, "the second push waiting for the slot")
         assert len(sent) == 1, f"the waiting island sent {len(sent) - 1} chunks before it was admitted"
+        until(lambda: "waits for one of the coordinator's push slots" in caplog.text, "the island saying it waits")
         release.set()
         assert held.result(timeout=BOUND_S).contribution_complete
         second.join(BOUND_S)
