@@ -290,10 +290,11 @@ class Island:
         if max_rounds is not None:
             s.stop_round = min(s.stop_round, min(s.rounds) + max_rounds)
         if self.spec.groups > 1:
-            self.replicas = self.sync.replicas = Replicas(
+            self.replicas = Replicas(
                 self.spec.ft, self.spec.group, self.world.rank, self.world.world_size, self.world.device,
                 f"{self.spec.key}.group{self.spec.group}", self.heal_state_dict, self.load_heal_state_dict,
             )
+            self.sync.use_replicas(self.replicas)
         self._participants, self._window = 1, []
         total_steps = self.total_rounds * h
         # Steady state (LeaveRequest): between fixed steps of the fixed schedule; none with a pace of the island's own.

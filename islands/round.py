@@ -417,7 +417,7 @@ class IslandRound:
         self.fragments = fragments  # this rank's part of each fragment: its exchange, landing and resync
         self.wire, self.down = wire, down  # the uplink (push, pull), the downlink's codec (eager's mean)
         self.feedback, self.eager = feedback, eager  # error feedback; eager updates' memory per fragment
-        self.replicas = replicas  # the replica groups (islands/island.py sets torchft's when it starts them)
+        self.replicas = replicas  # the replica groups: Solo until the island starts torchft's (use_replicas)
         self.group_reduce = group_reduce  # an all-reduce over the group's ranks
         self.reset_training = reset_training  # a fresh inner optimizer and error feedback (our training diverged)
         self.leased = leased  # the island trains on leased samples: it hands back those it did not train at leave
@@ -432,6 +432,10 @@ class IslandRound:
         self.late_folds = 0  # pushes the coordinator folded into a later round (rounds.late_rounds)
         self.takeovers = 0
         self.final_checksum = ""  # what the coordinator said of our parameters at leave
+
+    def use_replicas(self, replicas: Replicas) -> None:
+        """From now on the replica groups are torchft's, which the island started as it began to run."""
+        self.replicas = replicas
 
     # --- start: fetch theta_global; a resumed island keeps the fragments it has right ----------------
 
