@@ -296,6 +296,20 @@ class FragmentContext:
     sketch_secret: bytes | None = None
 
 
+class Scratch:
+    """One fp32 buffer a push's chunks are decoded into one after another (the direction sketch reads them as they
+    arrive). A decoded chunk is megabytes, and a fresh tensor for each left allocator slack that grew with the
+    pushes read at once (docs/benchmarks.md, the coordinator's memory)."""
+
+    def __init__(self) -> None:
+        self._buffer = torch.empty(0)
+
+    def take(self, numel: int) -> torch.Tensor:
+        if self._buffer.numel() < numel:
+            self._buffer = torch.empty(numel)
+        return self._buffer[:numel]
+
+
 class FragmentRounds:
     def __init__(self, ctx: FragmentContext, index: int, params: dict[str, torch.Tensor]):
         cfg = ctx.cfg
@@ -387,14 +401,14 @@ class FragmentRounds:
         """The codecs pushes may come in, by name: the run's, and with compression per link wire.link_codecs."""
         return self.ctx.codecs or {self.codec.name: self.codec}
 
-    def _verify(self, chunk: pb.TensorChunk, payload: bytes, codec, sketch: np.ndarray | None) -> float:
+    def _verify(self, chunk: pb.TensorChunk, payload: bytes, codec, sketch: np.ndarray | None, scratch: Scratch) -> float:
         """ChunkError when malformed; else the values' sum of squares (the norm guard's, when it is on; else 0),
-        not finite when a value is not. With a sketch, the values are decoded once and added to it."""
+        not finite when a value is not. With a sketch, the values are decoded once, into scratch, and added to it."""
         if chunk.name not in self.manifest.shapes and (owner := self.ctx.fragment_of(chunk.name)) is not None:
             raise ChunkError(f"{chunk.name} belongs to fragment {owner}, not to fragment {self.index}")
         if sketch is None:
             return verify_chunk(chunk, self.manifest, codec, payload, sumsq=self.cfg.robust.enabled)
-        sumsq, values = verify_and_decode(chunk, self.manifest, codec, payload)
+        sumsq, values = verify_and_decode(chunk, self.manifest, codec, payload, scratch.take(chunk.numel))
         if math.isfinite(sumsq):  # the guard's direction check (diloco/robust.py), off the close's path
             self.sketcher.add(sketch, chunk.name, chunk.offset, values.numpy())
         return sumsq
@@ -414,11 +428,12 @@ class FragmentRounds:
         # The guard's direction check needs three contributions (a majority): a run of fewer members pays nothing for it.
         robust = self.cfg.robust
         sketch = self.sketcher.empty() if robust.enabled and robust.direction_check and len(self.members.islands) >= 3 else None
+        scratch = Scratch()
         try:
             for chunk in chunks:
                 payload = chunk.payload
                 try:
-                    sumsq = self._verify(chunk, payload, codec, sketch)
+                    sumsq = self._verify(chunk, payload, codec, sketch, scratch)
                 except ChunkCorrupt as e:
                     self._attach(header, spool, ranges, codec, sketch)
                     spool = None  # the contribution owns the chunks kept so far

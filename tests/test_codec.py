@@ -119,10 +119,14 @@ def test_verify_and_decode_has_verify_chunks_sum_of_squares_bit_for_bit_and_the_
     codec = get_codec(name, block_size=64, topk_block=128)
     params = {"w": _x(1000).reshape(10, 100), "b": _x(7)}
     manifest = Manifest.of(params)
+    scratch = torch.full((4096,), float("nan"))  # one buffer every chunk is decoded into, as the coordinator's pushes are
     for chunk in tensor_chunks(params, codec, 1024):
         sumsq, values = verify_and_decode(chunk, manifest, codec)
         assert sumsq == verify_chunk(chunk, manifest, codec, sumsq=True), (name, chunk.name, chunk.offset)
         assert torch.equal(values, codec.decode(chunk.payload, chunk.numel))
+        into = scratch[: chunk.numel]
+        assert verify_and_decode(chunk, manifest, codec, out=into)[0] == sumsq
+        assert torch.equal(into, values)
     chunk.payload = chunk.payload[:-1] + bytes([chunk.payload[-1] ^ 1])
     with pytest.raises(ChunkCorrupt):
         verify_and_decode(chunk, manifest, codec)

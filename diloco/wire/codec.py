@@ -85,8 +85,9 @@ class Codec(Protocol):
         not: finite() and the norm in one pass. Raises ValueError on a malformed payload."""
         ...
 
-    def decode_sumsq(self, payload: bytes, numel: int) -> tuple[torch.Tensor, float]:
-        """decode() and sumsq() (its bits) with one decode: for a caller that reads the values as they arrive."""
+    def decode_sumsq(self, payload: bytes, numel: int, out: torch.Tensor | None = None) -> tuple[torch.Tensor, float]:
+        """decode() and sumsq() (its bits) with one decode: for a caller that reads the values as they arrive.
+        out: a buffer of numel fp32 elements to decode into (a caller's, reused chunk after chunk)."""
         ...
 
 
@@ -104,9 +105,15 @@ class _Decoder:
     def sumsq(self, payload: bytes, numel: int) -> float:
         return float(_sumsq(self.decode(payload, numel).numpy()))
 
-    def decode_sumsq(self, payload: bytes, numel: int) -> tuple[torch.Tensor, float]:
-        values = self.decode(payload, numel)
+    def decode_sumsq(self, payload: bytes, numel: int, out: torch.Tensor | None = None) -> tuple[torch.Tensor, float]:
+        values = self._decoded(payload, numel, out)
         return values, float(_sumsq(values.numpy()))
+
+    def _decoded(self, payload: bytes, numel: int, out: torch.Tensor | None) -> torch.Tensor:
+        if out is None:
+            return self.decode(payload, numel)
+        self.decode_into(payload, out)
+        return out
 
     def decode_view(self, payload: bytes | memoryview, numel: int) -> torch.Tensor:
         return self.decode(payload, numel)
@@ -249,8 +256,8 @@ class Int8Codec(_BlockScaledCodec):
         scales, codes = self._split(payload, numel)
         return float(_int8_sumsq(codes.view(np.int8), scales, self.block))
 
-    def decode_sumsq(self, payload: bytes, numel: int) -> tuple[torch.Tensor, float]:
-        return self.decode(payload, numel), self.sumsq(payload, numel)  # its own sum, from the codes: no second decode
+    def decode_sumsq(self, payload: bytes, numel: int, out: torch.Tensor | None = None) -> tuple[torch.Tensor, float]:
+        return self._decoded(payload, numel, out), self.sumsq(payload, numel)  # its own sum, from the codes: no second decode
 
 
 class E3M0Codec(_BlockScaledCodec):
@@ -277,8 +284,8 @@ class E3M0Codec(_BlockScaledCodec):
         scales, codes = self._split(payload, numel)
         return float(_e3m0_sumsq(codes, scales, self.block, numel))
 
-    def decode_sumsq(self, payload: bytes, numel: int) -> tuple[torch.Tensor, float]:
-        return self.decode(payload, numel), self.sumsq(payload, numel)  # its own sum, from the codes: no second decode
+    def decode_sumsq(self, payload: bytes, numel: int, out: torch.Tensor | None = None) -> tuple[torch.Tensor, float]:
+        return self._decoded(payload, numel, out), self.sumsq(payload, numel)  # its own sum, from the codes: no second decode
 
 
 class TopKCodec(_Decoder, TopK):

@@ -215,12 +215,12 @@ def verify_chunk(chunk: pb.TensorChunk, manifest: Manifest, codec: Codec, payloa
 
 
 def verify_and_decode(chunk: pb.TensorChunk, manifest: Manifest, codec: Codec,
-                      payload: bytes | None = None) -> tuple[float, torch.Tensor]:
-    """verify_chunk with sumsq, keeping the decoded values: one decode for a caller that reads them as they arrive
-    (the coordinator's direction sketch, diloco/robust.py). The sum of squares has codec.sumsq's bits."""
+                      payload: bytes | None = None, out: torch.Tensor | None = None) -> tuple[float, torch.Tensor]:
+    """verify_chunk with sumsq, keeping the decoded values (in out, when given): one decode for a caller that reads
+    them as they arrive (the coordinator's direction sketch, diloco/robust.py). The sum of squares has codec.sumsq's bits."""
     payload = _checked_payload(chunk, manifest, payload)
     try:
-        values, sumsq = codec.decode_sumsq(payload, chunk.numel)
+        values, sumsq = codec.decode_sumsq(payload, chunk.numel, out)
     except ValueError as e:
         raise ChunkError(f"{chunk.name}@{chunk.offset}: {e}") from e
     return sumsq, values
