@@ -68,6 +68,8 @@ def test_metrics_follow_the_run(make_coordinator, channel_to):
     assert fold > 0 and s[("diloco_round_phase_seconds_total", (("phase", "fold"),))] == pytest.approx(fold)
     assert s[("diloco_checkpoints_total", ())] == 1 and s[("diloco_checkpoint_failures_total", ())] == 1
     assert s[("diloco_last_checkpoint_seconds", ())] == 0.5
+    # Every push done: no slot held, none waiting, the default bound (limits.push_slots).
+    assert [s[("diloco_push_slots", (("kind", k),))] for k in ("held", "waiting", "bound")] == [0, 0, 32]
     again = _samples(metrics)  # a second scrape folds nothing twice
     assert again[("diloco_island_bytes_up_total", (("island", ids[0]),))] == s[("diloco_island_bytes_up_total", (("island", ids[0]),))]
 
