@@ -31,6 +31,9 @@ def _hash_fp32(h: "xxhash.xxh3_128", header: str, t: torch.Tensor) -> None:
     h.update(t.detach().to("cpu", torch.float32).contiguous().numpy())
 
 
+CHECKSUM_SLICE = 1 << 22  # elements checksum hashes at a time when it hands pages back: 16 MiB of fp32
+
+
 def checksum(tensors: Mapping[str, torch.Tensor], after: Callable[[str, int, int], None] | None = None) -> str:
     """Content hash of a parameter set (names, shapes and fp32 bytes); order-independent.
 
@@ -55,9 +58,6 @@ def checksum(tensors: Mapping[str, torch.Tensor], after: Callable[[str, int, int
             h.update(flat[lo:hi].numpy())
             after(name, lo, hi)
     return h.hexdigest()
-
-
-CHECKSUM_SLICE = 1 << 22  # elements checksum hashes at a time when it hands pages back: 16 MiB of fp32
 
 
 def module_checksum(model: nn.Module) -> str:

@@ -40,6 +40,7 @@ def test_toml_round_trip_and_digest():
         ("rounds.min_islands=0", "min_islands"),
         ("limits.spool_memory_models=-1", "limits.spool_memory_models >= 0"),
         ("limits.receive_window_mb=-1", "limits.receive_window_mb >= 0"),
+        ("limits.push_slots=-1", "limits.push_slots >= 0"),
         ("robust.direction_cosine=1.0", r"robust.direction_cosine must be in \[-1, 1\)"),
         ("robust.direction_cosine=-1.5", r"robust.direction_cosine must be in \[-1, 1\)"),
         ("robust.first_quorum=0", "robust.first_quorum >= 1"),

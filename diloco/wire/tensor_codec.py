@@ -17,9 +17,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from diloco.wire.kernels import _E3M0_VALUES, _E3M0_ZERO_BELOW, _NONFINITE
+from diloco.wire.kernels import _ABS, _E3M0_VALUES, _E3M0_ZERO_BELOW, _NONFINITE
 
-_ABS = 0x7FFFFFFF
 _INV_NUMERATOR = 4.0 / 3.0  # rounded to float32 where it is used, as the kernel's np.float32(4.0 / 3.0)
 
 
@@ -29,11 +28,11 @@ def e3m0_encode(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor
     x = x.reshape(-1).to(torch.float32)
     n = x.numel()
     bits = F.pad(x, (0, (-n) % block)).view(torch.int32).view(-1, block)
-    magnitude = bits & _ABS
+    magnitude = bits & int(_ABS)
     absmax_bits = magnitude.amax(dim=1, keepdim=True)
     absmax = absmax_bits.view(torch.float32)
-    silent = (absmax_bits >= int(_NONFINITE)) | (absmax_bits == 0)  # a NaN or Inf, or all zeros: no codes
-    scales = torch.where(absmax_bits >= int(_NONFINITE), torch.full_like(absmax, float("nan")), absmax)
+    nonfinite = absmax_bits >= int(_NONFINITE)  # the block holds a NaN or an Inf: no codes (an all-zero block has none anyway)
+    scales = torch.where(nonfinite, torch.full_like(absmax, float("nan")), absmax)
     inv = torch.full_like(absmax, _INV_NUMERATOR) / absmax
     t = (magnitude.view(torch.float32) * inv).view(torch.int32)
     c = ((t >> 23) - 120).clamp(1, 7)
@@ -41,7 +40,7 @@ def e3m0_encode(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor
     # sign is the device's (negative on x86, so the kernel reads code 0; positive on CUDA).
     c = torch.where((t >= int(_E3M0_ZERO_BELOW)) & (magnitude != 0), c, torch.zeros_like(c))
     sign = (bits >> 28) & 8  # the sign bit as bit 3 (an arithmetic shift: bit 3 of the result is bit 31)
-    codes = torch.where(silent, torch.zeros_like(c), c | torch.where(c > 0, sign, torch.zeros_like(sign)))
+    codes = torch.where(nonfinite, torch.zeros_like(c), c | torch.where(c > 0, sign, torch.zeros_like(sign)))
     codes = codes.view(-1)[:n].to(torch.uint8)
     if n % 2:
         codes = F.pad(codes, (0, 1))
