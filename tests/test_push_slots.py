@@ -213,3 +213,40 @@ def test_an_attacker_holding_a_valid_key_cannot_keep_honest_pushes_out(tls_coord
         release.set()
         for channel in channels:
             channel.close()
+
+
+@pytest.mark.integration
+def test_a_push_waiting_when_the_coordinator_stops_ends_as_a_restart_and_keeps_nothing(make_coordinator, channel_to):
+    # One slot, held by a push that never finishes, so the second one waits (the default 32 never binds here).
+    cfg = tiny_config("rounds.min_islands=2", "limits.push_slots=1")
+    coordinator = make_coordinator(cfg)
+    stub = channel_to(coordinator)
+    a, b = join(stub, cfg.digest()).island_id, join(stub, cfg.digest()).island_id
+    first = list(push_messages(_header(cfg, coordinator, a), tensor_chunks(_zeros(coordinator), Fp32Codec(), 4096)))
+    release = threading.Event()
+    held = stub.PushPseudoGradient.future(_held_open(first, release), timeout=BOUND_S)
+    slots = coordinator.state.push_slots
+    until(lambda: slots.status()["held"] == 1, "the first push admitted")
+    outcome: dict = {}
+    channel = grpc.insecure_channel(f"127.0.0.1:{coordinator.port}")
+
+    def second() -> None:
+        frames = push_frames(_header(cfg, coordinator, b), tensor_chunks(_zeros(coordinator), Fp32Codec(), 4096))
+        try:
+            admitted_push(stub_for(channel), frames, BOUND_S)
+        except grpc.RpcError as e:
+            outcome["code"] = e.code()
+
+    thread = threading.Thread(target=second)
+    try:
+        thread.start()
+        until(lambda: slots.status()["waiting"] == 1, "the second push waiting")
+        coordinator.stop(0.5)
+        thread.join(BOUND_S)
+        # What islands retry as the coordinator's restart (islands/client.py _retry); neither push was kept.
+        assert outcome.get("code") in (grpc.StatusCode.CANCELLED, grpc.StatusCode.UNAVAILABLE), outcome
+        assert not coordinator.state.fragments[0].contributions
+    finally:
+        release.set()
+        channel.close()
+        held.cancel()
