@@ -76,6 +76,37 @@ def test_unreachable_coordinator_is_a_clear_error():
     assert "cannot reach the coordinator at 127.0.0.1:9" in out.stderr
 
 
+def _console_scripts() -> dict[str, str]:
+    import tomllib
+    from pathlib import Path
+
+    pyproject = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())
+    return pyproject["project"]["scripts"]
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("name", sorted(_console_scripts()))
+def test_help_answers_without_importing_torch(name):
+    """Every command checks its arguments before the seconds of importing torch, gRPC or numpy."""
+    module, function = _console_scripts()[name].split(":")
+    code = (f"import sys\nfrom {module} import {function}\ntry:\n    {function}(['--help'])\nexcept SystemExit as e:\n"
+            "    status = e.code\nheavy = sorted(m for m in ('torch', 'grpc', 'numpy') if m in sys.modules)\n"
+            "print('STATUS', status, 'HEAVY', ','.join(heavy) or '-')")
+    out = _run([sys.executable, "-c", code])
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.splitlines()[-1] == "STATUS 0 HEAVY -", (name, out.stdout.splitlines()[-1])
+    assert "usage:" in out.stdout
+
+
+@pytest.mark.unit
+def test_the_commands_choices_are_the_exporters():
+    """diloco-export restates the exporter's dtypes and shard size so that its --help need not import torch."""
+    from diloco.cli import export as cli
+    from diloco.models.export import DTYPES, SHARD_BYTES
+
+    assert sorted(cli.DTYPE_NAMES) == sorted(DTYPES)
+    assert cli.SHARD_GB * 1e9 == SHARD_BYTES
+
 @pytest.mark.unit
 def test_installed_console_scripts_exist():
     import shutil

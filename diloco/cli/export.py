@@ -13,9 +13,11 @@ import argparse
 import logging
 import sys
 
-from diloco.models.export import DTYPES, SHARD_BYTES, ExportError, export
-
 PROG = "diloco-export"
+# diloco.models.export's DTYPES and SHARD_BYTES, restated (tests/test_export.py checks they agree): the module
+# imports torch, which `--help` and a bad flag should not wait for.
+DTYPE_NAMES = ("bfloat16", "float32")
+SHARD_GB = 5.0
 
 
 def parser() -> argparse.ArgumentParser:
@@ -24,9 +26,9 @@ def parser() -> argparse.ArgumentParser:
                    help="the coordinator's checkpoint.url (a local path or s3://bucket/prefix)")
     p.add_argument("out", metavar="OUT_DIR", help="the model folder to write (must be empty or absent, unless --force)")
     p.add_argument("--step", type=int, help="export this committed step (default: the newest committed one)")
-    p.add_argument("--shard-gb", type=float, default=SHARD_BYTES / 1e9,
+    p.add_argument("--shard-gb", type=float, default=SHARD_GB,
                    help="split the weights into safetensors shards of at most this many GB (default %(default)g)")
-    p.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="the weights' dtype (default %(default)s)")
+    p.add_argument("--dtype", choices=DTYPE_NAMES, default="float32", help="the weights' dtype (default %(default)s)")
     p.add_argument("--config", help="the run's config TOML, for checkpoints that do not record it (checked against "
                                     "the checkpoint's config digest)")
     p.add_argument("--corpus", help="where the run's token corpus is now, when its data.url does not reach it from here "
@@ -41,6 +43,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.shard_gb <= 0:
         print(f"{PROG}: error: --shard-gb must be > 0", file=sys.stderr)
         return 2
+    from diloco.models.export import ExportError, export
+
     try:
         done = export(args.checkpoint, args.out, step=args.step, shard_bytes=int(args.shard_gb * 1e9), force=args.force,
                       config_path=args.config, corpus_url=args.corpus, dtype=args.dtype)
