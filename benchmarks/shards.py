@@ -14,10 +14,13 @@ Per shard: its peak RSS (VmHWM) after the exchanges, its VmRSS and VmHWM just
 after start, each also as a multiple of the fp32 model's bytes (4 x parameters),
 with the max and sum over shards; its CPU seconds per exchange; the messages'
 bytes it was sent and sent back per exchange, summed over islands (the
-islands' per-shard client counters: chunks and headers, not gRPC's framing).
+islands' per-shard client counters: chunks and headers, not gRPC's framing);
+and this process's peak RSS over the point (the islands), so that the shards'
+sum plus it is what the machine had to hold.
 
     python -m benchmarks.shards --sizes 125m --shards 1,2,4 --islands 1,4
     python -m benchmarks.shards --sizes 530m --shards 1,2,4 --islands 1 --out shards-530m.json
+    python -m benchmarks.shards --sizes 1b --shards 1,2,4 --islands 1   # a host of about 48 GB
 """
 
 from __future__ import annotations
@@ -48,11 +51,13 @@ from diloco.cli.common import ArgumentParser, fail
 from diloco.config import ConfigError, RunConfig, config_from_dict, load_config
 from diloco.wire.messages import uplink_codec
 from islands.client import CoordinatorClient
+from islands.memwatch import PeakRss
 from islands.sharded import ShardedClient
 
 PROG = "shards"
-# exchange.py's sizes and one of about 0.5B: name -> (vocab_size, d_model, n_layers, d_ff)
-SIZES = {**exchange.SIZES, "530m": (50304, 1280, 24, 3413)}
+# exchange.py's sizes, one of about 0.5B and configs/1b.toml's shape: name -> (vocab_size, d_model, n_layers, d_ff)
+SIZES = {**exchange.SIZES, "530m": (50304, 1280, 24, 3413), "1b": (50304, 2048, 16, 8192)}
+KV_HEADS = {"1b": 8}  # grouped-query attention as the preset has it; the rest one key/value head per query head
 
 
 def run_config(size: str, codec: str, islands: int, rounds: int) -> RunConfig:
@@ -61,7 +66,8 @@ def run_config(size: str, codec: str, islands: int, rounds: int) -> RunConfig:
         return exchange.run_config(size, codec, islands, rounds)
     vocab, d_model, n_layers, d_ff = SIZES[size]
     raw = exchange.run_config("350m", codec, islands, rounds).to_dict()
-    raw["model"].update(vocab_size=vocab, d_model=d_model, n_layers=n_layers, d_ff=d_ff, n_heads=d_model // 64)
+    raw["model"].update(vocab_size=vocab, d_model=d_model, n_layers=n_layers, d_ff=d_ff, n_heads=d_model // 64,
+                        n_kv_heads=KV_HEADS.get(size, 0))
     return config_from_dict(raw)
 
 
@@ -160,11 +166,15 @@ def one(size: str, codec: str, count: int, islands: int, repeat: int) -> dict:
     cfg = run_config(size, codec, islands, repeat + 2)  # the run never finishes under the islands: we stop it
     tmp = Path(tempfile.mkdtemp(prefix="diloco-shards-"))
     try:
-        row = measure(cfg, count, islands, repeat, tmp)
+        with PeakRss() as islands_rss:  # this process: the islands' threads, their pseudo-gradient and pulled copies
+            row = measure(cfg, count, islands, repeat, tmp)
     except BaseException:
         print(f"{PROG}: {size} {codec} K={count} x{islands} failed; logs kept in {tmp}", file=sys.stderr)
         raise
     shutil.rmtree(tmp)
+    if islands_rss.peak_bytes is not None:
+        row["islands_peak_rss"] = islands_rss.base_bytes + islands_rss.peak_bytes
+        row["host_peak_rss"] = row["peak_rss_sum"] + row["islands_peak_rss"]  # what the machine held, at most
     return {"size": size, "codec": codec, **row}
 
 
@@ -201,8 +211,8 @@ def main(argv: list[str] | None = None) -> None:
     print(f"{PROG}: K coordinator shards, one exchange; {os.cpu_count()} cores, loopback, median of {args.repeat} after a "
           f"warm-up; memory in MiB (x the fp32 model), bytes per exchange summed over islands", flush=True)
     print("| parameters | codec | islands | shards | exchange | peak RSS per shard | max / sum (x model) | RSS after start, "
-          "max / sum | CPU s per shard | MB to / from each shard |")
-    print("|---|---|---|---|---|---|---|---|---|---|", flush=True)
+          "max / sum | CPU s per shard | MB to / from each shard | islands' process |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|", flush=True)
     rows = []
     for size in sizes:
         for k in counts["shards"]:
@@ -217,7 +227,8 @@ def main(argv: list[str] | None = None) -> None:
                 print(f"| {r['parameters'] / 1e6:.1f}M | {args.codec} | {n} | {k} | {r['exchange_s']:.3f} s | {peaks} | "
                       f"{mib(r['peak_rss_max'])} ({r['peak_rss_max_x']:.2f}x) / {mib(r['peak_rss_sum'])} ({r['peak_rss_sum_x']:.2f}x) | "
                       f"{mib(r['rss_after_start_max'])} ({r['rss_after_start_max_x']:.2f}x) / "
-                      f"{mib(r['rss_after_start_sum'])} ({r['rss_after_start_sum_x']:.2f}x) | {cpu} | {traffic} |", flush=True)
+                      f"{mib(r['rss_after_start_sum'])} ({r['rss_after_start_sum_x']:.2f}x) | {cpu} | {traffic} | "
+                      f"{mib(r['islands_peak_rss']) if 'islands_peak_rss' in r else '?'} |", flush=True)
                 if args.out:
                     Path(args.out).write_text(json.dumps(rows, indent=1))
 
