@@ -19,8 +19,8 @@ and this process's peak RSS over the point (the islands), so that the shards'
 sum plus it is what the machine had to hold.
 
     python -m benchmarks.shards --sizes 125m --shards 1,2,4 --islands 1,4
-    python -m benchmarks.shards --sizes 530m --shards 1,2,4 --islands 1 --out shards-530m.json
-    python -m benchmarks.shards --sizes 1b --shards 1,2,4 --islands 1   # a host of about 48 GB
+    python -m benchmarks.shards --sizes 750m --shards 1,2,4 --islands 1 --out shards-750m.json   # 20.2 GiB of host
+    python -m benchmarks.shards --sizes 1b --shards 1,2,4 --islands 1   # about 28 GiB: a host of 32 GiB or more
 """
 
 from __future__ import annotations
@@ -55,8 +55,9 @@ from islands.memwatch import PeakRss
 from islands.sharded import ShardedClient
 
 PROG = "shards"
-# exchange.py's sizes, one of about 0.5B and configs/1b.toml's shape: name -> (vocab_size, d_model, n_layers, d_ff)
-SIZES = {**exchange.SIZES, "530m": (50304, 1280, 24, 3413), "1b": (50304, 2048, 16, 8192)}
+# exchange.py's sizes, two of about 0.5B and 0.75B (the largest a 24 GiB host holds with K = 4) and configs/1b.toml's
+# shape: name -> (vocab_size, d_model, n_layers, d_ff)
+SIZES = {**exchange.SIZES, "530m": (50304, 1280, 24, 3413), "750m": (50304, 1536, 24, 4096), "1b": (50304, 2048, 16, 8192)}
 KV_HEADS = {"1b": 8}  # grouped-query attention as the preset has it; the rest one key/value head per query head
 
 
@@ -184,7 +185,7 @@ def mib(n: float) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     parser = ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
-    parser.add_argument("--sizes", default="125m,530m", help=f"model sizes, from {','.join(SIZES)} (default 125m,530m)")
+    parser.add_argument("--sizes", default="125m,750m", help=f"model sizes, from {','.join(SIZES)} (default 125m,750m)")
     parser.add_argument("--shards", default="1,2,4", help="numbers of coordinator shards K (default 1,2,4)")
     parser.add_argument("--islands", default="1,4", help="numbers of islands (default 1,4)")
     parser.add_argument("--codec", default="fp32", help="uplink codec (the downlink uses the same; default fp32)")
