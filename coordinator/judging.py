@@ -8,6 +8,10 @@ them up, judges the round once with its guard (and its history), and answers
 every shard the same factors. The norms are those the one-process coordinator
 judges, bit for bit; the sketches' cosines agree to float64 rounding.
 
+A shard's part goes in pieces where one request would exceed the leader's
+message limit (coordinator/limits.py max_message_bytes): a sketch is 128 KiB a
+contribution, so from about 16 islands a round at the default wire.chunk_bytes.
+
 The leader waits for every shard's part at most rounds.deadline_s, then judges
 on the parts it has (a shard that is down would otherwise stop the run); a
 shard that cannot reach the leader for that long judges its part alone.
@@ -54,6 +58,25 @@ def stats_of(contributions) -> list[pb.ContributionStats]:
     return out
 
 
+_PIECE_SLACK = 4 << 10  # a request's own fields around its contributions
+MAX_PIECES = 1 << 16  # more is not a shard's (a piece holds at least one contribution)
+
+
+def pieces_of(stats: list[pb.ContributionStats], limit: int) -> list[list[pb.ContributionStats]]:
+    """stats cut, in order, into pieces whose requests stay within limit bytes (one contribution a piece at the
+    least: max_message_bytes leaves room for a sketch)."""
+    pieces: list[list[pb.ContributionStats]] = [[]]
+    size = _PIECE_SLACK
+    for c in stats:
+        n = c.ByteSize() + 8  # with its field tag and length
+        if pieces[-1] and size + n > limit:
+            pieces.append([])
+            size = _PIECE_SLACK
+        pieces[-1].append(c)
+        size += n
+    return pieces
+
+
 def judge_stats(guard: NormGuard, parts: list[list[pb.ContributionStats]], label: str) -> Verdict:
     """The guard's verdict on every shard's statistics together (a contribution's parts summed over the shards)."""
     sums: dict[str, list[float]] = {}
@@ -87,16 +110,27 @@ class LeaderJudge:
         self.shards, self.secret, self.guard_of, self.wait_s = shards, secret, guard_of, wait_s
         self.cond = threading.Condition()
         self.parts: dict[tuple[int, int], dict[int, list[pb.ContributionStats]]] = {}
+        self.pieces: dict[tuple[int, int, int], dict[int, list[pb.ContributionStats]]] = {}  # a shard's, as they come
         self.verdicts: dict[tuple[int, int], Verdict] = {}
 
     def admits(self, request: pb.JudgeRequest) -> bool:
         return 0 < request.shard < self.shards and signed(self.secret, request.proof, "judge", request.fragment,
                                                           request.round, request.shard)
 
-    def judge(self, fragment: int, round_: int, shard: int, stats: list[pb.ContributionStats]) -> Verdict:
+    def judge(self, fragment: int, round_: int, shard: int, stats: list[pb.ContributionStats], piece: int = 0,
+              pieces: int = 1) -> Verdict | None:
+        """The round's verdict, once every shard's part is in (or the wait is over); None for a piece of a shard's
+        part that is not its last."""
         key = (fragment, round_)
         deadline = time.monotonic() + self.wait_s
         with self.cond:
+            if pieces > 1 and key not in self.verdicts:
+                got = self.pieces.setdefault((fragment, round_, shard), {})
+                got[piece] = stats
+                if len(got) < pieces:
+                    return None
+                del self.pieces[(fragment, round_, shard)]
+                stats = [c for i in sorted(got) for c in got[i]]
             if key not in self.verdicts:
                 self.parts.setdefault(key, {})[shard] = stats
                 self.cond.notify_all()
@@ -111,6 +145,8 @@ class LeaderJudge:
                 self.verdicts[key] = judge_stats(guard, [got[s] for s in sorted(got)], label)
                 for old in [k for k in self.verdicts if k[0] == fragment and k[1] <= round_ - _KEPT_ROUNDS]:
                     del self.verdicts[old]
+                for old in [k for k in self.pieces if k[:2] == key]:  # a shard's part that came too late
+                    del self.pieces[old]
                 self.cond.notify_all()
             return self.verdicts[key]
 
@@ -118,23 +154,30 @@ class LeaderJudge:
 class FollowerJudge:
     """On a following shard: asks the leader for each closing round's verdict; judges alone if it cannot reach it."""
 
-    def __init__(self, index: int, leader: str, secret: bytes, tls: TlsFiles | None, wait_s: float):
-        self.index, self.secret, self.wait_s = index, secret, wait_s
+    def __init__(self, index: int, leader: str, secret: bytes, tls: TlsFiles | None, wait_s: float, message_bytes: int):
+        self.index, self.secret, self.wait_s, self.message_bytes = index, secret, wait_s, message_bytes
         self.channel = shard_channel(leader, tls)
         self.stub = pb_grpc.CoordinatorStub(self.channel)
 
     def judge(self, fragment: int, round_: int, stats: list[pb.ContributionStats], guard: NormGuard, label: str) -> Verdict:
-        request = pb.JudgeRequest(fragment=fragment, round=round_, shard=self.index, contributions=stats,
-                                  proof=proof(self.secret, fragment, round_, self.index))
+        pieces = pieces_of(stats, self.message_bytes)
+        signature = proof(self.secret, fragment, round_, self.index)
+        requests = [pb.JudgeRequest(fragment=fragment, round=round_, shard=self.index, contributions=piece, proof=signature,
+                                    piece=i, pieces=len(pieces)) for i, piece in enumerate(pieces)]
         deadline = time.monotonic() + 2 * self.wait_s  # the leader itself waits up to wait_s for the other shards
         delay = 0.2
         while True:
             try:
-                verdict = verdict_of(self.stub.Judge(request, timeout=max(1.0, deadline - time.monotonic()), wait_for_ready=True))
+                for request in requests:  # all again after a failure: a restarted leader holds none of them
+                    response = self.stub.Judge(request, timeout=max(1.0, deadline - time.monotonic()), wait_for_ready=True)
+                verdict = verdict_of(response)
                 guard.remember(verdict.reference)  # the history the leader's guard keeps: the first quorum ends here too
                 return verdict
             except grpc.RpcError as e:
-                if time.monotonic() + delay > deadline:
+                # A refusal will not change on a retry (a message over the limit, a secret the leader does not share).
+                final = e.code() in (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.PERMISSION_DENIED,
+                                     grpc.StatusCode.INVALID_ARGUMENT)
+                if final or time.monotonic() + delay > deadline:
                     log.error("fragment %d round %d: the leading shard did not judge the round (%s: %s); judging this "
                               "shard's part alone", fragment, round_, e.code().name, e.details())
                     return judge_stats(guard, [stats], label)
@@ -150,7 +193,7 @@ class ShardJudging:
     verdicts its Judge calls answer with."""
 
     def __init__(self, index: int, addresses: tuple[str, ...], secret: bytes, tls: TlsFiles | None, wait_s: float,
-                 fragments: Callable[[], list]):
+                 fragments: Callable[[], list], message_bytes: int):
         self.sketch_secret = bytes.fromhex(sign(secret, "sketch"))[:16]
         self.leader: LeaderJudge | None = None
         self.follower: FollowerJudge | None = None
@@ -161,7 +204,7 @@ class ShardJudging:
 
             self.leader = LeaderJudge(len(addresses), secret, guard_of, wait_s)
         else:
-            self.follower = FollowerJudge(index, addresses[0], secret, tls, wait_s)
+            self.follower = FollowerJudge(index, addresses[0], secret, tls, wait_s, message_bytes)
 
     def __call__(self, rounds, closing) -> Verdict:
         """The verdict on a fragment's closing round (FragmentContext.judge)."""

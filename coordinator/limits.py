@@ -1,4 +1,5 @@
-"""What one island may take of the coordinator: open streams, heartbeats, joins, time between chunks, push slots.
+"""What one island may take of the coordinator: open streams, heartbeats, joins, time between chunks, push slots,
+the largest message.
 
 Each bound is refused with its own reason (diloco/wire/refusal.py), so a client
 sees a precise status and an honest island, which never comes near a bound,
@@ -14,9 +15,17 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
+from diloco.config import RunConfig
 from diloco.policy import LimitsConfig
+from diloco.robust import SKETCH_BYTES
 from diloco.wire.refusal import Reason, Refused
 
+
+def max_message_bytes(cfg: RunConfig) -> int:
+    """The largest message the coordinator takes: a chunk of wire.chunk_bytes with its header, plus room for the
+    largest codec's per-chunk overhead (scales, positions); at least one contribution's direction sketch, which a
+    shard sends its leader (coordinator/judging.py: more than one goes in pieces of this size)."""
+    return max(2 * cfg.wire.chunk_bytes, SKETCH_BYTES) + (64 << 10)
 
 class TokenBucket:
     """At most `rate` events a second on average, in bursts of at most `burst`."""

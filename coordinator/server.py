@@ -21,6 +21,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from coordinator import durable
 from coordinator.audit import AuditLog, NoAudit
 from coordinator.ledger import DataLedger, account_dict
+from coordinator.limits import max_message_bytes
 from coordinator.metrics import CheckpointStats, coordinator_metrics
 from coordinator.rounds import Closed, RoundDriver
 from coordinator.runlog import RunLog
@@ -160,12 +161,6 @@ def save(state: CoordinatorState, store: CheckpointStore, stats: CheckpointStats
         stats.record(time.perf_counter() - started, ok=False)
         log.error("checkpoint to %s failed (%s: %s); the run goes on and the next checkpoint tries again",
                   store.url, type(e).__name__, e)
-
-
-def max_message_bytes(cfg: RunConfig) -> int:
-    """The largest message an island may send: a chunk of wire.chunk_bytes with its header, plus room for
-    the largest codec's per-chunk overhead (scales, positions)."""
-    return 2 * cfg.wire.chunk_bytes + (64 << 10)
 
 
 # A connection that has not finished its handshake (TLS, then HTTP/2's preface) this long after it opened is closed:

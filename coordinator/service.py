@@ -12,7 +12,7 @@ from contextlib import contextmanager
 import grpc
 
 from coordinator.audit import NoAudit
-from coordinator.judging import LeaderJudge, verdict_proto
+from coordinator.judging import MAX_PIECES, LeaderJudge, verdict_proto
 from coordinator.ledger import ranges_of
 from coordinator.limits import Abandoned, Limits, idle_bounded
 from coordinator.publish import Reading
@@ -413,8 +413,12 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             raise Refused(Reason.NOT_YOURS, "only the coordinator's own shards may send the leading shard a round's "
                           "statistics (signed with DILOCO_SHARD_SECRET)")
         self.state.fragment(request.fragment)  # refuses a fragment that does not exist
-        verdict = self.judges.judge(request.fragment, request.round, request.shard, list(request.contributions))
-        return verdict_proto(verdict)
+        pieces = max(1, request.pieces)
+        if not (0 <= request.piece < pieces <= MAX_PIECES):
+            raise Refused(Reason.BAD_REQUEST, f"piece {request.piece} of {request.pieces} (at most {MAX_PIECES} pieces)")
+        verdict = self.judges.judge(request.fragment, request.round, request.shard, list(request.contributions),
+                                    request.piece, pieces)
+        return pb.JudgeResponse() if verdict is None else verdict_proto(verdict)
 
     @_refusals
     def WatchRounds(self, request: pb.WatchRequest, context) -> Iterator[pb.RoundSummary]:

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from coordinator.gather import FollowerRounds, WholeModel
 from coordinator.judging import ShardJudging
+from coordinator.limits import max_message_bytes
 from diloco.config import RunConfig
 from diloco.fragments import layout_for
 from diloco.models.llama import initial_parameters, parameter_shapes
@@ -77,7 +78,8 @@ class ShardServices:
     @staticmethod
     def start(shard: ShardRole, cfg: RunConfig, tls: TlsFiles | None, manifests: list[Manifest], fragments) -> ShardServices:
         """fragments(): the state's round machines once it exists."""
-        services = ShardServices(ShardJudging(shard.index, shard.addresses, shard.secret, tls, cfg.rounds.deadline_s, fragments))
+        services = ShardServices(ShardJudging(shard.index, shard.addresses, shard.secret, tls, cfg.rounds.deadline_s, fragments,
+                                                max_message_bytes(cfg)))
         if shard.leads:
             services.followers = FollowerRounds(shard.addresses, shard.secret, tls)
             services.gathering = WholeModel(shard.addresses, shard.secret, tls, manifests[1:])

@@ -86,6 +86,7 @@ def add_exact(parts: list[float], x: float) -> None:
 
 
 SKETCH_DIM = 1 << 14  # the kernel's buckets (diloco/wire/kernels.py _count_sketch): cosines to about +-0.01
+SKETCH_BYTES = SKETCH_DIM * 8  # a sketch is float64
 
 
 class Sketcher:

@@ -143,6 +143,28 @@ def test_k_shards_give_the_one_process_coordinators_parameters_momentum_and_chec
         assert_same_run(run(cfg, shards, tmp_path), reference, cfg, shards)
 
 
+
+def test_with_three_islands_the_shards_direction_sketches_add_up_to_every_contribution(tmp_path, monkeypatch):
+    """From three members on, each shard sketches its part of every push and the leader judges directions on the
+    sum (coordinator/judging.py): every contribution is judged with a whole sketch, and the run is one process's."""
+    from diloco.robust import NormGuard
+
+    judged: list[tuple[int, int]] = []  # (contributions, whole sketches) of each judgment
+    real_judge = NormGuard.judge
+
+    def judge(self, norms, label="", sketches=None):
+        judged.append((len(norms), len(sketches or {})))
+        return real_judge(self, norms, label, sketches)
+
+    monkeypatch.setattr(NormGuard, "judge", judge)
+    cfg = tiny_config("rounds.rounds=3", "eval.batches=2", "wire.codec=e3m0", "rounds.min_islands=3")
+    reference = run(cfg, 0, tmp_path, islands=3)
+    assert judged == [(3, 3)] * cfg.rounds.rounds
+    for shards in (2, 3):
+        judged.clear()
+        assert_same_run(run(cfg, shards, tmp_path, islands=3), reference, cfg, shards)
+        assert judged == [(3, 3)] * cfg.rounds.rounds, f"K = {shards}: {judged}"
+
 def test_a_following_shard_admits_only_the_leaders_ticket(tmp_path):
     cfg = tiny_config()
     with coordinator_of(cfg, 2, tmp_path) as (leader, follower):

@@ -62,16 +62,13 @@ def test_shards_resume_from_the_newest_step_every_one_of_them_committed(tmp_path
         role.common_step(str(tmp_path), keep_last=3)
 
 
-def test_the_leader_judges_the_shards_parts_as_one_coordinator_judges_the_whole():
-    """Norm clipping and the direction check on parts summed over shards give the one-process verdict, factors bit for
-    bit: sums of squares are exact partials, sketches linear."""
-    import math
-
+def _contribution_stats():
+    """Six islands' pushes over six tensors (one 1,000x the rest: clipped; one pointing against them: dropped), and
+    stats(keep): each contribution's statistics over the tensors keep(name) holds, as a shard sends its leader; with
+    the tensors' owners among 3 shards."""
     import numpy as np
 
-    from coordinator.judging import judge_stats
-    from diloco.config import RobustConfig
-    from diloco.robust import NormGuard, Sketcher, add_exact
+    from diloco.robust import Sketcher, add_exact
     from diloco.v1 import diloco_pb2 as pb
 
     rng = np.random.default_rng(0)
@@ -95,8 +92,62 @@ def test_the_leader_judges_the_shards_parts_as_one_coordinator_judges_the_whole(
             out.append(pb.ContributionStats(key=island, sumsq_parts=parts, lr_sum=0.5, sketch=sketch.tobytes()))
         return out
 
+    return stats, owner
+
+
+def test_the_leader_judges_the_shards_parts_as_one_coordinator_judges_the_whole():
+    """Norm clipping and the direction check on parts summed over shards give the one-process verdict, factors bit for
+    bit: sums of squares are exact partials, sketches linear."""
+    import math
+
+    from coordinator.judging import judge_stats
+    from diloco.config import RobustConfig
+    from diloco.robust import NormGuard
+
+    stats, owner = _contribution_stats()
     whole = judge_stats(NormGuard(RobustConfig()), [stats(lambda n: True)], "")
     sharded = judge_stats(NormGuard(RobustConfig()), [stats(lambda n, s=s: owner[n] == s) for s in range(3)], "")
     assert whole.clipped == ["island-4"] and whole.dropped == ["island-5"]
     assert (sharded.factors, sharded.clipped, sharded.dropped) == (whole.factors, whole.clipped, whole.dropped)
     assert sharded.reference == whole.reference and math.isfinite(whole.reference)
+
+
+def test_a_shards_part_too_large_for_one_message_goes_in_pieces_and_is_judged_as_the_whole():
+    """Six sketches (128 KiB each) exceed the leader's message limit: the follower cuts its part into pieces that fit,
+    the leader answers all but the last at once and judges when every shard's last piece is in."""
+    import threading
+
+    from coordinator.judging import LeaderJudge, judge_stats, pieces_of
+    from coordinator.limits import max_message_bytes
+    from diloco.config import RobustConfig
+    from diloco.robust import NormGuard
+    from diloco.v1 import diloco_pb2 as pb
+
+    stats, owner = _contribution_stats()
+    parts = [stats(lambda n, s=s: owner[n] == s) for s in range(3)]
+    limit = max_message_bytes(tiny_config())  # wire.chunk_bytes 4096: room for one sketch, not two
+    pieces = pieces_of(parts[1], limit)
+    assert len(pieces) == 6 and [c for p in pieces for c in p] == parts[1]
+    assert all(pb.JudgeRequest(fragment=9, round=1 << 40, shard=3, proof="f" * 64, contributions=p, piece=i,
+                               pieces=len(pieces)).ByteSize() <= limit for i, p in enumerate(pieces))
+    assert pieces_of(parts[1], 1 << 30) == [parts[1]]
+
+    leader = LeaderJudge(3, b"s" * 32, lambda f: (NormGuard(RobustConfig()), ""), wait_s=600)
+    verdicts = {}
+
+    def shard(s: int) -> None:
+        verdicts[s] = leader.judge(0, 0, s, parts[s])
+
+    others = [threading.Thread(target=shard, args=(s,)) for s in (0, 2)]
+    for t in others:
+        t.start()
+    for i, piece in enumerate(pieces[:-1]):
+        assert leader.judge(0, 0, 1, piece, i, len(pieces)) is None
+    verdicts[1] = leader.judge(0, 0, 1, pieces[-1], len(pieces) - 1, len(pieces))
+    for t in others:
+        t.join(60)
+    whole = judge_stats(NormGuard(RobustConfig()), [stats(lambda n: True)], "")
+    assert whole.clipped == ["island-4"] and whole.dropped == ["island-5"]
+    for s in range(3):
+        assert (verdicts[s].factors, verdicts[s].clipped, verdicts[s].dropped) == (whole.factors, whole.clipped, whole.dropped)
+    assert leader.pieces == {}

@@ -543,18 +543,22 @@ class ContributionStats(_message.Message):
     def __init__(self, key: _Optional[str] = ..., sumsq_parts: _Optional[_Iterable[float]] = ..., lr_sum: _Optional[float] = ..., sketch: _Optional[bytes] = ...) -> None: ...
 
 class JudgeRequest(_message.Message):
-    __slots__ = ("fragment", "round", "shard", "proof", "contributions")
+    __slots__ = ("fragment", "round", "shard", "proof", "contributions", "piece", "pieces")
     FRAGMENT_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     SHARD_FIELD_NUMBER: _ClassVar[int]
     PROOF_FIELD_NUMBER: _ClassVar[int]
     CONTRIBUTIONS_FIELD_NUMBER: _ClassVar[int]
+    PIECE_FIELD_NUMBER: _ClassVar[int]
+    PIECES_FIELD_NUMBER: _ClassVar[int]
     fragment: int
     round: int
     shard: int
     proof: str
     contributions: _containers.RepeatedCompositeFieldContainer[ContributionStats]
-    def __init__(self, fragment: _Optional[int] = ..., round: _Optional[int] = ..., shard: _Optional[int] = ..., proof: _Optional[str] = ..., contributions: _Optional[_Iterable[_Union[ContributionStats, _Mapping]]] = ...) -> None: ...
+    piece: int
+    pieces: int
+    def __init__(self, fragment: _Optional[int] = ..., round: _Optional[int] = ..., shard: _Optional[int] = ..., proof: _Optional[str] = ..., contributions: _Optional[_Iterable[_Union[ContributionStats, _Mapping]]] = ..., piece: _Optional[int] = ..., pieces: _Optional[int] = ...) -> None: ...
 
 class JudgeResponse(_message.Message):
     __slots__ = ("factors", "clipped", "dropped", "reference")

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import grpc
 
-from coordinator.server import max_message_bytes
+from coordinator.limits import max_message_bytes
 from diloco.security import credentials
 from diloco.config import RunConfig
 from diloco.wire.refusal import STATUS, Reason, refusal_of
