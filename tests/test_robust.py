@@ -172,10 +172,14 @@ def test_a_poisoned_push_moves_the_global_parameters_no_more_than_an_honest_roun
 
 @pytest.mark.integration
 def test_a_message_larger_than_a_chunk_is_refused_before_it_is_read(make_coordinator, channel_to):
+    from coordinator.limits import max_message_bytes
+
     cfg = tiny_config()
     coordinator = make_coordinator(cfg)
     stub = channel_to(coordinator)
-    huge = "x" * (3 * cfg.wire.chunk_bytes + (64 << 10))
+    # Two chunks and their framing, or one direction sketch, whichever is larger (tiny_config's 4 KiB chunks: the sketch).
+    assert max_message_bytes(cfg) == max(2 * cfg.wire.chunk_bytes, 128 << 10) + (64 << 10)
+    huge = "x" * (max_message_bytes(cfg) + 1)
     with pytest.raises(grpc.RpcError) as e:
         stub.Join(pb.JoinRequest(protocol_version=PROTOCOL_VERSION, hostname=huge), timeout=10)
     assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
