@@ -27,6 +27,7 @@ def max_message_bytes(cfg: RunConfig) -> int:
     shard sends its leader (coordinator/judging.py: more than one goes in pieces of this size)."""
     return max(2 * cfg.wire.chunk_bytes, SKETCH_BYTES) + (64 << 10)
 
+
 class TokenBucket:
     """At most `rate` events a second on average, in bursts of at most `burst`."""
 

@@ -313,7 +313,14 @@ def test_only_the_shards_own_signed_statistics_reach_the_leaders_judge(tmp_path)
                     pb.JudgeRequest(fragment=0, round=0, shard=1, proof=signed, contributions=[forged]), timeout=30)
             assert refusal_of(refused.value).reason == Reason.NOT_YOURS
         judge = leader.shard_services.judging.leader
-        assert not judge.parts and not judge.verdicts
+        # Signed, but pieces that cannot be: refused as a bad request before anything is kept.
+        for piece, pieces in ((2, 2), (-1, 2), (0, 1 << 20)):
+            with grpc.insecure_channel(f"127.0.0.1:{leader.port}") as channel, pytest.raises(grpc.RpcError) as refused:
+                pb_grpc.CoordinatorStub(channel).Judge(
+                    pb.JudgeRequest(fragment=0, round=0, shard=1, proof=proof(judge.secret, 0, 0, 1), contributions=[forged],
+                                    piece=piece, pieces=pieces), timeout=30)
+            assert refusal_of(refused.value).reason == Reason.BAD_REQUEST, (piece, pieces)
+        assert not judge.parts and not judge.verdicts and not judge.pieces
 
 
 def test_a_sharded_runs_checkpoints_export_and_evaluate_as_one_model(tmp_path, capsys):

@@ -151,3 +151,22 @@ def test_a_shards_part_too_large_for_one_message_goes_in_pieces_and_is_judged_as
     for s in range(3):
         assert (verdicts[s].factors, verdicts[s].clipped, verdicts[s].dropped) == (whole.factors, whole.clipped, whole.dropped)
     assert leader.pieces == {}
+
+
+def test_a_shard_that_vanishes_after_some_of_its_pieces_leaves_the_round_judged_on_the_rest():
+    """The leader waits for the missing pieces at most its wait, judges on the shards whose parts are whole, and
+    keeps nothing of the half-sent part."""
+    from coordinator.judging import LeaderJudge, judge_stats, pieces_of
+    from coordinator.limits import max_message_bytes
+    from diloco.config import RobustConfig
+    from diloco.robust import NormGuard
+
+    stats, owner = _contribution_stats()
+    parts = [stats(lambda n, s=s: owner[n] < 2 if s == 0 else owner[n] == 2) for s in range(2)]
+    pieces = pieces_of(parts[1], max_message_bytes(tiny_config()))
+    leader = LeaderJudge(2, b"s" * 32, lambda f: (NormGuard(RobustConfig()), ""), wait_s=0.5)
+    assert leader.judge(0, 0, 1, pieces[0], 0, len(pieces)) is None  # then shard 1 is gone
+    verdict = leader.judge(0, 0, 0, parts[0])
+    alone = judge_stats(NormGuard(RobustConfig()), [parts[0]], "")
+    assert (verdict.factors, verdict.clipped, verdict.dropped) == (alone.factors, alone.clipped, alone.dropped)
+    assert leader.pieces == {} and leader.parts == {}
