@@ -38,9 +38,15 @@ from diloco.wire.messages import payload_digest
 _RECORD = struct.Struct("<QQQHI")  # offset, numel, XXH3-64 of the payload, name bytes, payload bytes
 BLOCK_PAYLOAD = 8 << 20  # a pool block holds about this much payload: a whole number of the largest chunks
 RECORD_SLACK = 256  # a record's bytes beyond its payload: its header and a name of up to 226 bytes
+
 # An island may always hold this many fp32 pushes of the fragment it pushes to, with a quarter more for the records'
 # headers, however many members share the spool: its contribution and a late one or a retry.
 FLOOR_PUSHES = 2
+
+
+def record_bytes(name: str, payload_bytes: int) -> int:
+    """What one chunk takes of the spool and of its island's share: its record's header, its name and its payload."""
+    return _RECORD.size + len(name.encode()) + payload_bytes
 
 
 class SpoolCorrupt(OSError):
@@ -209,7 +215,7 @@ class Spool:
         if self.max_numel is not None and self.numel + numel > self.max_numel:
             # Bounds a stream that repeats chunks: overlaps are only found once the stream ends.
             raise Refused(Reason.BAD_CHUNK, f"the stream carries more than the {self.max_numel} elements its fragment has")
-        size = _RECORD.size + len(encoded) + len(payload)
+        size = record_bytes(name, len(payload))
         if self.spools is not None:
             self.spools.reserve(size, self.share)
         self.bytes += size
