@@ -233,7 +233,7 @@ class ShardProcesses:
         self.procs[f"shard-{i}"] = self._spawn(argv, f"shard-{i}.log")
         deadline = time.monotonic() + 120
         while not port_file.exists():
-            assert self.procs[f"shard-{i}"].poll() is None, f"shard {i} exited; see {self.workdir}"
+            assert self.procs[f"shard-{i}"].poll() is None, f"shard {i} exited; see {self.workdir}{self.tails()}"
             assert time.monotonic() < deadline, f"shard {i} did not start"
             time.sleep(0.1)
 
@@ -253,7 +253,7 @@ class ShardProcesses:
         """SIGKILLs the shard as soon as it committed checkpoint `step` (mid-round: the islands are training the next)."""
         deadline = time.monotonic() + timeout_s
         while not self.committed(shard, step):
-            assert time.monotonic() < deadline, f"shard {shard} never committed step {step}; see {self.workdir}"
+            assert time.monotonic() < deadline, f"shard {shard} never committed step {step}; see {self.workdir}{self.tails()}"
             time.sleep(0.01)
         self.procs[f"shard-{shard}"].send_signal(signal.SIGKILL)
         self.procs[f"shard-{shard}"].wait(30)
@@ -261,6 +261,11 @@ class ShardProcesses:
     def wait_all(self, timeout_s: float) -> dict[str, int]:
         deadline = time.monotonic() + timeout_s
         return {name: p.wait(max(1.0, deadline - time.monotonic())) for name, p in self.procs.items()}
+
+    def tails(self, lines: int = 15) -> str:
+        """The end of every process's log: what a failure in CI shows, whose tmp_path is gone by the time it is read."""
+        return "".join(f"\n--- {name}.log ---\n" + "\n".join((self.workdir / f"{name}.log").read_text().splitlines()[-lines:])
+                       for name in self.procs)
 
     def close(self) -> None:
         for p in self.procs.values():
@@ -287,10 +292,10 @@ def test_a_follower_and_then_the_leader_sigkilled_mid_round_resume_while_the_oth
         codes = run.wait_all(300)
     finally:
         run.close()
-    assert codes == {"shard-0": 0, "shard-1": 0, "island-0": 0, "island-1": 0}, f"see {tmp_path}"
+    assert codes == {"shard-0": 0, "shard-1": 0, "island-0": 0, "island-1": 0}, f"see {tmp_path}{run.tails()}"
     reports = [json.loads((tmp_path / f"report-{i}.json").read_text()) for i in range(2)]
     for i, report in enumerate(reports):
-        assert report["final_round"] == 6, f"shard {i} ended at round {report['final_round']}"
+        assert report["final_round"] == 6, f"shard {i} ended at round {report['final_round']}{run.tails()}"
         assert len(report["islands"]) == 2 and set(report["islands"].values()) == {report["checksum"]}
     for i in range(2):
         assert "matches the coordinator's" in (tmp_path / f"island-{i}.log").read_text()
