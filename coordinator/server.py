@@ -6,8 +6,6 @@ import dataclasses
 import json
 import logging
 import math
-import shutil
-import tempfile
 import threading
 import time
 from concurrent import futures
@@ -27,6 +25,7 @@ from coordinator.rounds import Closed, RoundDriver
 from coordinator.runlog import RunLog
 from coordinator.service import CoordinatorService, add_to_server
 from coordinator.sharding import ShardRole, ShardServices
+from coordinator.spool import SpoolDir
 from coordinator.state import CoordinatorState
 from coordinator.web import RunWebServer
 from diloco.checkpoint import CheckpointStore
@@ -89,7 +88,7 @@ class Coordinator:
     web: RunWebServer | None = None
     runlog: RunLog | None = None
     shard_services: ShardServices | None = None  # a shard of several: what makes the shards one run
-    made_spool: Path | None = None  # a spool directory this coordinator made (none was given): removed at stop
+    made_spool: SpoolDir | None = None  # a spool directory this coordinator made (none was given): removed at stop
 
     def wait(self, timeout: float | None = None) -> bool:
         return self.driver.wait(timeout)
@@ -108,7 +107,7 @@ class Coordinator:
         if self.shard_services is not None:
             self.shard_services.close()
         if self.made_spool is not None:  # its pushes are folded or lost with the process; nothing resumes from it
-            shutil.rmtree(self.made_spool, ignore_errors=True)
+            self.made_spool.remove()
 
     def report(self) -> dict:
         s = self.state
@@ -276,7 +275,8 @@ def start_coordinator(
     if tls is not None:
         ca, cert, key = tls.read()
         credentials = grpc.ssl_server_credentials([(key, cert)], root_certificates=ca, require_client_auth=True)
-    spool = Path(spool_dir or tempfile.mkdtemp(prefix="diloco-spool-"))
+    made_spool = None if spool_dir else SpoolDir.make()
+    spool = Path(spool_dir) if spool_dir else made_spool.path
     spool.mkdir(parents=True, exist_ok=True)
     ledger, data_digest = open_ledger(cfg) if shard is None or shard.leads else (None, "")
     audit = AuditLog(audit_url) if audit_url else NoAudit()
@@ -338,7 +338,7 @@ def start_coordinator(
     log.info("coordinator %sserving on %s:%d (%s)", f"shard {shard.index} of {shard.count} " if shard else "", host, bound,
              "mutual TLS" if tls is not None else "plaintext")
     return Coordinator(state, server, bound, stop, driver, health_servicer, audit, checkpoints, web, runlog, services,
-                       made_spool=None if spool_dir else spool)
+                       made_spool=made_spool)
 
 
 def serve(

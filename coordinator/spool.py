@@ -18,22 +18,33 @@ Each island holds at most its share of both (IslandShare): the bound and the poo
 split over the run's members, so one member whose push streams never finish (a
 stolen island key) fills its own share, is refused SPOOL_FULL, and the others'
 pushes still fit.
+
+A coordinator's spool directory goes with it when it stops; one killed (SIGKILL,
+the OOM killer) cannot remove it, so the next coordinator on the machine removes
+the directories whose owner is gone (SpoolDir): a crash loop would
+otherwise fill the disk with pushes nothing resumes from.
 """
 
 from __future__ import annotations
 
+import fcntl
+import logging
 import os
+import shutil
 import struct
 import tempfile
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import IO
 
 import numpy as np
 
-from diloco.wire.refusal import Reason, Refused
 from diloco.wire.messages import payload_digest
+from diloco.wire.refusal import Reason, Refused
+
+log = logging.getLogger(__name__)
 
 _RECORD = struct.Struct("<QQQHI")  # offset, numel, XXH3-64 of the payload, name bytes, payload bytes
 BLOCK_PAYLOAD = 8 << 20  # a pool block holds about this much payload: a whole number of the largest chunks
@@ -47,6 +58,59 @@ FLOOR_PUSHES = 2
 def record_bytes(name: str, payload_bytes: int) -> int:
     """What one chunk takes of the spool and of its island's share: its record's header, its name and its payload."""
     return _RECORD.size + len(name.encode()) + payload_bytes
+
+
+SPOOL_DIR_PREFIX = "diloco-spool-"
+OWNER_FILE = "owner.lock"  # locked by the process that made the directory for as long as it lives
+
+
+@dataclass
+class SpoolDir:
+    """A spool directory this process made in the system's temporary directory (TMPDIR).
+
+    Its owner file stays locked (flock) while the process lives, and the kernel
+    drops the lock however the process ends, so another coordinator can tell a
+    directory that was left behind, whatever the PID namespace, and no reused
+    PID passes for its owner.
+    """
+
+    path: Path
+    owner: IO[bytes]
+
+    @classmethod
+    def make(cls) -> SpoolDir:
+        """A new directory, once those left by coordinators that were killed are removed."""
+        remove_orphaned_spool_dirs(Path(tempfile.gettempdir()))
+        path = Path(tempfile.mkdtemp(prefix=SPOOL_DIR_PREFIX))
+        owner = open(path / (OWNER_FILE + ".new"), "wb")
+        fcntl.flock(owner, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        os.rename(path / (OWNER_FILE + ".new"), path / OWNER_FILE)  # never seen unlocked by another process's sweep
+        return cls(path, owner)
+
+    def remove(self) -> None:
+        shutil.rmtree(self.path, ignore_errors=True)
+        self.owner.close()
+
+
+def remove_orphaned_spool_dirs(root: Path) -> list[Path]:
+    """Removes root's spool directories whose owner file nobody holds locked; returns them. One without an owner
+    file (being made, or made by an older release) is left alone."""
+    removed = []
+    for path in root.glob(SPOOL_DIR_PREFIX + "*"):
+        try:
+            owner = open(path / OWNER_FILE, "rb")
+        except OSError:
+            continue
+        with owner:
+            try:
+                fcntl.flock(owner, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:  # its coordinator is alive
+                continue
+            size = sum(f.stat().st_size for f in path.iterdir() if f.is_file())
+            shutil.rmtree(path, ignore_errors=True)
+        log.info("removed %s (%.1f MB of pushes), left by a coordinator that did not stop cleanly", path, size / 1e6)
+        removed.append(path)
+    return removed
 
 
 class SpoolCorrupt(OSError):

@@ -199,29 +199,66 @@ def test_bad_shard_flags_are_one_line_errors(argv, message):
     assert message in lines[0], lines[0]
 
 
+def _serve(tmp_path, name: str, *flags: str) -> subprocess.Popen:
+    """`diloco-coordinator serve` on a free loopback port, its spool in tmp_path (TMPDIR), once it serves."""
+    import time
+
+    port_file = tmp_path / f"{name}.port"
+    with open(tmp_path / f"{name}.log", "w") as log:
+        proc = subprocess.Popen(SCRIPTS["diloco-coordinator"] + ["serve", "--host", "127.0.0.1", "--port", "0", "--http-port", "-1",
+                                "--port-file", str(port_file), *flags], stdout=log, stderr=subprocess.STDOUT,
+                                env={**os.environ, "TMPDIR": str(tmp_path)})
+    deadline = time.monotonic() + 120
+    while not (port_file.exists() and port_file.read_text()) and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.2)
+    if not port_file.exists():
+        proc.kill()
+        proc.wait(30)
+        pytest.fail((tmp_path / f"{name}.log").read_text()[-3000:])
+    return proc
+
+
 @pytest.mark.integration
 def test_sigterm_stops_the_coordinator_as_ctrl_c_does(tmp_path):
     """What Kubernetes, systemd and SLURM send: the server stops, the report is written, the spool it made goes."""
     import json
     import signal
-    import time
 
-    port_file, report = tmp_path / "port", tmp_path / "report.json"
-    env = {**os.environ, "TMPDIR": str(tmp_path)}  # where serve makes its spool
-    with open(tmp_path / "coordinator.log", "w") as log:
-        proc = subprocess.Popen(SCRIPTS["diloco-coordinator"] + ["serve", "--host", "127.0.0.1", "--port", "0", "--http-port", "-1",
-                                "--port-file", str(port_file), "--report", str(report)], stdout=log, stderr=subprocess.STDOUT, env=env)
-        try:
-            deadline = time.monotonic() + 120
-            while not (port_file.exists() and port_file.read_text()) and proc.poll() is None and time.monotonic() < deadline:
-                time.sleep(0.2)
-            assert port_file.exists(), (tmp_path / "coordinator.log").read_text()[-3000:]
-            assert len(list(tmp_path.glob("diloco-spool-*"))) == 1
-            proc.send_signal(signal.SIGTERM)
-            assert proc.wait(60) == 0, (tmp_path / "coordinator.log").read_text()[-3000:]
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait(30)
+    report = tmp_path / "report.json"
+    proc = _serve(tmp_path, "coordinator", "--report", str(report))
+    try:
+        assert len(list(tmp_path.glob("diloco-spool-*"))) == 1
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0, (tmp_path / "coordinator.log").read_text()[-3000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(30)
     assert json.loads(report.read_text())["rounds"] == []
+    assert list(tmp_path.glob("diloco-spool-*")) == []
+
+
+@pytest.mark.integration
+def test_a_killed_coordinators_spool_goes_when_the_next_one_starts_and_a_live_ones_stays(tmp_path):
+    """SIGKILL (or the OOM killer) leaves the spool directory, with whatever pushes waited on disk: the next coordinator
+    on the machine removes it, and leaves the directory of one still serving alone."""
+    import signal
+
+    procs = [_serve(tmp_path, "live")]
+    try:
+        (live,) = tmp_path.glob("diloco-spool-*")
+        procs.append(_serve(tmp_path, "killed"))
+        (killed,) = set(tmp_path.glob("diloco-spool-*")) - {live}
+        procs[1].send_signal(signal.SIGKILL)
+        procs[1].wait(30)
+        (killed / "push-stand-in.spool").write_bytes(bytes(1 << 20))  # what a push waiting on disk leaves
+        procs.append(_serve(tmp_path, "next"))
+        now = set(tmp_path.glob("diloco-spool-*"))
+        assert live in now and killed not in now and len(now) == 2, now
+        assert f"removed {killed} (1.0 MB of pushes), left by a coordinator" in (tmp_path / "next.log").read_text()
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+                proc.wait(60)
     assert list(tmp_path.glob("diloco-spool-*")) == []

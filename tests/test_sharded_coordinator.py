@@ -219,7 +219,9 @@ class ShardProcesses:
         self.addresses = ",".join(f"127.0.0.1:{p}" for p in self.ports)
         self.config = workdir / "run.toml"
         self.config.write_text(cfg.to_toml())
-        self.env = dict(os.environ, DILOCO_SHARD_SECRET=os.urandom(32).hex(), PYTHONUNBUFFERED="1")
+        self.tmp = workdir / "tmp"  # TMPDIR: where the shards make their spools
+        self.tmp.mkdir()
+        self.env = dict(os.environ, DILOCO_SHARD_SECRET=os.urandom(32).hex(), PYTHONUNBUFFERED="1", TMPDIR=str(self.tmp))
         self.procs: dict[str, subprocess.Popen] = {}
 
     def start_shard(self, i: int, resume: bool = False) -> None:
@@ -300,6 +302,9 @@ def test_a_follower_and_then_the_leader_sigkilled_mid_round_resume_while_the_oth
     for i in range(2):
         assert "matches the coordinator's" in (tmp_path / f"island-{i}.log").read_text()
     assert "resumed from" in (tmp_path / "shard-1.log").read_text() and "resumed from" in (tmp_path / "shard-0.log").read_text()
+    # Each killed shard's spool was removed by its restart; the others by their own clean stops.
+    assert list(run.tmp.glob("diloco-spool-*")) == []
+    assert "did not stop cleanly" in (tmp_path / "shard-1.log").read_text()
 
 
 def test_only_the_shards_own_signed_statistics_reach_the_leaders_judge(tmp_path):

@@ -7,7 +7,7 @@ import random
 import pytest
 
 from diloco.wire.refusal import Refused
-from coordinator.spool import BLOCK_PAYLOAD, SpoolCorrupt, Spools
+from coordinator.spool import BLOCK_PAYLOAD, OWNER_FILE, SpoolCorrupt, SpoolDir, Spools, remove_orphaned_spool_dirs
 from diloco.wire.refusal import Reason
 from diloco.wire.messages import payload_digest
 
@@ -145,3 +145,25 @@ def test_a_push_cut_off_mid_stream_gives_its_memory_back_and_the_island_pushes_w
     assert closed is not None and list(closed.summary.islands) == [a, b]
     assert closed.summary.elements_folded == closed.summary.elements_expected
     assert spools.used == 0
+
+
+def test_only_spool_directories_nobody_holds_are_removed(tmp_path, monkeypatch):
+    """A coordinator's own directory stays locked while it lives (another open file's lock conflicts with it, in
+    this process too); a killed one's lock is gone with it; one from an older release has no owner file."""
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # TMPDIR
+    mine = SpoolDir.make()
+    orphan, older, other = tmp_path / "diloco-spool-orphan", tmp_path / "diloco-spool-older", tmp_path / "elsewhere"
+    for folder in (orphan, older, other):
+        folder.mkdir()
+        (folder / "push-1.spool").write_bytes(bytes(10))
+    for folder in (orphan, other):
+        (folder / OWNER_FILE).write_bytes(b"")
+    assert remove_orphaned_spool_dirs(tmp_path) == [orphan]
+    assert mine.path.is_dir() and older.is_dir() and other.is_dir() and not orphan.exists()
+    second = SpoolDir.make()  # sweeps too, and leaves the first alone
+    assert mine.path.is_dir() and second.path != mine.path
+    mine.remove()
+    second.remove()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["diloco-spool-older", "elsewhere"]
