@@ -108,6 +108,9 @@ def remove_orphaned_spool_dirs(root: Path) -> list[Path]:
                 continue
             size = sum(f.stat().st_size for f in path.iterdir() if f.is_file())
             shutil.rmtree(path, ignore_errors=True)
+        if path.exists():  # another user's, say: not ours to remove
+            log.warning("could not remove %s, left by a coordinator that did not stop cleanly", path)
+            continue
         log.info("removed %s (%.1f MB of pushes), left by a coordinator that did not stop cleanly", path, size / 1e6)
         removed.append(path)
     return removed
