@@ -55,9 +55,10 @@ RECORD_SLACK = 256  # a record's bytes beyond its payload: its header and a name
 FLOOR_PUSHES = 2
 
 
-def record_bytes(name: str, payload_bytes: int) -> int:
-    """What one chunk takes of the spool and of its island's share: its record's header, its name and its payload."""
-    return _RECORD.size + len(name.encode()) + payload_bytes
+def record_bytes(encoded_name: bytes, payload_bytes: int) -> int:
+    """What one chunk takes of the spool and of its island's share: its record's header, its name (UTF-8) and its
+    payload."""
+    return _RECORD.size + len(encoded_name) + payload_bytes
 
 
 SPOOL_DIR_PREFIX = "diloco-spool-"
@@ -104,9 +105,9 @@ def remove_orphaned_spool_dirs(root: Path) -> list[Path]:
         with owner:
             try:
                 fcntl.flock(owner, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except OSError:  # its coordinator is alive
+                size = sum(f.stat().st_size for f in path.iterdir() if f.is_file())
+            except OSError:  # its coordinator is alive, or another coordinator starting removed it just now
                 continue
-            size = sum(f.stat().st_size for f in path.iterdir() if f.is_file())
             shutil.rmtree(path, ignore_errors=True)
         if path.exists():  # another user's, say: not ours to remove
             log.warning("could not remove %s, left by a coordinator that did not stop cleanly", path)
@@ -282,7 +283,7 @@ class Spool:
         if self.max_numel is not None and self.numel + numel > self.max_numel:
             # Bounds a stream that repeats chunks: overlaps are only found once the stream ends.
             raise Refused(Reason.BAD_CHUNK, f"the stream carries more than the {self.max_numel} elements its fragment has")
-        size = record_bytes(name, len(payload))
+        size = record_bytes(encoded, len(payload))
         if self.spools is not None:
             self.spools.reserve(size, self.share)
         self.bytes += size

@@ -241,7 +241,7 @@ def test_a_member_that_never_finishes_its_pushes_fills_only_its_share_of_the_spo
         return [f for f in attack if f.done() and reason_of(f.exception()) == Reason.SPOOL_FULL]
 
     # What one whole attack stream holds in the spool (coordinator/spool.py Spool.write: a record per chunk).
-    whole = sum(record_bytes(c.name, len(c.payload)) for c in tensor_chunks(
+    whole = sum(record_bytes(c.name.encode(), len(c.payload)) for c in tensor_chunks(
         {n: torch.zeros(s) for n, s in shapes.items()}, Fp32Codec(), cfg.wire.chunk_bytes))
 
     def settled() -> bool:

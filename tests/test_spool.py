@@ -167,3 +167,21 @@ def test_only_spool_directories_nobody_holds_are_removed(tmp_path, monkeypatch):
     mine.remove()
     second.remove()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["diloco-spool-older", "elsewhere"]
+
+
+def test_coordinators_starting_together_remove_each_left_directory_once(tmp_path):
+    """K shards launched on one machine sweep at the same moment: each left directory goes once, and a sweep that
+    finds one another just removed goes on rather than failing its coordinator's start."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    left = []
+    for i in range(200):
+        folder = tmp_path / f"diloco-spool-{i:03d}"
+        folder.mkdir()
+        (folder / OWNER_FILE).write_bytes(b"")
+        (folder / "push-1.spool").write_bytes(bytes(10))
+        left.append(folder)
+    with ThreadPoolExecutor(4) as pool:
+        sweeps = [pool.submit(remove_orphaned_spool_dirs, tmp_path) for _ in range(4)]
+        removed = [path for sweep in sweeps for path in sweep.result()]
+    assert sorted(removed) == left and list(tmp_path.iterdir()) == []
