@@ -222,6 +222,7 @@ class Exchange:
     first_step: int = -1  # the lr schedule position of its first inner step (-1: pushed_step - inner_steps)
     folded_into: int = -1  # rounds.late_rounds: the later round the coordinator folds this late push into
     codec: str = ""  # compression per link: the codec it pushes with, fixed at the sync ("": the run's)
+    leases: int = 0  # the island's leases_forgotten when its samples were named (islands/state.py forget_leases)
     pg: dict[str, torch.Tensor] | None = None  # snapshot of the pseudo-gradient shard (overlapped exchanges)
     staging: dict[str, torch.Tensor] | None = None  # where an overlapped pull writes theta_global_f
     estimate: dict[str, torch.Tensor] | None = None  # eager: the provisional global trained from meanwhile
@@ -249,7 +250,7 @@ class Exchange:
     def state_dict(self) -> dict:
         """What a healing peer needs to land this exchange (or take its push over)."""
         keys = ("fragment", "round", "pushed_step", "due", "tokens", "inner_steps", "train_loss", "checksum", "samples", "first_step",
-                "codec")
+                "codec", "leases")
         return {k: getattr(self, k) for k in keys} | {"pg": self.pg}
 
 
@@ -572,6 +573,7 @@ class IslandRound:
             pusher=self.replicas.participating_rank() == 0, samples=s.positions(s.data_marks[f], s.data_cursor),
             first_step=s.rounds[f] * h if self.pace.custom else -1,  # where its lr positions start (diloco/pace.py)
             codec=s.codecs[f],  # compression per link: as last advised, fixed for this push
+            leases=s.leases_forgotten,
         )
         if background:
             ex.pg = {r.name: shard.flat_global(r.name) - shard.local[r.name].to("cpu", torch.float32) for r in shard.ranges}
@@ -650,7 +652,7 @@ class IslandRound:
         del self.inflight[f]
         carried = 0.0  # sum |residual| kept in the local shard (wire.feedback_in_model)
         if trouble > Next.DELIVERED or -lo != hi:
-            self.resync(f, trouble if trouble > Next.DELIVERED else Next.RESYNC)
+            self.resync(f, trouble if trouble > Next.DELIVERED else Next.RESYNC, named_at=ex.leases)
         else:
             if ex.folded_into >= 0:  # the push was late: the coordinator folds it into a later round, discounted
                 self.late_folds += 1
@@ -714,8 +716,9 @@ class IslandRound:
     # --- resync: the round went on without us, or our copy drifted ------------------------------------
 
     @torch.no_grad()
-    def resync(self, f: int, why: Next) -> None:
-        """Fragment f takes the coordinator's current round; REJOIN, RESET and RELEASE do their part first."""
+    def resync(self, f: int, why: Next, named_at: int | None = None) -> None:
+        """Fragment f takes the coordinator's current round; REJOIN, RESET and RELEASE do their part first.
+        named_at: for RELEASE, the island's leases_forgotten when the refused samples were named."""
         s, shard = self.state, self.fragments[f]
         log.warning("%s group %d: fragment %d resyncs after round %d (%s)", s.island_id, self.spec.group, f, s.rounds[f], why.name)
         if why is Next.REJOIN:
@@ -725,8 +728,9 @@ class IslandRound:
         if why is Next.RESET:  # our training diverged: a fresh inner optimizer and error feedback
             self.reset_training()
         if why is Next.RELEASE:
-            log.warning("%s: the coordinator does not know our leases of samples; taking new ones", s.island_id)
-            s.forget_leases()
+            if s.forget_leases(s.leases_forgotten if named_at is None else named_at):
+                log.warning("%s: the coordinator does not take the samples we leased; dropping them, taking new ones",
+                            s.island_id)
         one = None if len(self.fragments) == 1 else f
         for _ in range(5):
             header = self.client.fetch(s.island_id, shard.global_, shard.manifest, shard.wire_ranges, fragment=one)
@@ -734,6 +738,10 @@ class IslandRound:
             if -lo == hi:
                 break
         s.resyncs += 1
+        if header.round < s.rounds[f] and s.leases_taken:
+            # The coordinator restarted from an older checkpoint, which knows none of the leases we took since: the
+            # rounds we train again take new ones rather than naming samples it would refuse (NOT_LEASED).
+            s.forget_leases(s.leases_forgotten)
         if one is not None and header.round < s.rounds[f]:
             self._rewind()  # the coordinator restarted behind us (fragments share the step counter)
             return

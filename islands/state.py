@@ -53,6 +53,7 @@ class IslandState:
     # is the cursor at each fragment's last sync (the push names the positions in between).
     pieces: list[list[int]] = field(default_factory=list)
     leases_taken: int = 0
+    leases_forgotten: int = 0  # times the island dropped its leases: tells a refusal of samples dropped already
     data_base: int = 0
     data_cursor: int = 0
     data_marks: list[int] = field(default_factory=list)
@@ -113,10 +114,20 @@ class IslandState:
         """Leased positions no inner step read: handed back at leave."""
         return self.positions(self.data_cursor, self.data_end)
 
-    def forget_leases(self) -> None:
-        """The coordinator does not know our leases (it restarted from an older checkpoint): take new ones."""
+    def forget_leases(self, named_at: int) -> bool:
+        """The coordinator refused samples we named as not ours (it restarted from an older checkpoint) or folded
+        already (we resumed from an older checkpoint of our own): drop every lease and take new ones. Each fragment's
+        claim restarts with its samples: its next push names only what it trains from here, so it claims only
+        their tokens (the steps trained before stay in its pseudo-gradient, unweighted, rather than the whole push
+        being refused). named_at: the leases_forgotten of the refused push's samples; False (nothing dropped) for
+        a push that named samples dropped already, or the leases taken since would be dropped with them."""
+        if named_at != self.leases_forgotten:
+            return False
         self.pieces, self.data_base = [], self.data_cursor
         self.data_marks = [self.data_cursor] * len(self.data_marks)
+        self.tokens = [0] * len(self.tokens)
+        self.leases_forgotten += 1
+        return True
 
     def state_dict(self) -> dict:
         return dataclasses.asdict(self)

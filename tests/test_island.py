@@ -84,3 +84,26 @@ def test_compiled_island_trains_like_the_eager_one_and_keeps_the_exact_global_pa
     # Same data, same start: compiled kernels may round differently, so close rather than equal.
     for name, eager in results[False].items():
         torch.testing.assert_close(results[True][name], eager, rtol=1e-3, atol=1e-4, msg=name)
+
+
+@pytest.mark.unit
+def test_dropped_leases_restart_every_fragments_claim_and_a_stale_refusal_drops_nothing():
+    """After the coordinator refuses our samples (NOT_LEASED), each fragment's next push names only the samples trained
+    from then on and claims only their tokens; a refusal of samples named before that drop keeps the new leases."""
+    from islands.state import IslandState
+
+    s = IslandState("east", [0, 0], stop_round=10)
+    s.add_lease([(100, 110)])
+    for _ in range(4):  # 4 steps of 2 samples of 32 tokens, both fragments
+        s.consume(2)
+        s.tokens = [t + 64 for t in s.tokens]
+    assert s.positions(s.data_marks[1], s.data_cursor) == [(100, 108)] and s.tokens == [256, 256]
+    named_at = s.leases_forgotten  # an exchange of fragment 1 in flight names [100, 108)
+    assert s.forget_leases(named_at)
+    s.add_lease([(500, 510)])
+    s.consume(2)
+    s.tokens = [t + 64 for t in s.tokens]
+    for f in (0, 1):  # the claim is what the push names
+        assert s.positions(s.data_marks[f], s.data_cursor) == [(500, 502)] and s.tokens[f] == 2 * 32
+    assert not s.forget_leases(named_at)  # fragment 1's old push refused too: the lease of [500, 510) stays
+    assert s.pieces == [[500, 510]] and s.untrained() == [(502, 510)]

@@ -15,6 +15,7 @@ import time
 import pytest
 
 from conftest import kill_all_and_resume, tiny_config
+from kit import write_corpus
 from islands.sim.simulation import Simulation, run_sim
 
 pytestmark = pytest.mark.integration
@@ -141,4 +142,106 @@ def test_an_island_joining_mid_run_is_taken_with_its_weight(tmp_path):
     assert all(t > 0 for per_round in tokens.values() for t in per_round), tokens
     later = [r for r in report["rounds"] if len(r["islands"]) == 2]
     assert later, "the second island never contributed"
+    assert set(report["islands"].values()) == {report["checksum"]}
+
+
+# --- the same with a token corpus: the ledger names every push's samples --------------------------------------
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> str:
+    return write_corpus(tmp_path_factory.mktemp("corpus"))
+
+
+def _token_config(url: str, tmp_path, *extra: str):
+    return _config(2, 1, "data.source=tokens", f"data.url={url!r}", "model.vocab_size=0",
+                   f"data.cache_dir={str(tmp_path / 'cache')!r}", "data.shuffle_block=8", *extra)
+
+
+def _assert_every_fold_named(report: dict, seq_len: int) -> None:
+    """Each round's weight is exactly its folded samples' tokens, and no sample is folded twice into a fragment."""
+    seen: dict[int, set[int]] = {}
+    for r in report["rounds"]:
+        positions = [p for a, b in r["data"]["samples"] for p in range(a, b)]
+        assert len(positions) * seq_len == r["tokens"] == r["data"]["folded_this_round"], r
+        mine = seen.setdefault(r["fragment"], set())
+        assert not mine.intersection(positions), f"fragment {r['fragment']} folded a sample twice"
+        mine.update(positions)
+
+
+def test_resumed_islands_and_coordinator_on_tokens_lose_no_fold(corpus, tmp_path):
+    """As test_resumed_islands_and_coordinator_lose_no_fold, on a token corpus with the ledger on: every push after the
+    resume names samples the ledger leased to it and claims exactly their tokens, so none is refused."""
+    cfg = _token_config(corpus, tmp_path, "rounds.rounds=5", "checkpoint.every_rounds=1", "rounds.heartbeat_s=0.5",
+                        "rounds.lease_s=8")
+    sim = Simulation(cfg, 2, tmp_path, checkpoints=True)
+    try:
+        sim.start()
+        kill_all_and_resume(sim, step=2, islands=2, timeout_s=120)
+        for _ in sim.watch(300):
+            pass
+        report = sim.finish(300).report
+    finally:
+        sim.close()
+    assert report["events"]["restarts"] == 1
+    _assert_honest(report, 2, 5)
+    _assert_every_fold_named(report, cfg.data.seq_len)
+    assert report["data"]["tokens_lost"] == 0, report["data"]
+
+
+def test_coordinator_restarted_behind_its_islands_on_tokens_claims_what_it_names(corpus, tmp_path):
+    """The coordinator alone SIGKILLed rounds after its last checkpoint, on a token corpus: it does not know the leases
+    its islands took since. Going back to its rounds, they drop their leases and take new ones, so no push names
+    samples it would refuse, every push claims exactly the samples it names, and each replayed round folds both."""
+    rounds = 8
+    cfg = _token_config(corpus, tmp_path, f"rounds.rounds={rounds}", "checkpoint.every_rounds=4",
+                        "rounds.heartbeat_s=0.5", "rounds.lease_s=30")
+    sim = Simulation(cfg, 2, tmp_path, checkpoints=True)
+    committed = tmp_path / "ckpt" / "coordinator" / "step-0000000008" / "COMMITTED"
+    try:
+        sim.start()
+        killed = False
+        for summary in sim.watch(300):
+            if not killed and summary.fragment == 0 and summary.round == 5:
+                assert committed.exists(), "no coordinator checkpoint of rounds 0-3 before the kill"
+                sim.kill_coordinator()
+                sim.start_coordinator(resume=True)
+                killed = True
+        report = sim.finish(300).report
+    finally:
+        sim.close()
+    assert killed and report["events"]["restarts"] == 1
+    refused = report["events"]["refusals"]
+    # Before: NOT_LEASED for one fragment of each island, then BAD_REQUEST for the other (a claim of its whole round
+    # naming only the samples after the leases were dropped), 25% of the leased tokens lost.
+    assert set(refused) <= {"ROUND_AHEAD", "PUSH_AGAIN"}, refused
+    tokens = _fragment_tokens(report)
+    assert all(len(t) == rounds and all(x > 0 for x in t) for t in tokens.values()), tokens
+    _assert_every_fold_named(report, cfg.data.seq_len)
+    # What is lost is at most the islands' work in the two rounds the coordinator went back (its folds are gone).
+    assert report["data"]["tokens_lost"] <= 2 * 2 * 6 * PER_STEP, report["data"]
+    assert set(report["islands"].values()) == {report["checksum"]}
+
+
+def test_an_island_resumed_behind_the_run_on_tokens_claims_what_it_names(corpus, tmp_path):
+    """One island SIGKILLed and resumed from its last checkpoint while the other trains on: it comes back behind the
+    coordinator holding leases some of whose samples its earlier self had folded. No push is refused for its claim
+    (BAD_REQUEST), every fold names exactly its samples, and no sample is folded twice."""
+    cfg = _token_config(corpus, tmp_path, "rounds.rounds=8", "checkpoint.every_rounds=1", "rounds.heartbeat_s=0.5",
+                        "rounds.lease_s=8")
+    sim = Simulation(cfg, 2, tmp_path, checkpoints=True)
+    try:
+        sim.start()
+        killed = False
+        for summary in sim.watch(300):
+            if not killed and summary.fragment == 0 and summary.round == 3:
+                sim.kill_island(1)
+                sim.start_island(1, resume=True)
+                killed = True
+        report = sim.finish(300).report
+    finally:
+        sim.close()
+    refused = report["events"]["refusals"]
+    assert "BAD_REQUEST" not in refused, refused
+    _assert_every_fold_named(report, cfg.data.seq_len)
     assert set(report["islands"].values()) == {report["checksum"]}
