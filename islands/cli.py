@@ -6,6 +6,7 @@ import logging
 import os
 import sys
 from pathlib import Path
+from typing import NoReturn
 
 # First: it quiets gRPC's C core (GRPC_VERBOSITY), which takes effect only before grpc is imported.
 from diloco.cli.common import ArgumentParser, add_config_flags, fail, setup_logging  # isort: skip
@@ -190,11 +191,11 @@ def _join(parser: ArgumentParser, args, argv: list[str] | None, cfg, tls: TlsFil
             "matches" if result.checksum_matches else "differs from",
         )
     except CoordinatorUnreachable as e:
-        fail(parser.prog, str(e))
+        _final(parser.prog, str(e), launched)
     except grpc.RpcError as e:
-        fail(parser.prog, f"coordinator refused: {e.code().name}: {e.details()}")
+        _final(parser.prog, f"coordinator refused: {e.code().name}: {e.details()}", launched)
     except (ConfigError, ValueError, CheckpointError, LaunchError) as e:
-        fail(parser.prog, str(e))
+        _final(parser.prog, str(e), launched)
     except KeyboardInterrupt:
         pass
     finally:
@@ -207,6 +208,15 @@ def _join(parser: ArgumentParser, args, argv: list[str] | None, cfg, tls: TlsFil
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(0)
+
+
+def _final(prog: str, message: str, launched: bool) -> NoReturn:
+    """An error no restart mends: one line, for every island kind (a rank under our launcher has it print the line)."""
+    if launched:
+        from islands.launch import hand_to_launcher
+
+        hand_to_launcher(message)
+    fail(prog, message)
 
 
 def _tls_files(prog: str, args) -> TlsFiles | None:

@@ -23,7 +23,6 @@ that island twice. A one-rank island holds the same lock.
 
 from __future__ import annotations
 
-import ctypes
 import errno
 import fcntl
 import hashlib
@@ -34,12 +33,15 @@ import socket
 import subprocess
 import sys
 import tempfile
+import time
 import uuid
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
 from diloco.config import RunConfig
+from diloco.lifetime import child_dies_with, set_parent_death_signal
 from diloco.security.credentials import TlsFiles
 from islands.client import CoordinatorClient
 from islands.sharded import ShardedClient
@@ -55,6 +57,8 @@ log = logging.getLogger(__name__)
 
 GROUP_ENV, GROUPS_ENV, KEY_ENV = "DILOCO_REPLICA_GROUP", "DILOCO_REPLICA_GROUPS", "DILOCO_ISLAND_KEY"
 LAUNCHER_ENV = "DILOCO_LAUNCHER_PID"  # set by the launcher for its torchruns' ranks
+FINAL_ENV = "DILOCO_FINAL_ERROR"  # a file the launcher names to its ranks: an error of theirs that no restart mends
+_FINAL_WAIT_S = 120.0  # how long a rank that handed its error over waits for the launcher to stop it
 LOCK_NAME = "island.lock"
 
 
@@ -89,25 +93,9 @@ def is_launched_rank(env: dict[str, str] = os.environ) -> bool:
 
 # --- an island's processes die with its launcher ------------------------------------------------
 #
-# Why a parent-death signal in every process rather than torchrun in a process group that a supervisor
-# kills: torchrun starts each rank in a session of its own (start_new_session in torch's
-# SubprocessHandler), so killing torchrun's group would miss the ranks, and a supervisor is one more
-# process that can itself be SIGKILLed or OOM-killed. PR_SET_PDEATHSIG is kept by the kernel and fires
-# on any death of the parent, SIGKILL included: the launcher's death kills its torchruns, a torchrun's
-# death kills its ranks. Both torchrun and torch's agent start their children from the main thread,
-# whose exit is what the signal follows (it follows the thread that forked, not the process).
-
-_PR_SET_PDEATHSIG = 1
-
-
-def _set_parent_death_signal(sig: int = signal.SIGKILL) -> bool:
-    """Asks the kernel to send sig to this process when its parent dies (Linux only); False if unavailable."""
-    if not sys.platform.startswith("linux"):
-        return False
-    try:
-        return ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0) == 0
-    except (OSError, AttributeError):
-        return False
+# A parent-death signal in every process (diloco/lifetime.py says why): the launcher's death kills its torchruns, a
+# torchrun's death kills its ranks. Both torchrun and torch's agent start their children from the main thread, whose
+# exit is what the signal follows.
 
 
 def _parent_of(pid: int) -> int:
@@ -116,19 +104,6 @@ def _parent_of(pid: int) -> int:
             return int(f.read().rsplit(")", 1)[1].split()[1])
     except (OSError, ValueError, IndexError):
         return -1
-
-
-def _child_dies_with(parent: int):
-    """A preexec_fn: the child (torchrun) gets SIGKILL when the launcher dies; if it died already, now."""
-    prctl = ctypes.CDLL(None, use_errno=True).prctl if sys.platform.startswith("linux") else None
-
-    def preexec() -> None:
-        if prctl is not None:
-            prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
-        if os.getppid() != parent:  # the launcher died before the signal was set: nobody would send it
-            os.kill(os.getpid(), signal.SIGKILL)
-
-    return preexec
 
 
 def die_with_parent(env: dict[str, str] = os.environ) -> None:
@@ -140,7 +115,7 @@ def die_with_parent(env: dict[str, str] = os.environ) -> None:
     a torchrun of your own there is no such pid to check; an orphan there cannot reach torchrun's store and
     fails in its rendezvous. Under srun (no torchrun) nothing is set: slurmstepd owns the ranks.
     """
-    if "TORCHELASTIC_RUN_ID" not in env or not _set_parent_death_signal():
+    if "TORCHELASTIC_RUN_ID" not in env or not set_parent_death_signal():
         return
     launcher = env.get(LAUNCHER_ENV, "")
     parent = os.getppid()
@@ -148,6 +123,42 @@ def die_with_parent(env: dict[str, str] = os.environ) -> None:
         sys.stderr.write(f"diloco-island: rank {env.get('RANK', '?')}: its torchrun or launcher is gone; exiting\n")
         sys.stderr.flush()
         os._exit(1)
+
+
+# --- an error no restart mends ends the launch in one line --------------------------------------------
+#
+# torchrun restarts a group whose rank exits non-zero (--max-restarts times), then prints the rank's traceback: a
+# refusal at join, or a bad config, would be met 1 + max_restarts times and end in ~40 lines. A rank under our
+# launcher hands such an error to it instead and waits; the launcher stops every group and prints the error as its
+# own one line, as a one-rank island does.
+
+
+def hand_to_launcher(message: str, env: dict[str, str] = os.environ) -> None:
+    """In a rank under our launcher: gives it `message` (the first rank's wins) and waits to be stopped. Returns at
+    once without a launcher, and after _FINAL_WAIT_S if the launcher never stops us (the caller then fails as usual)."""
+    path = env.get(FINAL_ENV, "")
+    if not path:
+        return
+    staged = f"{path}.{os.getpid()}"
+    try:
+        Path(staged).write_text(message)
+        os.link(staged, path)  # whole or not at all; an existing file is another rank's error, told first
+    except OSError:
+        pass
+    finally:
+        Path(staged).unlink(missing_ok=True)
+    time.sleep(_FINAL_WAIT_S)
+
+
+def _wait_for_groups(procs: list[subprocess.Popen], final: Path) -> list[int]:
+    """Every group's exit status; raises LaunchError with a rank's handed-over error as soon as there is one."""
+    while True:
+        if final.exists():
+            raise LaunchError(final.read_text().strip())
+        codes = [p.poll() for p in procs]
+        if all(c is not None for c in codes):
+            return codes
+        time.sleep(0.1)
 
 
 # --- one copy of an island -----------------------------------------------------------------------
@@ -274,7 +285,7 @@ def launch(worker_argv: list[str], opts: LaunchOptions) -> int:
         raise LaunchError("--nproc-per-node and --replica-groups must be at least 1")
     host = opts.ft_host or os.environ.get(FT_HOST_ENV) or socket.gethostname()
     placement = gpu_placement(opts, dict(os.environ), torch.cuda.device_count())
-    preexec = _child_dies_with(os.getpid())
+    preexec = child_dies_with(os.getpid())
     key = opts.island_key or os.environ.get(KEY_ENV) or f"{socket.gethostname()}-{uuid.uuid4().hex[:8]}"
     lighthouse, server = opts.lighthouse or os.environ.get(LIGHTHOUSE_ENV, ""), None
     os.environ.setdefault("RUST_LOG", "warn")  # torchft's lighthouse and managers log every quorum at info
@@ -282,6 +293,8 @@ def launch(worker_argv: list[str], opts: LaunchOptions) -> int:
         server, lighthouse = start_lighthouse(host, heartbeat_timeout_ms=int(opts.heartbeat_timeout_s * 1000))
     procs: list[subprocess.Popen] = []
     codes: list[int] = []
+    scratch = Path(tempfile.mkdtemp(prefix="diloco-launch-"))
+    final = scratch / "final-error"
 
     def stop(signum, _frame) -> None:
         for p in procs:
@@ -295,16 +308,18 @@ def launch(worker_argv: list[str], opts: LaunchOptions) -> int:
     try:
         for g in range(opts.replica_groups):
             env = dict(os.environ, **{GROUP_ENV: str(g), GROUPS_ENV: str(opts.replica_groups), KEY_ENV: key, FT_HOST_ENV: host,
-                                      LAUNCHER_ENV: str(os.getpid())})
+                                      LAUNCHER_ENV: str(os.getpid()), FINAL_ENV: str(final)})
             if lighthouse:
                 env[LIGHTHOUSE_ENV] = lighthouse
             if placement is not None:
                 env["CUDA_VISIBLE_DEVICES"] = placement[g]
             procs.append(subprocess.Popen(worker_command(worker_argv, opts), env=env, start_new_session=True, preexec_fn=preexec))
         log.info("island %s: %d replica group(s) x %d rank(s) started (lighthouse %s)", key, opts.replica_groups, opts.nproc_per_node, lighthouse or "-")
-        codes = [p.wait() for p in procs]
+        codes = _wait_for_groups(procs, final)
     finally:
-        stop(signal.SIGTERM, None)
+        # After a handed-over error, quietly: the ranks die with their torchrun (die_with_parent), which on SIGTERM
+        # would log its shutdown over the one line.
+        stop(signal.SIGKILL if final.exists() else signal.SIGTERM, None)
         for p in procs:
             try:
                 p.wait(30)
@@ -314,6 +329,9 @@ def launch(worker_argv: list[str], opts: LaunchOptions) -> int:
             signal.signal(s, handler)
         if server is not None:
             server.shutdown()
+        for leftover in scratch.iterdir():
+            leftover.unlink()
+        scratch.rmdir()
     for g, code in enumerate(codes):
         if code:
             log.error("replica group %d exited with status %d", g, code)

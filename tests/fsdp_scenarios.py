@@ -28,7 +28,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 import torch  # noqa: E402
 
 from conftest import claim, one_island_config, tiny_config  # noqa: E402
-from coordinator.launch import shard_ports  # noqa: E402
+from coordinator.launch import merged_report, shard_ports  # noqa: E402
 from coordinator.server import start_coordinator  # noqa: E402
 from coordinator.sharding import ShardRole  # noqa: E402
 from diloco.wire.codec import Fp32Codec  # noqa: E402
@@ -98,7 +98,7 @@ class Run:
             except subprocess.TimeoutExpired:
                 codes[name] = None
         self.notes["exit_codes"] = codes
-        report = self.coordinator.report()
+        report = merged_report([shard.report() for shard in self.shards])  # the run's, as `serve --shards K` writes it
         report["notes"] = self.notes
         (self.workdir / "result.json").write_text(json.dumps(report, indent=1))
         torch.save({n: t.clone() for shard in self.shards for n, t in shard.state.params.items()}, self.workdir / "coordinator.pt")
@@ -410,7 +410,25 @@ def sharded_coordinator(workdir: Path, shards: str) -> None:
         run.close()
 
 
-SCENARIOS = {"two_islands": two_islands, "faults": faults, "torchrun": torchrun, "cuda": cuda, "time_boxed": time_boxed,
+def refused_at_join(workdir: Path) -> None:
+    """A 1 x 2 island whose config is not the run's, with torchrun's default restarts: refused at join, it must end
+    at once in one line, as a one-rank island does, not be restarted and end in a traceback."""
+    cfg = tiny_config("model.n_layers=2", "rounds.rounds=3", "rounds.heartbeat_s=0.5")
+    run = Run(workdir, cfg, deadline_s=200)
+    other = workdir / "other.toml"
+    other.write_text(tiny_config("model.n_layers=2", "rounds.rounds=3", "rounds.heartbeat_s=0.5", "inner.lr=1e-2").to_toml())
+    try:
+        started = time.monotonic()
+        run.island("refused", "--nproc-per-node", "2", "--config", str(other), *SHARDED_FLAGS)
+        code = run.procs["refused"].wait(run.left())
+        run.notes.update(code=code, seconds=time.monotonic() - started, log=(workdir / "refused.log").read_text(),
+                         joined=len(run.coordinator.state.islands))
+    finally:
+        run.close()
+        (workdir / "result.json").write_text(json.dumps({"notes": run.notes}, indent=1))
+
+
+SCENARIOS = {"refused_at_join": refused_at_join, "two_islands": two_islands, "faults": faults, "torchrun": torchrun, "cuda": cuda, "time_boxed": time_boxed,
              "launcher_killed": launcher_killed, "sharded_coordinator": sharded_coordinator}
 
 if __name__ == "__main__":

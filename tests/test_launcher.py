@@ -57,6 +57,19 @@ def test_a_second_copy_with_the_same_checkpoint_is_refused_while_the_first_runs(
     assert second["joined_after"] == notes["joined"] == 1 and second["first_alive"], second
 
 
+@pytest.mark.integration
+@pytest.mark.timeout(300)
+def test_a_multi_rank_island_refused_at_join_ends_in_one_line_without_restarts(tmp_path):
+    """A refusal that cannot change (here CONFIG_MISMATCH) ends a 2-rank island as it ends a 1-rank one: exit 2 and
+    one error line, the launcher's, with no torchrun restart and no traceback."""
+    notes = run_scenario("fsdp_scenarios.py", "refused_at_join", tmp_path, 240)["notes"]
+    lines = notes["log"].strip().splitlines()
+    errors = [line for line in lines if line.startswith("diloco-island:") or "error" in line.lower()]
+    assert notes["code"] == 2, notes["log"]
+    assert len(errors) == 1 and "CONFIG_MISMATCH" in errors[0] and errors[0] == lines[-1], notes["log"]
+    assert "Traceback" not in notes["log"] and "Restarting" not in notes["log"], notes["log"]
+
+
 def _join(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "islands", "join", "--coordinator", "127.0.0.1:9", "--device", "cpu", *args],
                           env=CLEAN_ENV, capture_output=True, text=True, timeout=120, cwd=ROOT)
