@@ -252,6 +252,25 @@ def test_the_command_on_a_text_run_checkpoint_and_on_its_export(text_run, capsys
 
 
 @pytest.mark.integration
+def test_an_export_is_evaluated_on_its_runs_held_out_set_and_settings_as_its_checkpoint(make_coordinator, tmp_path, capsys):
+    """The export carries the run's config: `diloco-eval FOLDER` with no flags measures what `diloco-eval CHECKPOINT`
+    does (the run's held-out data, eval.batches, eval.batch_size and data.seq_len), not 8 batches of the model's
+    max_seq_len on no data at all."""
+    from diloco.models.export import export
+
+    text = write_text(tmp_path / "text.txt")
+    cfg, url, _ = coordinator_checkpoint(make_coordinator, tmp_path, "data.source=text", f"data.path={text!r}",
+                                         "model.vocab_size=256", "eval.batches=3", "eval.batch_size=2",
+                                         "model.max_seq_len=64")  # the run's seq_len is 32, the model's window 64
+    folder = tmp_path / "exported"
+    export(url, folder)
+    from_checkpoint = run_cli(url, capsys=capsys)[0]["heldout"]
+    from_folder = run_cli(folder, capsys=capsys)[0]["heldout"]
+    assert (from_folder["batches"], from_folder["batch_size"], from_folder["seq_len"]) == (3, 2, 32)
+    assert from_folder == from_checkpoint
+
+
+@pytest.mark.integration
 def test_a_checkpoint_without_its_config_needs_the_runs_and_refuses_another(make_coordinator, tmp_path, capsys):
     from diloco.cli.data import main as datacli
 
@@ -459,7 +478,8 @@ def test_text_on_an_exported_bpe_model_is_read_with_its_tokenizer(bpe_folder, ca
 def test_text_on_a_model_without_a_tokenizer_is_refused_unless_it_is_byte_level(bpe_folder, text_run, capsys):
     bare = bpe_folder.tmp / "bare"
     shutil.copytree(bpe_folder.folder, bare)
-    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+    # A Llama folder from elsewhere: no tokenizer, and no run config (diloco_run.toml) to find its corpus's by.
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "diloco_run.toml"):
         (bare / name).unlink()
     for flags in (["--text", bpe_folder.text], ["--hellaswag", text_run.hellaswag]):
         with pytest.raises(SystemExit) as e:

@@ -46,7 +46,7 @@ def test_export_loads_in_transformers_with_our_logits(variant, make_coordinator,
     cfg, published = coordinator_checkpoint(make_coordinator, str(tmp_path / "ckpt"), *variant)
     assert export_cli(tmp_path / "ckpt", tmp_path / "hf") == 0
     files = sorted(p.name for p in (tmp_path / "hf").iterdir())
-    assert files == ["README.md", "config.json", "generation_config.json", "model.safetensors"]
+    assert files == ["README.md", "config.json", "diloco_run.toml", "generation_config.json", "model.safetensors"]
     config = json.loads((tmp_path / "hf" / "config.json").read_text())
     assert config["tie_word_embeddings"] == cfg.model.tie_embeddings and config["num_key_value_heads"] == cfg.model.kv_heads
     # The round trip gives back the config and exactly the published parameters.

@@ -51,11 +51,13 @@ BYTE_VOCAB = 256  # a model of exactly this vocabulary and no tokenizer is taken
 @dataclass
 class Loaded:
     model: nn.Module
-    cfg: RunConfig  # its model section is the model's; its data section the run's (a checkpoint) or the default
+    cfg: RunConfig  # its model section is the model's; the rest the run's (when known_run) or the default
     kind: str  # "checkpoint" or "folder"
     step: int | None = None
     round: int | None = None
     tokenizer_url: str = ""  # an exported folder's tokenizer.json
+    known_run: bool = True  # cfg is the run's: its held-out data and eval settings are the defaults
+
 
 
 def load_source(args: argparse.Namespace) -> Loaded:
@@ -137,8 +139,9 @@ def load_folder(args: argparse.Namespace, url: str, fs, path: str) -> Loaded:
     if importlib.util.find_spec("diloco.models.hf") is None:
         raise EvalError(f"{url} is an exported Hugging Face folder (config.json), and reading one needs "
                         "diloco/models/hf.py (from_hf_folder), which this install lacks")
-    from diloco.models.hf import (
-        from_hf_folder,  # lazily: it pulls in safetensors, which checkpoints do not need
+    from diloco.models.hf import (  # lazily: it pulls in safetensors, which checkpoints do not need
+        RUN_CONFIG,
+        from_hf_folder,
     )
 
     try:
@@ -147,11 +150,19 @@ def load_folder(args: argparse.Namespace, url: str, fs, path: str) -> Loaded:
         raise EvalError(f"{url}: cannot read the exported model ({' '.join(str(e).split())})") from None
     if not isinstance(model_cfg, ModelConfig):
         raise EvalError(f"{url}: from_hf_folder gave a {type(model_cfg).__name__}, not a ModelConfig")
-    cfg = load_config(args.config, args.overrides)
+    run_toml = f"{path.rstrip('/')}/{RUN_CONFIG}"
+    known_run = args.config is None and fs.isfile(run_toml)
+    if known_run:  # written by diloco-export since it carries the run's eval settings
+        raw = tomllib.loads(fs.cat_file(run_toml).decode())
+        for item in args.overrides:
+            _apply_override(raw, item)
+        cfg = config_from_dict(raw)
+    else:
+        cfg = load_config(args.config, args.overrides)
     cfg.model = model_cfg
     tokenizer = f"{path.rstrip('/')}/tokenizer.json"
     return Loaded(build_model(model_cfg, params, url), cfg, "folder",
-                  tokenizer_url=fs.unstrip_protocol(tokenizer) if fs.isfile(tokenizer) else "")
+                  tokenizer_url=fs.unstrip_protocol(tokenizer) if fs.isfile(tokenizer) else "", known_run=known_run)
 
 
 def build_model(model_cfg: ModelConfig, params: dict[str, torch.Tensor], where: str) -> nn.Module:
@@ -181,8 +192,8 @@ def heldout_data(args: argparse.Namespace, loaded: Loaded, seq_len: int) -> tupl
         check_vocab(tokenizer, loaded.cfg.model.vocab_size)
     elif args.tokens:
         data = dataclasses.replace(data, source="tokens", url=args.tokens)
-    elif loaded.kind != "checkpoint":
-        return None  # an exported model does not say what it was trained on
+    elif not loaded.known_run:
+        return None  # an exported model that does not say what it was trained on
     if data.source == "text":
         what = f"text {data.path} (its last {data.eval_fraction:.0%}"
         if tokenizer is None or isinstance(tokenizer, ByteTokenizer):  # bytes: read exactly as a text run reads them
@@ -206,7 +217,7 @@ def pick_tokenizer(args: argparse.Namespace, loaded: Loaded, purpose: str) -> To
         return corpus_tokenizer(args.tokens)
     if loaded.tokenizer_url:
         return HFTokenizer.from_url(loaded.tokenizer_url)
-    run = loaded.cfg.data if loaded.kind == "checkpoint" else None  # a folder's data section is not its run's
+    run = loaded.cfg.data if loaded.known_run else None  # else a folder's data section is not its run's
     if run is not None and run.source == "tokens":
         try:
             return corpus_tokenizer(run.url)
@@ -229,7 +240,7 @@ def evaluate(args: argparse.Namespace) -> dict[str, Any]:
     cfg = loaded.cfg
     model = loaded.model.to(device)
     max_len = cfg.model.max_seq_len
-    seq_len = args.seq_len or (cfg.data.seq_len if loaded.kind == "checkpoint" else max_len)
+    seq_len = args.seq_len or (cfg.data.seq_len if loaded.known_run else max_len)
     if seq_len > max_len:
         raise EvalError(f"--seq-len {seq_len} exceeds the model's max_seq_len of {max_len}")
     batch_size = args.batch_size or cfg.eval.batch_size

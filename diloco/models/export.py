@@ -8,6 +8,7 @@ s3://, it writes a folder that transformers loads as LlamaForCausalLM:
     model-0000k-of-0000n.safetensors  shards and model.safetensors.index.json
     generation_config.json
     tokenizer.json, tokenizer_config.json, special_tokens_map.json   runs on a token corpus only
+    diloco_run.toml                   the run's config: diloco-eval evaluates the folder as it did the run
     README.md                         a model card: the run's config and figures
 
 The folder is written beside the target under a temporary name and renamed into place, so a crash
@@ -33,7 +34,7 @@ import torch
 
 from diloco.checkpoint import CheckpointError, CheckpointStore
 from diloco.config import ConfigError, RunConfig, config_from_toml, load_config
-from diloco.models.hf import INDEX, WEIGHTS, HFError, hf_config, to_hf
+from diloco.models.hf import INDEX, RUN_CONFIG, WEIGHTS, HFError, hf_config, to_hf
 from diloco.shardmap import load_sharded, shards_under
 
 log = logging.getLogger(__name__)
@@ -104,6 +105,7 @@ def export(checkpoint_url: str, out_dir: str | Path, *, step: int | None = None,
         if tokenizer is not None:
             write_tokenizer(tmp, tokenizer, cfg.model.max_seq_len)
         (tmp / "README.md").write_text(card)
+        (tmp / RUN_CONFIG).write_text(cfg.to_toml())
         _replace(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -31,6 +31,8 @@ from diloco.models.llama import Transformer
 ARCHITECTURE = "LlamaForCausalLM"
 WEIGHTS = "model.safetensors"
 INDEX = "model.safetensors.index.json"
+# The run's config (TOML) beside an export: diloco-eval takes its held-out data and eval settings from it.
+RUN_CONFIG = "diloco_run.toml"
 
 _TOP = {"embed.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight", "lm_head.weight": "lm_head.weight"}
 _TOP_BACK = {v: k for k, v in _TOP.items()}
