@@ -19,7 +19,13 @@ For each run it prints the pushes refused (by reason), the rounds that closed on
 a kill cost in work the coordinator never folded (the work since the last
 checkpoint, and the rounds an island was down for).
 
-    python -m benchmarks.faults [--rounds 8] [--launcher]
+With --tokens TEXT the islands train on a token corpus prepared from TEXT (a
+BPE of 4,096 trained on it; e.g. ../shared/data/wikitext2-valid.txt) with the
+coordinator's ledger on, and each row also gives the ledger's account: tokens
+leased, lost (trained for a round that was then discarded, or leased and never
+trained: the work a kill cost) and handed back untrained.
+
+    python -m benchmarks.faults [--rounds 8] [--launcher] [--tokens TEXT]
 
 --launcher starts torchrun, whose store binds every interface: run it in a
 network namespace with only loopback, as the tests do (README, results table).
@@ -40,16 +46,26 @@ KINDS = ("none", "island", "coordinator", "fsdp", "launcher")
 BASELINE = {"island": "none", "coordinator": "none", "launcher": "fsdp"}  # the undisturbed run of the same layout
 
 
-def config(rounds: int, kind: str) -> RunConfig:
+def config(rounds: int, kind: str, corpus: str = "") -> RunConfig:
     overrides = ["streaming.fragments=2", "streaming.tau=1", f"rounds.rounds={rounds}", "rounds.min_islands=2",
                  "data.shards=2", "rounds.heartbeat_s=0.5"]
+    if corpus:  # the vocabulary from the corpus's manifest, as configs/wikitext.toml
+        overrides += ["data.source=tokens", f"data.url={corpus!r}", "model.vocab_size=0"]
     # Checkpoints every round, except that the coordinator's kill lands two rounds after its last one.
     overrides.append(f"checkpoint.every_rounds={4 if kind == 'coordinator' else 1}")
     return load_config(None, overrides)
 
 
-def run(kind: str, rounds: int, workdir: Path, timeout_s: float = 900) -> dict:
-    cfg = config(rounds, kind)
+def prepare_corpus(text: str, out: Path) -> str:
+    """TEXT tokenized with a BPE trained on it, into out (one shard in 256 for evaluation); returns its URL."""
+    from diloco.data.prepare import PrepareConfig, prepare
+
+    prepare(PrepareConfig([text], str(out), vocab_size=4096, eval_fraction=1 / 256, shard_tokens=1 << 16))
+    return str(out)
+
+
+def run(kind: str, rounds: int, workdir: Path, corpus: str = "", timeout_s: float = 900) -> dict:
+    cfg = config(rounds, kind, corpus)
     island_args = {1: ["--nproc-per-node", "2"]} if kind in ("fsdp", "launcher") else None
     sim = Simulation(cfg, 2, workdir, checkpoints=True, island_args=island_args)
     kill_at = 5 if kind == "coordinator" else rounds // 2  # the coordinator's checkpoint holds rounds 0-3
@@ -74,7 +90,7 @@ def run(kind: str, rounds: int, workdir: Path, timeout_s: float = 900) -> dict:
         "kind": kind, "seconds": result.seconds, "refusals": report["events"]["refusals"],
         "zero_token_rounds": sum(1 for r in report["rounds"] if r["tokens"] == 0),
         "rounds": len(report["rounds"]), "folded": folded, "checksums_agree": set(report["islands"].values()) == {report["checksum"]},
-        "eval_loss": report["rounds"][-1]["eval_loss"],
+        "eval_loss": report["rounds"][-1]["eval_loss"], "data": report.get("data"),
     }
 
 
@@ -84,6 +100,7 @@ def main() -> None:
     p.add_argument("--kinds", default="none,island,coordinator", help=f"comma-separated, of {', '.join(KINDS)}")
     p.add_argument("--launcher", action="store_true", help="also kill an FSDP island's launcher (starts torchrun)")
     p.add_argument("--json", metavar="OUT", help="also write the rows as JSON")
+    p.add_argument("--tokens", metavar="TEXT", help="train on a token corpus prepared from this text file, ledger on")
     args = p.parse_args()
     kinds = [k for k in args.kinds.split(",") if k] + (["launcher"] if args.launcher else [])
     if args.rounds < 8 or any(k not in KINDS for k in kinds):
@@ -91,15 +108,24 @@ def main() -> None:
     kinds = [b for b in ("none", "fsdp") if b in kinds or any(BASELINE.get(k) == b for k in kinds)] + \
             [k for k in kinds if k in BASELINE]
     rows = {}
+    if args.tokens and not Path(args.tokens).is_file():
+        p.error(f"--tokens {args.tokens}: no such file")
     with tempfile.TemporaryDirectory(prefix="diloco-faults-") as work:
+        corpus = prepare_corpus(args.tokens, Path(work) / "tokens") if args.tokens else ""
         for kind in kinds:
-            rows[kind] = run(kind, args.rounds, Path(work) / kind)
+            rows[kind] = run(kind, args.rounds, Path(work) / kind, corpus)
     print(f"{'kill':<12} {'refused':<28} {'0-token rounds':>14} {'tokens folded per fragment (vs undisturbed)':>46} {'eval':>7} {'agree':>6} {'secs':>6}")
     for kind, row in rows.items():
         base = rows[BASELINE.get(kind, kind)]["folded"]
         lost = ", ".join(f"f{f} {n:,} ({100 * (n - base[f]) / base[f]:+.1f}%)" for f, n in row["folded"].items())
         print(f"{kind:<12} {json.dumps(row['refusals']):<28} {row['zero_token_rounds']:>14} {lost:>46} "
               f"{row['eval_loss']:>7.4f} {str(row['checksums_agree']):>6} {row['seconds']:>6.1f}")
+    if args.tokens:
+        print(f"\n{'kill':<12} {'tokens leased':>14} {'lost':>10} {'lost %':>7} {'handed back':>12} {'trained twice':>14}")
+        for kind, row in rows.items():
+            d = row["data"]
+            print(f"{kind:<12} {d['tokens_leased']:>14,} {d['tokens_lost']:>10,} {100 * d['tokens_lost'] / d['tokens_leased']:>6.2f}% "
+                  f"{d['tokens_returned']:>12,} {d['tokens_repeated']:>14,}")
     if args.json:
         Path(args.json).write_text(json.dumps(list(rows.values()), indent=1))
 
