@@ -28,7 +28,8 @@ def build_parser() -> ArgumentParser:
     s.add_argument("--port", type=int, default=50051, help="port to bind (default 50051; 0 picks a free one)")
     s.add_argument("--port-file", metavar="PATH", help="write the bound port here once serving (useful with --port 0); with --shards K the leading "
                    "shard's, once every shard serves, and every shard's address in PATH.shards")
-    s.add_argument("--report", metavar="PATH", help="write a JSON report of every round here when the run ends")
+    s.add_argument("--report", metavar="PATH", help="write a JSON report of every round here when the run ends; "
+                   "--shards K alone (K local shards): the run's here, each shard's part at PATH.shard-I")
     s.add_argument("--resume", action="store_true", help="restore the newest committed checkpoint at checkpoint.url")
     s.add_argument("--checkpoint", metavar="URL", help="checkpoint location (local path or s3://...); sets checkpoint.url")
     s.add_argument("--linger", type=float, default=30.0, help="seconds to wait for islands to leave after the last round (default 30)")
@@ -91,7 +92,6 @@ def main(argv: list[str] | None = None) -> None:
     cfg = config_from_args(parser.prog, args)
     if not 0 <= args.port < 65536:
         fail(parser.prog, f"--port {args.port} is not a valid port")
-    setup_logging(args.log_level, "coordinator")
     if args.tls and args.insecure:
         fail(parser.prog, "--tls and --insecure contradict each other; give one")
     if not -1 <= args.http_port < 65536:
@@ -99,6 +99,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.revoked and not args.tls:
         fail(parser.prog, "--revoked needs --tls: revocation applies to certificates")
     place = shard_place(parser.prog, args)
+    # Each shard's lines say whose they are: `serve --shards K` prints every shard's output in one stream.
+    setup_logging(args.log_level, "coordinator" if place is None else f"coordinator shard {place[0]}")
     if place is None and args.shards > 1:
         from coordinator.launch import launch_local_shards
 

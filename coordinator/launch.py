@@ -1,6 +1,6 @@
 """How a coordinator's shards are launched: `diloco-coordinator serve --shards K` on one machine starts the K shard
-processes and waits for them; under the field's launchers a shard reads its place and the shards' secret from its
-environment (launcher_index, shard_secret).
+processes, which die with it (diloco/cli/lifetime.py), and waits for them; under the field's launchers a shard reads its
+place and the shards' secret from its environment (launcher_index, shard_secret).
 
 Each child is the same command with `--shard I` and the shards' addresses
 appended (argparse takes an option's last value), on port P+I, with a secret the
@@ -10,6 +10,7 @@ shards share in its environment. Across machines the launcher is the field's
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import re
@@ -24,6 +25,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from diloco.config import ConfigError
+from diloco.cli.lifetime import child_dies_with
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +71,7 @@ def launch_local_shards(argv: list[str], args) -> int:
     env = dict(os.environ, **{SECRET_ENV: os.environ.get(SECRET_ENV) or secrets.token_hex(32)})
     scratch = Path(tempfile.mkdtemp(prefix="diloco-shards-"))
     children = []
+    dies_with_us = child_dies_with(os.getpid())  # a launcher SIGKILLed (diloco-sim ending a failed run) takes its shards
     for i, port in enumerate(ports):
         extra = ["--shard", str(i), "--shard-addresses", addresses, "--port", str(port),
                  "--port-file", str(scratch / f"port-{i}")]
@@ -76,13 +79,13 @@ def launch_local_shards(argv: list[str], args) -> int:
             extra += ["--http-port", str(args.http_port + i)]
         if i and args.http_port_file:
             extra += ["--http-port-file", str(scratch / f"http-{i}")]
-        if i and args.report:
-            extra += ["--report", f"{args.report}.shard-{i}"]
-        children.append(subprocess.Popen([sys.executable, "-m", "coordinator", *argv, *extra], env=env))
+        if args.report:  # each shard's part; the run's report is put together from them at the end (write_run_report)
+            extra += ["--report", shard_report(args.report, i)]
+        children.append(subprocess.Popen([sys.executable, "-m", "coordinator", *argv, *extra], env=env, preexec_fn=dies_with_us))
     log.info("started %d coordinator shards at %s", count, addresses)
     stop = _forward_signals(children)
     try:
-        return _wait(children, scratch, args.port_file, count, addresses)
+        code = _wait(children, scratch, args.port_file, count, addresses)
     finally:
         stop()
         for child in children:
@@ -93,6 +96,37 @@ def launch_local_shards(argv: list[str], args) -> int:
                 child.wait(30)
             except subprocess.TimeoutExpired:
                 child.kill()
+    if args.report:
+        write_run_report(args.report, count)
+    return code
+
+
+def shard_report(path: str, index: int) -> str:
+    """Where shard index of `serve --shards K --report PATH` writes its own report."""
+    return f"{path}.shard-{index}"
+
+
+def merged_report(reports: list[dict]) -> dict:
+    """The run's report from its shards' (leader first): the leader's, whose rounds are the run's already, with the
+    model's checksum and each island's being the shards' joined in shard order (diloco/shardmap.py join_checksums)."""
+    from diloco.shardmap import join_checksums  # here: it imports torch, which the launcher needs nowhere else
+
+    leader = reports[0]
+    if len(reports) == 1:
+        return leader
+    return dict(leader, checksum=join_checksums([r["checksum"] for r in reports]),
+                islands={i: join_checksums([r["islands"].get(i, "") for r in reports]) for i in leader["islands"]})
+
+
+def write_run_report(path: str, count: int) -> None:
+    """PATH: the run's report, once every shard wrote its own (PATH.shard-I)."""
+    parts = [Path(shard_report(path, i)) for i in range(count)]
+    missing = [i for i, p in enumerate(parts) if not p.exists()]
+    if missing:
+        log.warning("no run report at %s: shards %s wrote none (they failed); the others' parts are at %s.shard-I", path,
+                    missing, path)
+        return
+    Path(path).write_text(json.dumps(merged_report([json.loads(p.read_text()) for p in parts]), indent=2))
 
 
 def _wait(children: list[subprocess.Popen], scratch: Path, port_file: str | None, count: int, addresses: str) -> int:

@@ -150,6 +150,13 @@ class Coordinator:
         }
 
 
+def initial_eval_text(loss: float, shard: ShardRole | None) -> str:
+    """The initial eval loss as logged: a following shard holds a part of the model and evaluates nothing."""
+    if shard is not None and not shard.leads:
+        return "evaluated by shard 0"
+    return f"{loss:.4f}"
+
+
 def save(state: CoordinatorState, store: CheckpointStore, stats: CheckpointStats) -> None:
     """Writes a checkpoint; a failure is logged and counted, and the run goes on (the next one may succeed)."""
     started = time.perf_counter()
@@ -216,10 +223,10 @@ def receive_window(mb: float) -> list[tuple[str, int]]:
 
 
 def open_ledger(cfg: RunConfig) -> tuple[DataLedger | None, str]:
-    """With a token corpus: who trains on which samples (coordinator/ledger.py) and the corpus's digest."""
+    """With a token corpus: who trains on which samples (coordinator/ledger.py) and the corpus's digest. cfg's
+    vocabulary is resolved already (start_coordinator)."""
     if cfg.data.source != "tokens":
         return None, ""
-    resolve_vocab(cfg)
     corpus = open_corpus(cfg.data, cfg.seed, cfg.model.vocab_size)
     ledger = DataLedger(corpus.samples.epoch_size, cfg.data.seq_len, cfg.streaming.fragments)
     corpus.samples.store.close()
@@ -278,9 +285,17 @@ def start_coordinator(
     made_spool = None if spool_dir else SpoolDir.make()
     spool = Path(spool_dir) if spool_dir else made_spool.path
     spool.mkdir(parents=True, exist_ok=True)
+    # On every shard, not only the one keeping the ledger: the model's shapes and the config digest islands are checked
+    # against both follow the vocabulary (model.vocab_size = 0 takes the corpus's).
+    resolve_vocab(cfg)
     ledger, data_digest = open_ledger(cfg) if shard is None or shard.leads else (None, "")
-    audit = AuditLog(audit_url) if audit_url else NoAudit()
     whole = shard is None or shard.count == 1
+    observe = observe or Observe()
+    if not whole:  # every shard is given the same locations: each writes in a folder of its own
+        audit_url = shard.own_url(audit_url)
+        observe = dataclasses.replace(observe, log_url=shard.own_url(observe.log_url),
+                                      tensorboard=shard.own_url(observe.tensorboard))
+    audit = AuditLog(audit_url) if audit_url else NoAudit()
     part, manifests = shard.part(cfg) if shard is not None else ({"params": initial_parameters(cfg)}, [])
     evaluators, services, built = {"evaluate": make_evaluator(cfg), "tasks": make_task_evaluator(cfg)}, None, []
     if not whole:  # judged, summarised and evaluated as one run (coordinator/sharding.py ShardServices)
@@ -292,7 +307,7 @@ def start_coordinator(
                              revoked=revocations.is_revoked if revocations is not None else (lambda owner: False),
                              record=audit.record, **evaluators, **part)
     built.append(state)
-    url = cfg.checkpoint.url if whole or not cfg.checkpoint.url else shard.checkpoint_url(cfg.checkpoint.url)
+    url = cfg.checkpoint.url if whole else shard.own_url(cfg.checkpoint.url)
     store = CheckpointStore(url, keep_last=cfg.checkpoint.keep_last) if url else None
     if resume:
         if store is None:
@@ -301,11 +316,8 @@ def start_coordinator(
         step = shard.common_step(cfg.checkpoint.url, cfg.checkpoint.keep_last) if not whole else None
         if not durable.restore(state, store, step):
             log.warning("no committed checkpoint under %s; starting the run from scratch", url)
-    log.info(
-        "global parameters: %d tensors, %.2fM elements; initial eval loss %.4f",
-        len(state.params), state.manifest.total_numel() / 1e6, state.initial_eval_loss,
-    )
-    observe = observe or Observe()
+    log.info("global parameters: %d tensors, %.2fM elements; initial eval loss %s", len(state.params),
+             state.manifest.total_numel() / 1e6, initial_eval_text(state.initial_eval_loss, shard))
     # Before the port opens: a log location that cannot be written is an error at start, not mid-run.
     runlog = RunLog(observe.log_url, observe.tensorboard, cfg) if observe.log_url or observe.tensorboard else None
     stop = threading.Event()

@@ -48,6 +48,12 @@ class ShardRole:
         """Where this shard checkpoints its part: a folder of its own under the run's checkpoint.url."""
         return shard_url(base, self.index, self.count)
 
+    def own_url(self, base: str) -> str:
+        """Where this shard writes under a location every shard is given (checkpoints, round log, audit log,
+        TensorBoard): a folder of its own, shard-I-of-K, so that shards started together overwrite nothing of each
+        other's; "" (none) stays ""."""
+        return self.checkpoint_url(base) if base else base
+
     def common_step(self, base: str, keep_last: int) -> int | None:
         """The newest checkpoint step every shard committed (diloco/shardmap.py)."""
         return common_step(base, self.count, keep_last)

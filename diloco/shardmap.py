@@ -34,6 +34,7 @@ from typing import Any
 from diloco.checkpoint import CheckpointStore
 from diloco.config import ConfigError
 from diloco.fragments import Fragment, FragmentLayout
+from diloco.params import checksum
 
 SEPARATOR = "+"  # between the shards' checksums in the run's checksum
 
@@ -86,8 +87,20 @@ def _cut(fragment: Fragment, numel: Mapping[str, int], shards: int) -> dict[str,
 
 
 def join_checksums(checksums: Sequence[str]) -> str:
-    """The run's checksum of a fragment (or the model) from its shards' ones, in shard order; one shard: its own."""
+    """The run's checksum of a fragment (or the model) from its shards' ones, in shard order; one shard: its own.
+
+    The one definition of a sharded run's checksum: every place that shows one (the coordinator's report, the round
+    lines, an island's log) shows this. A content hash of parts cannot be combined into the whole model's hash, and no
+    shard holds the whole model: so the parts are joined, not hashed again."""
     return SEPARATOR.join(checksums)
+
+
+def model_checksum(tensors: Mapping[str, Any], shard_map: ShardMap | None = None) -> str:
+    """The run's checksum (join_checksums) of a whole model held in one place (a one-rank island): the checksum of each
+    shard's parameters, joined; without a map, or with one shard, diloco.params.checksum of them all."""
+    if shard_map is None or shard_map.shards == 1:
+        return checksum(tensors)
+    return join_checksums([checksum({n: tensors[n] for n in names}) for names in map(shard_map.names, range(shard_map.shards))])
 
 
 def split_checksum(checksum: str, shards: int) -> list[str]:

@@ -40,7 +40,7 @@ import torch.distributed as dist
 from diloco.wire.feedback import ErrorFeedback
 from diloco.config import RunConfig
 from diloco.inner import build_inner_optimizer, inner_lr, train_step
-from diloco.params import checksum
+from diloco.shardmap import model_checksum
 from diloco.streaming import EagerState
 from diloco.v1 import diloco_pb2 as pb
 from diloco.wire.messages import Manifest, downlink_codec, link_codecs, uplink_codec
@@ -332,7 +332,10 @@ class Island:
             self.telemetry.finish()
             self.write_evidence()
             self.replicas.shutdown()
-        whole = checksum(dict(self.model.named_parameters())) if self.whole else self.sync.final_checksum
+        # The run's checksum (diloco/shardmap.py join_checksums), the same on every rank: a rank holding the whole model
+        # computes it (a sharded coordinator's parts joined), the others take the one the coordinator confirmed at leave.
+        whole = (model_checksum(dict(self.model.named_parameters()), getattr(self.client, "map", None)) if self.whole
+                 else self.world.broadcast_object(self.sync.final_checksum))
         return IslandResult(
             s.island_id, s.rounds_done, s.round, whole, bool(matches), self.losses, self.timing["compute_s"],
             self.timing["wait_s"], self.timing["wall_s"], s.step, self.timing["straggler_s"], self.sync.late_folds,

@@ -41,7 +41,7 @@ from pathlib import Path
 import torch
 
 from diloco.config import RunConfig
-from diloco.lifetime import child_dies_with, set_parent_death_signal
+from diloco.cli.lifetime import child_dies_with, set_parent_death_signal
 from diloco.security.credentials import TlsFiles
 from islands.client import CoordinatorClient
 from islands.sharded import ShardedClient
@@ -93,7 +93,7 @@ def is_launched_rank(env: dict[str, str] = os.environ) -> bool:
 
 # --- an island's processes die with its launcher ------------------------------------------------
 #
-# A parent-death signal in every process (diloco/lifetime.py says why): the launcher's death kills its torchruns, a
+# A parent-death signal in every process (diloco/cli/lifetime.py says why): the launcher's death kills its torchruns, a
 # torchrun's death kills its ranks. Both torchrun and torch's agent start their children from the main thread, whose
 # exit is what the signal follows.
 

@@ -10,6 +10,7 @@ outer timeout on top.
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -257,3 +258,7 @@ def test_an_fsdp_island_against_three_coordinator_shards_ends_as_against_one_pro
     # Each FSDP rank verified its ranges against every shard and ended on the coordinator's parameters.
     assert_equals_coordinator(assemble_shards(tmp_path / "three" / "sharded", 0, 0, 2), torch.load(tmp_path / "three" / "coordinator.pt"),
                               "the FSDP island")
+    # One checksum for the run (its shards' joined), logged alike by every rank of either island.
+    logged = [said for name in ("sharded", "single")
+              for said in re.findall(r"parameters checksum (\S*) \(", (tmp_path / "three" / f"{name}.log").read_text())]
+    assert logged == [three["checksum"]] * 3 and three["checksum"].count("+") == 2, (logged, three["checksum"])

@@ -3,6 +3,7 @@ one-process coordinator, bit for bit; its followers admit only islands holding t
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import os
@@ -34,11 +35,12 @@ pytestmark = pytest.mark.integration
 
 
 @contextmanager
-def coordinator_of(cfg, shards: int, tmp_path):
-    """The one-process coordinator (shards 0), or K shards on loopback; yields the list of them, leader first."""
+def coordinator_of(cfg, shards: int, tmp_path, **options):
+    """The one-process coordinator (shards 0), or K shards on loopback; yields the list of them, leader first.
+    options: start_coordinator's, the same for every shard (as `serve --shards K` passes its flags to each)."""
     with ExitStack() as stack:
         if shards == 0:
-            c = start_coordinator(cfg, spool_dir=str(tmp_path / "spool"))
+            c = start_coordinator(cfg, spool_dir=str(tmp_path / "spool"), **options)
             stack.callback(c.stop)
             yield [c]
             return
@@ -46,7 +48,10 @@ def coordinator_of(cfg, shards: int, tmp_path):
         addresses, secret = tuple(f"127.0.0.1:{p}" for p in ports), os.urandom(32)
         running = []
         for i, port in enumerate(ports):
-            c = start_coordinator(cfg, port=port, spool_dir=str(tmp_path / f"spool-{i}"), shard=ShardRole(i, addresses, secret))
+            # Each shard its own copy of the config, as each shard process reads its own: what one resolves at start
+            # (the token corpus's vocabulary) the others must resolve themselves.
+            c = start_coordinator(copy.deepcopy(cfg), port=port, spool_dir=str(tmp_path / f"spool-{i}"),
+                                  shard=ShardRole(i, addresses, secret), **options)
             stack.callback(c.stop)
             running.append(c)
         yield running
@@ -165,6 +170,55 @@ def test_with_three_islands_the_shards_direction_sketches_add_up_to_every_contri
         assert_same_run(run(cfg, shards, tmp_path, islands=3), reference, cfg, shards)
         assert judged == [(3, 3)] * cfg.rounds.rounds, f"K = {shards}: {judged}"
 
+def test_shards_on_a_token_corpus_each_take_the_corpuss_vocabulary_and_admit_the_island(tmp_path):
+    """model.vocab_size = 0 takes the corpus's vocabulary: every shard resolves it, not only the leader that keeps the
+    ledger, so every shard serves the same model and config digest and a follower does not refuse the island."""
+    from kit import write_corpus
+
+    from diloco.data.shards import read_manifest
+    from diloco.data.sources import resolve_vocab
+
+    corpus = write_corpus(tmp_path / "corpus")
+    cfg = tiny_config("data.source=tokens", f"data.url={corpus!r}", "model.vocab_size=0",
+                      f"data.cache_dir={str(tmp_path / 'cache')!r}", "data.shuffle_block=8", "rounds.rounds=2",
+                      "robust.first_quorum=1")  # one island
+    island_cfg = copy.deepcopy(cfg)
+    resolve_vocab(island_cfg)  # as an island does at start (islands/joining.py)
+    with coordinator_of(cfg, 2, tmp_path) as running:
+        assert [c.state.cfg.model.vocab_size for c in running] == [read_manifest(corpus)[0].vocab_size] * 2
+        with islands_on_threads(running, island_cfg, [ReplicaSpec(0, 1, "island-0")]) as (_, results):
+            pass
+        assert results[0].rounds == 2 and results[0].checksum_matches, results
+        assert all(c.wait(60) for c in running), "a shard did not finish"
+
+
+def test_shards_given_one_log_and_audit_location_each_write_in_a_folder_of_their_own(tmp_path):
+    """`serve --shards K --log-url U --audit A` gives every shard U and A; parts are named by their start second, so
+    shards started together would overwrite each other's: each writes under U/shard-I-of-K/ (as its checkpoints)."""
+    from coordinator.server import Observe
+
+    cfg = tiny_config("rounds.rounds=2", "robust.first_quorum=1")  # one island
+    logs, audit = tmp_path / "logs", tmp_path / "audit"
+    with coordinator_of(cfg, 2, tmp_path, audit_url=str(audit), observe=Observe(log_url=str(logs))) as running:
+        with islands_on_threads(running, cfg, [ReplicaSpec(0, 1, "island-0")]) as (_, results):
+            pass
+        assert results[0].checksum_matches and all(c.wait(60) for c in running)
+        parts = [c.state.fragments[0].checksum for c in running]
+    # Stopped (coordinator_of's exit): every log written whole.
+    for where, prefix in ((logs, "rounds"), (audit, "audit")):
+        assert sorted(p.name for p in where.iterdir()) == ["shard-0-of-2", "shard-1-of-2"], f"{where}: {list(where.iterdir())}"
+    for i in range(2):
+        records = [json.loads(line) for part in sorted((logs / f"shard-{i}-of-2").glob("rounds-*.jsonl"))
+                   for line in part.read_text().splitlines()]
+        rounds = [r for r in records if r["event"] == "round"]
+        assert [r["round"] for r in rounds] == [0, 1], f"shard {i}: {records}"
+        # The leader's lines are the run's (every shard's part joined), a follower's its own part.
+        assert rounds[-1]["checksum"] == (join_checksums(parts) if i == 0 else parts[1])
+        events = [json.loads(line)["event"] for part in sorted((audit / f"shard-{i}-of-2").glob("audit-*.jsonl"))
+                  for line in part.read_text().splitlines()]
+        assert "join" in events and "leave" in events, f"shard {i}: {events}"
+
+
 def test_a_following_shard_admits_only_the_leaders_ticket(tmp_path):
     cfg = tiny_config()
     with coordinator_of(cfg, 2, tmp_path) as (leader, follower):
@@ -193,20 +247,109 @@ def test_a_following_shard_admits_only_the_leaders_ticket(tmp_path):
 
 def test_the_demo_with_a_sharded_coordinator_over_mutual_tls_ends_with_every_island_on_every_shards_parameters(tmp_path):
     """`diloco-sim --coordinator-shards 2` as a user runs it: `serve --shards 2` starts the shards, islands find the
-    follower through the leader, all over mutual TLS; the round lines add up every shard's bytes."""
+    follower through the leader, all over mutual TLS; the round lines add up every shard's bytes. The run has one
+    checksum, its shards' joined, and every place that shows it shows that one: the report `serve --shards 2` writes,
+    the last round, each island's log."""
+    import re
+
     from islands.sim.simulation import run_sim
 
     cfg = tiny_config("rounds.rounds=2", "rounds.min_islands=2", "data.shards=2")
     lines = []
     result = run_sim(cfg, islands=2, workdir=tmp_path, timeout_s=240, echo=lines.append, coordinator_shards=2)
     report = result.report
-    shards = [json.loads((tmp_path / name).read_text()) for name in ("report.json", "report.json.shard-1")]
-    assert report["checksum"] == join_checksums([s["checksum"] for s in shards])
+    assert json.loads((tmp_path / "report.json").read_text()) == report  # the launcher's: the run's
+    shards = [json.loads((tmp_path / f"report.json.shard-{i}").read_text()) for i in range(2)]
+    assert report["checksum"] == join_checksums([s["checksum"] for s in shards]) == report["rounds"][-1]["checksum"]
     assert set(report["islands"].values()) == {report["checksum"]} and len(report["islands"]) == 2
+    for i in range(2):
+        (said,) = re.findall(r"parameters checksum (\S+) \(matches", (tmp_path / f"island-{i}.log").read_text())
+        assert said == report["checksum"], f"island {i} logged {said}, the report {report['checksum']}"
     for merged, follower in zip(report["rounds"], shards[1]["rounds"]):  # the leader's rounds are the run's
         assert merged["bytes_up"] > follower["bytes_up"] > 0, "every shard received pushes, the leader's round counts all"
         assert merged["checksum"].split("+")[1] == follower["checksum"]
     assert len((tmp_path / "port.shards").read_text().split()) == 2
+
+
+def children_of(pid: int) -> list[int]:
+    """The processes whose parent is pid (Linux /proc)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
+                        found.append(int(entry))
+            except (OSError, ValueError, IndexError):
+                pass  # gone meanwhile
+    return found
+
+
+def running(pid: int) -> bool:
+    """Whether pid is a live process (a zombie waiting to be reaped has ended)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except OSError:
+        return False
+
+
+@contextmanager
+def serving_shards(cfg, workdir, shards: int = 2):
+    """`diloco-coordinator serve --shards K` as a process, once every shard serves; yields it and its log (every
+    shard's output). Everything it started is killed at the end."""
+    config, port_file, log_path = workdir / "run.toml", workdir / "port", workdir / "launcher.log"
+    config.write_text(cfg.to_toml())
+    with open(log_path, "w") as out:
+        launcher = subprocess.Popen([sys.executable, "-m", "coordinator", "serve", "--config", str(config), "--host",
+                                     "127.0.0.1", "--port", "0", "--port-file", str(port_file), "--http-port", "-1",
+                                     "--shards", str(shards)], env=dict(os.environ, PYTHONUNBUFFERED="1"), stdout=out,
+                                    stderr=subprocess.STDOUT)
+    children: list[int] = []
+    try:
+        deadline = time.monotonic() + 120
+        while not port_file.exists():  # written once every shard serves
+            assert launcher.poll() is None, log_path.read_text()
+            assert time.monotonic() < deadline, "the shards did not start"
+            time.sleep(0.1)
+        children = children_of(launcher.pid)
+        yield launcher, log_path
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.wait(30)
+        for pid in filter(running, children):
+            os.kill(pid, signal.SIGKILL)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="a parent-death signal is Linux's (diloco/cli/lifetime.py)")
+def test_the_shards_of_a_sigkilled_serve_shards_k_launcher_die_with_it(tmp_path):
+    """diloco-sim ends a failed sharded run by SIGKILLing `serve --shards K`: its shards must not serve on alone."""
+    with serving_shards(tiny_config(), tmp_path) as (launcher, _):
+        shards = children_of(launcher.pid)
+        assert len(shards) == 2 and all(map(running, shards)), shards
+        launcher.send_signal(signal.SIGKILL)
+        launcher.wait(30)
+        deadline = time.monotonic() + 60
+        while any(map(running, shards)) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not any(map(running, shards)), "a shard outlived its SIGKILLed launcher"
+
+
+def test_each_shard_of_serve_shards_k_names_itself_in_its_log_lines(tmp_path):
+    """The shards' lines share one stream: each is tagged with its shard, and a follower, which evaluates nothing,
+    says who evaluates the initial parameters rather than logging a NaN loss."""
+    with serving_shards(tiny_config("eval.batches=2"), tmp_path) as (launcher, log_path):
+        launcher.send_signal(signal.SIGTERM)  # passed on to the shards: a clean stop
+        assert launcher.wait(120) == 0, log_path.read_text()
+    lines = log_path.read_text().splitlines()
+    for i in range(2):
+        assert any(f"[coordinator shard {i}] " in line and f"coordinator shard {i} of 2 serving" in line for line in lines), lines
+    (leader,) = [line for line in lines if "[coordinator shard 0] " in line and "global parameters" in line]
+    (follower,) = [line for line in lines if "[coordinator shard 1] " in line and "global parameters" in line]
+    assert math.isfinite(float(leader.rsplit("initial eval loss ", 1)[1]))
+    assert follower.endswith("initial eval loss evaluated by shard 0"), follower
+    assert not any("nan" in line.split() for line in lines), lines
 
 
 class ShardProcesses:

@@ -72,3 +72,22 @@ def test_an_island_that_fails_ends_the_simulation_at_once_naming_it(tmp_path):
         sim.close()
     assert "island 1 exited with status 2" in str(e.value) and "--throttle" in str(e.value)
     assert time.monotonic() - sim.started < 300  # far from the 600 s it would have waited
+
+
+def test_a_coordinator_that_cannot_start_ends_the_simulation_with_its_own_error(tmp_path):
+    """`diloco-sim` said only "coordinator exited with status 2 before serving" while the reason sat in the
+    coordinator's log (a temporary folder by default): the simulation's error carries the coordinator's own error
+    line, once, though each of a sharded coordinator's shards says it."""
+    from islands.sim.simulation import Simulation
+
+    cfg = tiny_config("data.source=tokens", f"data.url={str(tmp_path / 'not-prepared')!r}", "model.vocab_size=0")
+    sim = Simulation(cfg, 1, tmp_path / "sim", coordinator_shards=2)
+    try:
+        with pytest.raises(RuntimeError) as e:
+            sim.start()
+    finally:
+        sim.close()
+    message = str(e.value)
+    assert "coordinator exited with status 2 before serving" in message
+    assert "no manifest.json" in message and "diloco-data prepare" in message, message
+    assert message.count("no manifest.json") == 1, message

@@ -98,15 +98,25 @@ def free_port(avoid: Collection[int] = (), span: int = 16) -> int:
     raise RuntimeError(f"no free port below the ephemeral range ({low}) on 127.0.0.1")
 
 
-def _wait_for_port(port_file: Path, proc: subprocess.Popen, timeout_s: float) -> int:
+def exit_reason(log_path: Path, most: int = 3) -> str:
+    """What a child process that exited said of why, from its log: its error lines (the CLI's `prog: error: ...`,
+    logged ERRORs; each once, the last `most` of them: every shard of a coordinator says the same), else its last
+    line."""
+    lines = log_path.read_text(errors="replace").strip().splitlines() if log_path.exists() else []
+    errors = list(dict.fromkeys(line.strip() for line in lines if ": error: " in line or " ERROR " in line))
+    return " | ".join(errors[-most:]) if errors else (lines[-1].strip() if lines else "(no output)")
+
+
+def _wait_for_port(port_file: Path, proc: subprocess.Popen, timeout_s: float, log_path: Path) -> int:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if port_file.exists() and port_file.read_text().strip():
             return int(port_file.read_text())
         if proc.poll() is not None:
-            raise RuntimeError(f"coordinator exited with status {proc.returncode} before serving")
+            raise RuntimeError(f"coordinator exited with status {proc.returncode} before serving: "
+                               f"{exit_reason(log_path)}; see {log_path}")
         time.sleep(0.1)
-    raise TimeoutError(f"coordinator did not start within {timeout_s:.0f}s")
+    raise TimeoutError(f"coordinator did not start within {timeout_s:.0f}s; see {log_path}")
 
 
 class Simulation:
@@ -166,7 +176,7 @@ class Simulation:
         if resume:
             args.append("--resume")
         self.coordinator = self._spawn(args, "coordinator.log")
-        self.port = _wait_for_port(port_file, self.coordinator, 120)
+        self.port = _wait_for_port(port_file, self.coordinator, 120, self.workdir / "coordinator.log")
         if http_port_file.exists():  # written before the gRPC port: the same port again after a restart
             self.http_port = int(http_port_file.read_text())
 
@@ -217,8 +227,7 @@ class Simulation:
         for i, proc in sorted(self.island_procs.items()):
             if proc.poll() not in (None, 0) and i not in self.killed:
                 log = self.workdir / f"island-{i}.log"
-                lines = log.read_text(errors="replace").strip().splitlines() if log.exists() else []
-                return f"island {i} exited with status {proc.returncode}: {lines[-1] if lines else '(no output)'}; see {log}"
+                return f"island {i} exited with status {proc.returncode}: {exit_reason(log)}; see {log}"
         return None
 
     def kill_coordinator(self) -> None:
@@ -285,12 +294,13 @@ class Simulation:
         codes = [self.island_procs[i].wait(remaining) for i in sorted(self.island_procs)]
         self.coordinator.wait(60)
         if self.coordinator.returncode != 0:
-            raise RuntimeError(f"coordinator exited with status {self.coordinator.returncode}; see {self.workdir / 'coordinator.log'}")
+            log_path = self.workdir / "coordinator.log"
+            raise RuntimeError(f"coordinator exited with status {self.coordinator.returncode}: {exit_reason(log_path)}; see {log_path}")
         bad = [i for i, c in enumerate(codes) if c != 0]
         if bad:
             raise RuntimeError(f"islands {bad} failed; see {self.workdir}/island-N.log")
-        followers = [json.loads(Path(f"{self.report_path}.shard-{i}").read_text()) for i in range(1, self.coordinator_shards)]
-        report = merged_report(json.loads(self.report_path.read_text()), followers)
+        # A sharded coordinator's launcher writes the run's report from its shards' (coordinator/launch.py).
+        report = json.loads(self.report_path.read_text())
         return SimResult(report, time.monotonic() - self.started, codes, self.wan_bytes())
 
     def close(self) -> None:
@@ -300,16 +310,6 @@ class Simulation:
                 p.wait()
         for link in self.links.values():
             link.stop()
-
-
-def merged_report(leader: dict, followers: list[dict]) -> dict:
-    """A sharded coordinator's reports as one: the leader's (its round summaries are the run's already), with the
-    shards' checksums of the model and of what each island left holding joined in shard order."""
-    if not followers:
-        return leader
-    everyone = [leader] + followers
-    return dict(leader, checksum=join_checksums([r["checksum"] for r in everyone]),
-                islands={i: join_checksums([r["islands"].get(i, "") for r in everyone]) for i in leader["islands"]})
 
 
 def run_sim(
