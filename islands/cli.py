@@ -31,7 +31,8 @@ def build_parser() -> ArgumentParser:
     j.add_argument("--coordinator", required=True, metavar="HOST:PORT", help="address of `diloco-coordinator serve`")
     add_config_flags(j)
     j.add_argument("--device", default="auto", help="cpu, cuda or auto (default: cuda when available)")
-    j.add_argument("--threads", type=int, default=0, help="torch CPU threads (default: torch's choice)")
+    j.add_argument("--threads", type=int, default=0,
+                   help="torch CPU threads (default 0: this machine's cores shared by the island ranks training on its CPU)")
     j.add_argument("--compile", action="store_true",
                    help="torch.compile the model (one-rank islands; worth it on a GPU, the first steps pay the compile)")
     j.add_argument("--connect-timeout", type=float, default=60.0, help="seconds to wait for the coordinator (default 60)")

@@ -111,6 +111,7 @@ class Island:
                     lambda: self.state.island_id, link_codecs(cfg.wire))  # compression per link: what it may push with
         self.restored = False
         self.checkpoint = None  # islands.checkpoint.IslandCheckpoint with --checkpoint
+        self.cores = None  # islands.cores.CoreShare: on the CPU without --threads, re-shared every round
         # Inner steps; blocked waiting for results (of which: for other islands' pushes); everything.
         self.timing = {"compute_s": 0.0, "wait_s": 0.0, "straggler_s": 0.0, "wall_s": 0.0}
         self.losses: list[float] = []  # mean inner loss of each H steps
@@ -243,6 +244,8 @@ class Island:
         s = self.state
         self.losses.append(sum(self._window) / len(self._window))
         self._window = []
+        if self.cores is not None:  # islands that started or ended on this machine since move our share
+            self.cores.apply()
         log.info("%s step %d: train loss %.4f, fragment rounds %s; %.1fs in inner steps, %.1fs waiting so far",
                  s.island_id, s.step, self.losses[-1], s.rounds, self.timing["compute_s"], self.timing["wait_s"])
 

@@ -48,6 +48,7 @@ from islands.sharded import ShardedClient
 from islands.joining import join_run
 from islands.replicas import FT_HOST_ENV, LIGHTHOUSE_ENV, FtConfig, start_lighthouse
 from islands.checkpoint import IslandCheckpoint
+from islands.cores import CoreShare
 from islands.island import Island, IslandResult
 from islands.state import ReplicaSpec
 from islands.telemetry import IslandTelemetry, TelemetryOptions
@@ -357,7 +358,8 @@ def replica_spec(args, env: dict[str, str] = os.environ) -> ReplicaSpec:
         startup_wait_s=args.ft_startup_wait,
     )
     return ReplicaSpec(group, groups, key or "", ft, args.report_dir or "", args.measure_memory, args.receive_window,
-                       steps_per_round=getattr(args, "steps_per_round", 0), throttle_s=getattr(args, "throttle", 0.0))
+                       steps_per_round=getattr(args, "steps_per_round", 0), throttle_s=getattr(args, "throttle", 0.0),
+                       cpu_threads=getattr(args, "threads", 0))
 
 
 def run_island(
@@ -379,6 +381,10 @@ def run_island(
     ckpt = IslandCheckpoint(checkpoint_url, checkpoint_every, world) if checkpoint_url else None
     previous = ckpt.choose() if ckpt is not None and resume else None
     island_telemetry = IslandTelemetry(telemetry, world.is_leader, spec.group, spec.groups)
+    cores = CoreShare() if world.device.type == "cpu" and not spec.cpu_threads else None
+    if cores is not None:
+        cores.apply()
+
     def connect(address: str) -> CoordinatorClient:
         return CoordinatorClient(address, connect_timeout_s, receive_window_bytes=spec.receive_window_bytes, tls=tls)
 
@@ -387,6 +393,8 @@ def run_island(
         client = ShardedClient(connect(address), connect)
     except BaseException:
         island_telemetry.close()
+        if cores is not None:
+            cores.close()
         raise
     client.progress = world.is_leader and spec.group == 0  # one progress line per island on a shared terminal
     try:
@@ -404,7 +412,10 @@ def run_island(
         if previous is not None:
             ckpt.restore(island, prefer_step=sum(joined.fragment_rounds) if joined.fragment_rounds else joined.round)
         island.checkpoint = ckpt
+        island.cores = cores
         return island.run(max_rounds)
     finally:
         client.close()
         island_telemetry.close()
+        if cores is not None:
+            cores.close()

@@ -27,6 +27,9 @@ class ReplicaSpec:
     steps_per_round: int = 0
     # Seconds slept in every inner step, as if on a slower device (tests and benchmarks of unequal islands).
     throttle_s: float = 0.0
+    # torch threads on the CPU (--threads); 0: this rank's share of the machine's cores, with the other ranks
+    # training on it (islands/cores.py).
+    cpu_threads: int = 0
 
 
 @dataclass

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -107,3 +109,25 @@ def test_dropped_leases_restart_every_fragments_claim_and_a_stale_refusal_drops_
         assert s.positions(s.data_marks[f], s.data_cursor) == [(500, 502)] and s.tokens[f] == 2 * 32
     assert not s.forget_leases(named_at)  # fragment 1's old push refused too: the lease of [500, 510) stays
     assert s.pieces == [[500, 510]] and s.untrained() == [(502, 510)]
+
+
+@pytest.mark.unit
+def test_island_ranks_on_one_machines_cpu_share_its_cores_and_a_gone_rank_gives_its_share_back(tmp_path):
+    from islands.cores import CoreShare
+
+    before = torch.get_num_threads()
+    first = CoreShare(tmp_path, cores=4)
+    try:
+        assert first.apply() == 4 == torch.get_num_threads()  # alone on the machine: every core
+        second = CoreShare(tmp_path, cores=4)  # another island starts beside it
+        assert second.apply() == 2 and first.apply() == 2
+        third = CoreShare(tmp_path, cores=4)
+        assert first.ranks() == 3 and first.apply() == 1  # 4 // 3
+        third.close()
+        os.close(second.fd)  # as a SIGKILL drops its lock, leaving its file behind
+        second.fd = -1
+        assert first.apply() == 4 and sorted(p.name for p in tmp_path.iterdir()) == [first.path.name]
+    finally:
+        first.close()
+        torch.set_num_threads(before)
+    assert not list(tmp_path.iterdir())
