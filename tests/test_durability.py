@@ -111,6 +111,14 @@ def test_sim_with_a_bad_chaos_spec_exits_2_with_one_line(text, message):
     assert len(lines) == 1 and lines[0].startswith("diloco-sim: error: --chaos: ") and message in lines[0], lines
 
 
+@pytest.mark.integration
+def test_sim_with_chaos_but_no_checkpoint_exits_2_saying_what_to_drop():
+    out = subprocess.run([sys.executable, "-m", "islands.sim", "--chaos", "2", "--no-checkpoint"], capture_output=True,
+                         text=True, timeout=60)
+    lines = out.stderr.strip().splitlines()
+    assert out.returncode == 2 and lines == ["diloco-sim: error: --chaos resumes from checkpoints; drop --no-checkpoint"]
+
+
 @pytest.mark.unit
 def test_parse_chaos():
     assert (parse_chaos("3:4").island_every, parse_chaos("3:4").coordinator_at) == (3, 4)

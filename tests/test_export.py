@@ -148,3 +148,30 @@ def test_export_from_s3(s3, make_coordinator, tmp_path):
         fs.put_file(str(f), f"{s3}/hf/{f.name}")
     model_cfg, state = from_hf_folder(f"{s3}/hf")
     assert model_cfg == cfg.model and all(torch.equal(state[n], t) for n, t in published.items())
+
+
+def test_the_demos_model_exports_where_the_docs_say(tmp_path, monkeypatch, capsys):
+    """A newcomer's path: `diloco-sim --workdir runs/demo`, then diloco-export's --help example as written (the one
+    docs/export-and-eval.md gives too): the simulation checkpoints its coordinator there by default, the last round
+    included, and the folder loads with the final global parameters."""
+    from diloco.cli.export import __doc__ as export_help
+    from islands.sim.cli import main as sim_main
+
+    example = next(line for line in export_help.splitlines() if "diloco-sim --workdir runs/demo" in line)
+    command = example.split("#")[0].split()
+    assert command[0] == "diloco-export" and " ".join(command) in open("docs/export-and-eval.md").read()
+    monkeypatch.chdir(tmp_path)
+    cfg = tiny_config("rounds.rounds=2")
+    (tmp_path / "tiny.toml").write_text(cfg.to_toml())
+    stale = tmp_path / "runs/demo/ckpt/coordinator/step-0000000099"  # an earlier, longer run's in the same workdir
+    stale.mkdir(parents=True)
+    sim_main(["--workdir", "runs/demo", "--islands", "2", "--config", "tiny.toml", "--timeout", "240"])
+    printed = capsys.readouterr().out
+    assert "the model, as a Hugging Face folder: diloco-export runs/demo/ckpt/coordinator OUT_DIR" in printed
+
+    assert export_cli(*command[1:]) == 0
+    assert capsys.readouterr().out.startswith("checkpoint 2 (")  # the last round's, not checkpoint.every_rounds' (5)
+    assert not stale.exists()
+    model_cfg, state = from_hf_folder(tmp_path / command[2])
+    assert model_cfg == cfg.model
+    assert compare_with_transformers(tmp_path / command[2], cfg, state) < 1e-5

@@ -1,6 +1,7 @@
 """`diloco-export`: a run's newest committed coordinator checkpoint as a Hugging Face Llama folder.
 
-    diloco-export runs/demo/ckpt/coordinator hf/demo
+    diloco-export runs/demo/ckpt/coordinator hf/demo   # after `diloco-sim --workdir runs/demo`
+    diloco-export runs/ckpt hf/my-run                  # after `diloco-coordinator serve --checkpoint runs/ckpt`
     diloco-export s3://bucket/run/ckpt hf/run --step 40 --shard-gb 2
 
 The folder loads with transformers (AutoModelForCausalLM / LlamaForCausalLM, and AutoTokenizer for a

@@ -25,7 +25,10 @@ def build_parser() -> ArgumentParser:
     parser.add_argument("--islands", type=int, default=4, help="number of islands (default 4)")
     add_config_flags(parser)
     parser.add_argument("--rounds", type=int, help="override rounds.rounds")
-    parser.add_argument("--workdir", help="where logs, the resolved config and the report go (default: a temp dir)")
+    parser.add_argument("--workdir", help="where logs, the resolved config, the report and the coordinator's checkpoints "
+                                          "(WORKDIR/ckpt/coordinator, for diloco-export) go (default: a temp dir)")
+    parser.add_argument("--no-checkpoint", dest="checkpoint", action="store_false",
+                        help="do not checkpoint the coordinator (then there is no model to diloco-export)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per process (default 1)")
     parser.add_argument("--per-island", action="store_true", help="also print bytes up/down per island each round")
     parser.add_argument(
@@ -86,6 +89,8 @@ def main(argv: list[str] | None = None) -> None:
             fail(parser.prog, f"--chaos: {e}")
         if args.wan is not None:
             fail(parser.prog, "--chaos and --wan do not combine yet; run one or the other")
+        if not args.checkpoint:
+            fail(parser.prog, "--chaos resumes from checkpoints; drop --no-checkpoint")
         args.overrides = ["checkpoint.every_rounds=1"] + args.overrides
     cfg = config_from_args(parser.prog, args)
     wan = None
@@ -114,7 +119,7 @@ def main(argv: list[str] | None = None) -> None:
             echo(describe(chaos))
         else:
             result = run_sim(cfg, args.islands, workdir, args.timeout, args.threads, echo=echo, per_island=args.per_island, wan=wan,
-                             coordinator_shards=args.coordinator_shards)
+                             coordinator_shards=args.coordinator_shards, checkpoint=args.checkpoint)
     except (RuntimeError, TimeoutError, grpc.RpcError) as e:
         fail(parser.prog, f"simulation failed: {e}")
     except KeyboardInterrupt:

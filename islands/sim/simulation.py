@@ -13,6 +13,7 @@ import logging
 import math
 import os
 import random
+import shutil
 import signal
 import socket
 import subprocess
@@ -35,6 +36,10 @@ from islands.sim.wan import LinkSpec, WanLink
 
 log = logging.getLogger(__name__)
 
+# Where in its workdir a simulation's coordinator checkpoints: what `diloco-export WORKDIR/ckpt/coordinator OUT` reads
+# (diloco/cli/export.py's example and docs/export-and-eval.md name it; tests/test_export.py runs them as written).
+COORDINATOR_CHECKPOINT = Path("ckpt") / "coordinator"
+
 
 @dataclass
 class SimResult:
@@ -43,6 +48,8 @@ class SimResult:
     island_exit_codes: list[int]
     # Bytes each island's emulated WAN link carried (up to, down from the coordinator); empty without --wan.
     wan_bytes: list[tuple[int, int]] = dataclasses.field(default_factory=list)
+    # The coordinator's checkpoints (diloco-export's CHECKPOINT_URL), or "" when it did not checkpoint.
+    checkpoint_url: str = ""
 
 
 def _fmt_bytes(n: float) -> str:
@@ -124,7 +131,7 @@ class Simulation:
 
     def __init__(self, cfg: RunConfig, islands: int, workdir: Path, threads: int = 1, checkpoints: bool = False,
                  wan: list[LinkSpec] | None = None, tls: bool = True, island_args: dict[int, list[str]] | None = None,
-                 coordinator_shards: int = 1):
+                 coordinator_shards: int = 1, coordinator_checkpoints: bool = False):
         self.cfg, self.islands, self.workdir, self.threads = cfg, islands, workdir, threads
         self.coordinator_shards = coordinator_shards  # K > 1: `serve --shards K`, K processes (docs/sharding.md)
         self.island_args = island_args or {}  # extra `islands join` flags per island (e.g. --throttle, --steps-per-round)
@@ -135,7 +142,9 @@ class Simulation:
         self.config_path = workdir / "run.toml"
         self.config_path.write_text(cfg.to_toml())
         self.report_path = workdir / "report.json"
-        self.checkpoints = checkpoints
+        self.checkpoints = checkpoints  # the coordinator's and every island's (islands every round): to resume any
+        # Only the coordinator's, every checkpoint.every_rounds rounds and the last: the model, for diloco-export.
+        self.coordinator_checkpoints = coordinator_checkpoints or checkpoints
         self.env = dict(os.environ, PYTHONUNBUFFERED="1")
         self.coordinator: subprocess.Popen | None = None
         self.island_procs: dict[int, subprocess.Popen] = {}
@@ -167,8 +176,8 @@ class Simulation:
                 "--linger", "20", "--threads", str(self.threads), "--log-level", "info",
                 "--http-port", str(self.http_port), "--http-port-file", str(http_port_file),
                 "--log-url", str(self.workdir / "logs")]
-        if self.checkpoints:
-            args += ["--checkpoint", str(self.workdir / "ckpt" / "coordinator")]
+        if self.coordinator_checkpoints:
+            args += ["--checkpoint", self.checkpoint_url]
         if self.tls_dir is not None:
             args += ["--tls", str(self.tls_dir)]
         if self.coordinator_shards > 1:
@@ -179,6 +188,11 @@ class Simulation:
         self.port = _wait_for_port(port_file, self.coordinator, 120, self.workdir / "coordinator.log")
         if http_port_file.exists():  # written before the gRPC port: the same port again after a restart
             self.http_port = int(http_port_file.read_text())
+
+    @property
+    def checkpoint_url(self) -> str:
+        """The coordinator's checkpoints, or "" without them."""
+        return str(self.workdir / COORDINATOR_CHECKPOINT) if self.coordinator_checkpoints else ""
 
     @property
     def dashboard_url(self) -> str:
@@ -212,6 +226,8 @@ class Simulation:
 
     def start(self) -> None:
         self.started = time.monotonic()
+        if self.coordinator_checkpoints:  # a fresh run: an earlier one's newer steps here would be what diloco-export takes
+            shutil.rmtree(self.checkpoint_url, ignore_errors=True)
         self.start_coordinator()
         for i in range(self.islands):
             self.start_island(i)
@@ -301,7 +317,7 @@ class Simulation:
             raise RuntimeError(f"islands {bad} failed; see {self.workdir}/island-N.log")
         # A sharded coordinator's launcher writes the run's report from its shards' (coordinator/launch.py).
         report = json.loads(self.report_path.read_text())
-        return SimResult(report, time.monotonic() - self.started, codes, self.wan_bytes())
+        return SimResult(report, time.monotonic() - self.started, codes, self.wan_bytes(), self.checkpoint_url)
 
     def close(self) -> None:
         for p in list(self.island_procs.values()) + [self.coordinator]:
@@ -322,13 +338,16 @@ def run_sim(
     per_island: bool = False,
     wan: list[LinkSpec] | None = None,
     coordinator_shards: int = 1,
+    checkpoint: bool = False,
 ) -> SimResult:
     """Runs the simulation to the end; raises if it fails or outlives timeout_s.
 
     wan: one emulated link per island (see islands.sim.wan), or None for plain loopback; coordinator_shards: the
-    coordinator's shard processes (docs/sharding.md).
+    coordinator's shard processes (docs/sharding.md); checkpoint: the coordinator checkpoints under
+    workdir/ckpt/coordinator (COORDINATOR_CHECKPOINT), for diloco-export.
     """
-    sim = Simulation(cfg, islands, workdir, threads, wan=wan, coordinator_shards=coordinator_shards)
+    sim = Simulation(cfg, islands, workdir, threads, wan=wan, coordinator_shards=coordinator_shards,
+                     coordinator_checkpoints=checkpoint)
     try:
         sim.start()
         echo(f"dashboard: {sim.dashboard_url}   metrics: {sim.dashboard_url}metrics")
@@ -427,3 +446,5 @@ def summarize(result: SimResult, cfg: RunConfig, echo=print) -> None:
     matches = sum(1 for c in rep["islands"].values() if c == rep["checksum"])
     short = join_checksums([part[:12] for part in rep["checksum"].split(SEPARATOR)])  # a sharded coordinator's: every shard's
     echo(f"islands holding the coordinator's global parameters: {matches}/{len(rep['islands'])} (checksum {short})")
+    if result.checkpoint_url:
+        echo(f"the model, as a Hugging Face folder: diloco-export {result.checkpoint_url} OUT_DIR (docs/export-and-eval.md)")
