@@ -2,10 +2,9 @@
 
 One record per join, completed push, leave, refusal (with its typed reason, the
 method and the caller's certificate name and address), lease expiry and
-revocation. Object stores cannot append, so the log is a series of parts,
-`audit-<start>-<n>.jsonl`, each written whole: every `flush_s` seconds while
-records come in, and at close (diloco/jsonlog.py). A part is never rewritten;
-reading the parts in name order gives the records in order.
+revocation. One file per process run, `audit-<start>.jsonl`, rotated by size
+into `audit-<start>-1.jsonl`, ..., each record written as it comes (uploaded
+at once to an object store; diloco/jsonlog.py, whose read_log reads them in order).
 """
 
 from __future__ import annotations

@@ -1,9 +1,10 @@
 """The coordinator's run log: one JSON line per closed round, and TensorBoard when asked.
 
 JSON lines at an fsspec URL (--log-url: a local folder or s3://bucket/prefix),
-as whole parts `rounds-<start>-<n>.jsonl` (diloco/jsonlog.py): first a start
-record with the run's config, then one record per RoundSummary with every
-field of it (timings, traffic, contributions, data account; NaN as null) and
+one file per process run, `rounds-<start>.jsonl`, rotated by size into
+`rounds-<start>-1.jsonl`, ... (diloco/jsonlog.py; read_log reads them in
+order), each record written as it comes: first a start record with the run's
+config, then one record per RoundSummary with every field of it (timings, traffic, contributions, data account; NaN as null) and
 `traffic_factor`, the bytes a data-parallel ring all-reduce would have sent
 per byte sent.
 

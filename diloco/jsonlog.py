@@ -1,10 +1,22 @@
 """Logs as JSON lines at an fsspec URL (a local folder or s3://bucket/prefix), and TensorBoard beside them.
 
-Object stores cannot append, so a log is a series of parts,
-`<prefix>-<start>-<n>.jsonl`, each written whole: every `flush_s` seconds while
-records come in, and at close. A part is never rewritten; reading the parts in
-name order gives the records in order. A part that cannot be written is kept
-for the next flush (the process goes on).
+One file per process run, `<prefix>-<start>.jsonl` (start: the UTC second the log
+opened), rotated past a size into `<prefix>-<start>-1.jsonl`, `-2.jsonl`, ...,
+as torchtitan's and the HF Trainer's logs are one file per process. read_log
+gives a log's records in the order written (a name sort puts `-1` before the
+first part).
+
+- A local folder: each record is appended and flushed to the OS as it is
+  written, so a process that crashes loses at most the record being written.
+  Files rotate at ROTATE_BYTES.
+- An object store (s3://...) cannot append: the current part is kept in memory
+  and uploaded whole, by a thread woken at each record (the writer never waits
+  on the store), so a crash loses at most the records of the upload under way,
+  usually the last. Each upload rewrites the part, so parts rotate sooner, at
+  OBJECT_ROTATE_BYTES. A part that was uploaded whole is never rewritten.
+
+A write that fails is logged and keeps its records for the next try (at the
+next record or close; on a store also every flush_s); the process goes on.
 
 Records are made JSON-safe: NaN and infinities become null (JSON has neither),
 anything else json cannot take becomes its str().
@@ -18,14 +30,22 @@ from __future__ import annotations
 import json
 import logging
 import math
+import re
 import threading
 import time
 from typing import Any
 
 import fsspec
+from fsspec.implementations.local import LocalFileSystem
 from google.protobuf.message import Message
 
 log = logging.getLogger(__name__)
+
+# A local log file's size before the next part: large, as a log rotated by size is (RotatingFileHandler's users pick
+# tens of MB); round records are a few kB, so a run rarely reaches a second part.
+ROTATE_BYTES = 64 * 2**20
+# An object store's: every upload rewrites the current part whole, so a smaller part bounds each upload's bytes.
+OBJECT_ROTATE_BYTES = 8 * 2**20
 
 TENSORBOARD_MISSING = "--tensorboard needs the tensorboard package: pip install tensorboard (or pip install 'diloco[tensorboard]')"
 
@@ -64,10 +84,32 @@ def message_dict(message: Message) -> dict[str, Any]:
     return out
 
 
-class JsonLines:
-    """Records appended in memory, written as whole parts `<prefix>-<start>-<n>.jsonl` under url. Thread-safe."""
+def log_name(prefix: str, started: str, part: int) -> str:
+    """A log file's name: `<prefix>-<start>.jsonl`, then `<prefix>-<start>-<part>.jsonl` once rotated."""
+    return f"{prefix}-{started}{f'-{part}' if part else ''}.jsonl"
 
-    def __init__(self, url: str, prefix: str, flush_s: float = 5.0, storage_options: dict | None = None):
+
+_LOG_NAME = re.compile(r"(?P<prefix>.+)-(?P<started>\d{8}T\d{6})(?:-(?P<part>\d+))?\.jsonl")
+
+
+def read_log(url: str, prefix: str, storage_options: dict | None = None) -> list[dict[str, Any]]:
+    """Every record of the logs `<prefix>-*.jsonl` under url, in the order written: each process run's by its start,
+    its parts in order."""
+    fs, root = fsspec.core.url_to_fs(url.rstrip("/"), **(storage_options or {}))
+    files = []
+    for path in fs.ls(root, detail=False):
+        m = _LOG_NAME.fullmatch(path.rsplit("/", 1)[-1])
+        if m and m["prefix"] == prefix:
+            files.append((m["started"], int(m["part"] or 0), path))
+    return [json.loads(line) for *_, path in sorted(files) for line in fs.cat_file(path).decode().splitlines()]
+
+
+class JsonLines:
+    """Records as JSON lines, one file per process run under url, rotated by size (the module's docstring).
+    Thread-safe. prefix may change until the first record is written (an island learns its name at join)."""
+
+    def __init__(self, url: str, prefix: str, flush_s: float = 5.0, storage_options: dict | None = None,
+                 rotate_bytes: int | None = None):
         if not url:
             raise LogError("a log location is needed (a local folder or s3://bucket/prefix)")
         self.url, self.prefix, self.flush_s = url.rstrip("/"), prefix, flush_s
@@ -77,47 +119,125 @@ class JsonLines:
             self.fs.makedirs(self.root, exist_ok=True)
         except (OSError, ValueError, ImportError) as e:
             raise LogError(f"cannot write logs to {url}: {e}") from e
+        self.appends = isinstance(self.fs, LocalFileSystem)  # else an object store: parts uploaded whole
+        self.rotate_bytes = rotate_bytes or (ROTATE_BYTES if self.appends else OBJECT_ROTATE_BYTES)
         self.started = time.strftime("%Y%m%dT%H%M%S", time.gmtime())
-        self.parts = 0
-        self.pending: list[str] = []
-        self.lock = threading.Lock()
+        self.part = 0  # the current file's part number
+        self.part_bytes = 0  # its size, the records not written yet included
+        self.pending: list[str | None] = []  # lines not written yet, None where a part ends (appending)
+        self.lines: list[str] = []  # every line of the current part (uploading)
+        self.sealed: list[tuple[str, str]] = []  # (path, text) of full parts not uploaded yet
+        self.dirty = False  # the current part has lines its stored copy lacks (uploading)
+        self.file = None  # the open local file (appending)
+        self.lock = threading.Lock()  # the buffers above
+        self.storing = threading.Lock()  # one write to storage at a time, in the order of the records
         self.stop = threading.Event()
-        self.thread = threading.Thread(target=self._flusher, name=f"log-{prefix}", daemon=True)
-        self.thread.start()
+        self.wake = threading.Event()
+        self.thread = None
+        if not self.appends:
+            self.thread = threading.Thread(target=self._uploader, name=f"log-{prefix}", daemon=True)
+            self.thread.start()
+
+    def path(self, part: int) -> str:
+        return f"{self.root}/{log_name(self.prefix, self.started, part)}"
 
     def write(self, record: dict[str, Any]) -> None:
-        """Queues one record (one line); written at the next flush."""
+        """Writes one record (one line): appended at once to a local file; uploaded at once, by a thread, to a store."""
         line = json.dumps(json_safe(record), sort_keys=True, default=str, allow_nan=False)
+        size = len(line.encode()) + 1
         with self.lock:
-            self.pending.append(line)
-
-    def _flusher(self) -> None:
-        while not self.stop.wait(self.flush_s):
+            if self.part_bytes and self.part_bytes + size > self.rotate_bytes:
+                self._rotate()
+            self.part_bytes += size
+            if self.appends:
+                self.pending.append(line)
+            else:
+                self.lines.append(line)
+                self.dirty = True
+        if self.appends:
             self.flush()
+        else:
+            self.wake.set()
 
-    def part_path(self, part: int) -> str:
-        return f"{self.root}/{self.prefix}-{self.started}-{part:06d}.jsonl"
+    def _rotate(self) -> None:
+        """Starts the next part (under self.lock). A full part still uploading is kept whole until it is stored."""
+        if self.appends:
+            self.pending.append(None)  # where the file changes: written in order by flush()
+        else:
+            self.sealed.append((self.path(self.part), "\n".join(self.lines) + "\n"))
+            self.lines, self.dirty = [], False
+        self.part += 1
+        self.part_bytes = 0
 
     def flush(self) -> None:
+        """Writes what is not in storage yet; a failure is logged and kept for the next try."""
+        with self.storing:
+            if self.appends:
+                self._append()
+            else:
+                self._upload()
+
+    def _append(self) -> None:
         with self.lock:
             lines, self.pending = self.pending, []
-            if not lines:
-                return
-            part = self.parts
-            self.parts += 1
-        path = self.part_path(part)
+            part = self.part - lines.count(None)  # the part the first of them belongs to
         try:
-            with self.fs.open(path, "w") as f:
-                f.write("\n".join(lines) + "\n")
-        except Exception as e:  # the process goes on; the records stay queued for the next flush
-            log.error("could not write the %s log to %s (%s); keeping %d records for the next try", self.prefix, path, e, len(lines))
+            for k, line in enumerate(lines):
+                if line is None:  # rotated
+                    self._close_file()
+                    part += 1
+                    continue
+                if self.file is None:
+                    self.file = self.fs.open(self.path(part), "a")
+                self.file.write(line + "\n")
+                self.file.flush()  # to the OS: a crash of this process loses none of it
+        except Exception as e:  # the process goes on; the lines not written stay for the next try
+            log.error("could not write the %s log to %s (%s); keeping %d records for the next try", self.prefix,
+                      self.path(part), e, sum(1 for x in lines[k:] if x is not None))
+            self._close_file()  # reopened (appending) at the next try
             with self.lock:
-                self.pending[:0] = lines
+                self.pending[:0] = lines[k:]
+
+    def _close_file(self) -> None:
+        if self.file is not None:
+            try:
+                self.file.close()
+            except Exception:  # a file that failed to write may fail to close too; it is reopened
+                pass
+            self.file = None
+
+    def _upload(self) -> None:
+        with self.lock:
+            sealed = list(self.sealed)
+            current = (self.path(self.part), "\n".join(self.lines) + "\n") if self.dirty else None
+            self.dirty = False
+        try:
+            for path, text in sealed:
+                self.fs.pipe_file(path, text.encode())
+                with self.lock:
+                    self.sealed.pop(0)
+            if current is not None:
+                self.fs.pipe_file(current[0], current[1].encode())
+        except Exception as e:  # the process goes on; the part is uploaded again at the next try
+            log.error("could not write the %s log to %s (%s); trying again with the next record or in %gs",
+                      self.prefix, self.url, e, self.flush_s)
+            with self.lock:
+                self.dirty = self.dirty or current is not None
+
+    def _uploader(self) -> None:
+        while not self.stop.is_set():
+            self.wake.wait(self.flush_s)  # a record came, or a failed upload is due again
+            self.wake.clear()
+            self.flush()
 
     def close(self) -> None:
         self.stop.set()
-        self.thread.join(5.0)
+        self.wake.set()
+        if self.thread is not None:
+            self.thread.join(5.0)
         self.flush()
+        with self.storing:
+            self._close_file()
 
 
 def tensorboard_writer(logdir: str, config_toml: str = "", tag: str = "config", flush_s: float = 30.0):

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-import json
+import re
 import time
 
 import pytest
 
 from conftest import tiny_config
+from diloco.jsonlog import read_log
 from islands.sim.simulation import run_sim
 
 pytestmark = pytest.mark.integration
@@ -32,8 +33,11 @@ def test_three_island_sim_ends_with_identical_parameters_and_lower_eval_loss(tmp
     assert lines[0].startswith("dashboard: http://127.0.0.1:") and lines[0].endswith("/metrics")
     assert lines[1].startswith("island metrics: ") and lines[1].count("/metrics") == 3
     assert len(lines) == 3 + 4  # where to look, header + one line per round
-    logged = [json.loads(line) for part in sorted((tmp_path / "logs").glob("rounds-*.jsonl")) for line in part.read_text().splitlines()]
-    assert [r["round"] for r in logged if r["event"] == "round"] == [0, 1, 2, 3]  # the coordinator's JSON lines
+    # The JSON lines: one file per process (the coordinator's, each island's), every round's record in it.
+    assert sorted(re.sub(r"-\d{8}T\d{6}\.jsonl$", "", p.name) for p in (tmp_path / "logs").iterdir()) == [
+        "island-0", "island-1", "island-2", "rounds"]
+    logged = read_log(str(tmp_path / "logs"), "rounds")
+    assert [r["round"] for r in logged if r["event"] == "round"] == [0, 1, 2, 3]
 
 
 def test_island_metrics_ports_lie_below_the_ephemeral_range_and_apart():

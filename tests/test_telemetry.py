@@ -1,4 +1,4 @@
-"""Telemetry: JSON-lines logs written as whole parts, the round log and TensorBoard, an island's metrics,
+"""Telemetry: JSON-lines logs (one file per process run, rotated by size; on S3 too), the round log and TensorBoard, an island's metrics,
 logs and heartbeat report, and progress lines that only a terminal sees."""
 
 from __future__ import annotations
@@ -7,6 +7,7 @@ import io
 import json
 import math
 import re
+import subprocess
 import sys
 import threading
 import time
@@ -22,17 +23,12 @@ import torch
 from conftest import island_on, one_island_config, tiny_config
 from coordinator.runlog import RunLog
 from diloco.checkpoint import CheckpointStore
-from diloco.jsonlog import JsonLines, LogError, check_tensorboard, tensorboard_writer
+from diloco.jsonlog import JsonLines, LogError, check_tensorboard, read_log, tensorboard_writer
 from diloco.progress import Progress
 from diloco.v1 import diloco_pb2 as pb
 from diloco.wire.messages import Manifest
 from islands.client import CoordinatorClient
 from islands.telemetry import IslandTelemetry, MetricsServer, TelemetryOptions, flops_per_token, gpu_peak_flops
-
-
-def read_parts(fs, root: str, prefix: str) -> list[dict]:
-    parts = sorted(p for p in fs.ls(root, detail=False) if p.rsplit("/", 1)[-1].startswith(prefix + "-"))
-    return [json.loads(line) for p in parts for line in fs.cat_file(p).decode().splitlines()]
 
 
 def events(path: Path):
@@ -55,20 +51,21 @@ class Terminal(io.StringIO):
 # --- JSON lines --------------------------------------------------------------------------------------
 
 
+LOG_NAME = r"run-\d{8}T\d{6}(-\d+)?\.jsonl"
+
+
 @pytest.mark.unit
-def test_parts_are_whole_ordered_and_json_safe(tmp_path):
+def test_one_file_per_run_each_record_written_at_once_in_order_and_json_safe(tmp_path):
     lines = JsonLines(str(tmp_path / "logs"), "run", flush_s=3600)
     try:
         lines.write({"loss": math.nan, "inf": math.inf, "nested": {"x": [1.5, -math.inf]}, "path": tmp_path})
-        assert not list((tmp_path / "logs").iterdir()), "nothing is written before a flush"
-        lines.flush()
-        lines.flush()  # nothing pending: no empty part
+        (first,) = (tmp_path / "logs").iterdir()  # written at once, no flush: a crash would not lose it
+        assert re.fullmatch(LOG_NAME, first.name) and "-" not in first.name[len("run-"):]
+        assert json.loads(first.read_text()) == {"loss": None, "inf": None, "nested": {"x": [1.5, None]}, "path": str(tmp_path)}
 
         def writer(t: int) -> None:
             for i in range(300):
                 lines.write({"thread": t, "i": i})
-                if i % 50 == 0:
-                    lines.flush()
 
         threads = [threading.Thread(target=writer, args=(t,)) for t in range(4)]
         for t in threads:
@@ -77,26 +74,101 @@ def test_parts_are_whole_ordered_and_json_safe(tmp_path):
             t.join()
     finally:
         lines.close()
-    parts = sorted((tmp_path / "logs").glob("run-*.jsonl"))
-    assert len(parts) >= 2 and all(re.fullmatch(r"run-\d{8}T\d{6}-\d{6}\.jsonl", p.name) for p in parts)
-    records = [json.loads(line) for p in parts for line in p.read_text().splitlines()]  # strict JSON: no NaN
-    assert records[0] == {"loss": None, "inf": None, "nested": {"x": [1.5, None]}, "path": str(tmp_path)}
+    assert [p.name for p in (tmp_path / "logs").iterdir()] == [first.name]  # one file: 1,201 records, far below 64 MB
+    records = read_log(str(tmp_path / "logs"), "run")  # strict JSON: no NaN
+    assert len(records) == 1 + 4 * 300
     for t in range(4):
         assert [r["i"] for r in records[1:] if r["thread"] == t] == list(range(300)), "lost, doubled or reordered"
 
 
-@pytest.mark.integration
-def test_parts_on_s3_and_a_failed_write_is_kept_for_the_next(s3, monkeypatch):
-    lines = JsonLines(f"{s3}/logs/run1", "rounds", flush_s=3600)
-    lines.write({"round": 0})
-    real_open = lines.fs.open
-    monkeypatch.setattr(lines.fs, "open", lambda *a, **k: (_ for _ in ()).throw(OSError("store down")))
-    lines.flush()  # fails: the record stays queued
-    monkeypatch.setattr(lines.fs, "open", real_open)
-    lines.write({"round": 1})
+@pytest.mark.unit
+def test_a_log_rotates_past_its_size_into_numbered_parts_read_back_in_order(tmp_path):
+    record = {"pad": "x" * 80}  # about 100 bytes a line: ten to a part
+    lines = JsonLines(str(tmp_path / "logs"), "run", rotate_bytes=1000)
+    for i in range(35):
+        lines.write({"i": i, **record})
     lines.close()
+    files = sorted(p.name for p in (tmp_path / "logs").iterdir())
+    started = files[-1][len("run-"):-len(".jsonl")]
+    assert files == sorted([f"run-{started}.jsonl"] + [f"run-{started}-{k}.jsonl" for k in (1, 2, 3)])
+    assert all((tmp_path / "logs" / f).stat().st_size <= 1000 for f in files)
+    assert [r["i"] for r in read_log(str(tmp_path / "logs"), "run")] == list(range(35))  # `-1` sorts before the first
+    # Another process's run of the same log (a restart): after this one's records; other prefixes are not read.
+    (tmp_path / "logs" / "run-29990101T000000.jsonl").write_text('{"i": 35}\n')
+    (tmp_path / "logs" / "run-g1-20000101T000000.jsonl").write_text('{"i": -1}\n')
+    assert [r["i"] for r in read_log(str(tmp_path / "logs"), "run")] == list(range(36))
+
+
+@pytest.mark.unit
+def test_a_failed_local_write_keeps_its_records_for_the_next(tmp_path, monkeypatch):
+    lines = JsonLines(str(tmp_path / "logs"), "run")
+    real_open = lines.fs.open
+    monkeypatch.setattr(lines.fs, "open", lambda *a, **k: (_ for _ in ()).throw(OSError("disk full")))
+    lines.write({"i": 0})  # fails: kept
+    monkeypatch.setattr(lines.fs, "open", real_open)
+    lines.write({"i": 1})
+    lines.close()
+    assert read_log(str(tmp_path / "logs"), "run") == [{"i": 0}, {"i": 1}]
+
+
+CRASHING_WRITER = """
+import os, signal, sys
+from diloco.jsonlog import JsonLines
+lines = JsonLines(sys.argv[1], "rounds", flush_s=3600)
+for i in range(50):
+    lines.write({"round": i})
+os.kill(os.getpid(), signal.SIGKILL)  # no close, no flush: a crash
+"""
+
+
+@pytest.mark.integration
+def test_a_process_killed_after_writing_loses_no_record(tmp_path):
+    out = subprocess.run([sys.executable, "-c", CRASHING_WRITER, str(tmp_path / "logs")], timeout=120)
+    assert out.returncode == -9
+    assert [r["round"] for r in read_log(str(tmp_path / "logs"), "rounds")] == list(range(50))
+
+
+def wait_for_records(url: str, prefix: str, count: int) -> list[dict]:
+    """The log's records once it holds count of them (the uploader runs on its own thread); generous bound."""
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            records = read_log(url, prefix)
+        except FileNotFoundError:
+            records = []
+        if len(records) >= count or time.monotonic() > deadline:
+            return records
+        time.sleep(0.05)
+
+
+@pytest.mark.integration
+def test_on_s3_each_record_is_uploaded_at_once_parts_rotate_and_a_failed_upload_is_retried(s3, monkeypatch):
+    url = f"{s3}/logs/run1"
+    lines = JsonLines(url, "rounds", flush_s=3600, rotate_bytes=40)  # about three records a part
+    try:
+        lines.write({"round": 0})
+        assert wait_for_records(url, "rounds", 1) == [{"round": 0}]  # no flush_s wait, no close
+        real_pipe = lines.fs.pipe_file
+        failed = threading.Event()
+
+        def store_down(*a, **k):
+            failed.set()
+            raise OSError("store down")
+
+        monkeypatch.setattr(lines.fs, "pipe_file", store_down)
+        lines.write({"round": 1})
+        assert failed.wait(60)
+        lines.flush()  # fails again: the record stays for the next try
+        monkeypatch.setattr(lines.fs, "pipe_file", real_pipe)
+        for r in range(2, 8):
+            lines.write({"round": r})
+        assert wait_for_records(url, "rounds", 8) == [{"round": r} for r in range(8)]
+    finally:
+        lines.close()
     fs = fsspec.filesystem("s3")
-    assert read_parts(fs, "diloco-test/logs/run1", "rounds") == [{"round": 0}, {"round": 1}]
+    names = sorted(p.rsplit("/", 1)[-1] for p in fs.ls("diloco-test/logs/run1", detail=False))
+    assert len(names) == 3 and all(re.fullmatch(r"rounds-\d{8}T\d{6}(-[12])?\.jsonl", n) for n in names), names
+    assert read_log(url, "rounds") == [{"round": r} for r in range(8)]
 
 
 @pytest.mark.unit
@@ -106,7 +178,7 @@ def test_audit_log_keeps_its_format(tmp_path):
     audit = AuditLog(str(tmp_path / "audit"))
     audit.record("join", island="a", ranks=1)
     audit.close()
-    (part,) = (tmp_path / "audit").glob("audit-*-000000.jsonl")
+    (part,) = (tmp_path / "audit").glob("audit-*.jsonl")
     record = json.loads(part.read_text())
     assert record["event"] == "join" and record["island"] == "a" and record["time"] > 0
 
@@ -132,7 +204,7 @@ def test_run_log_writes_every_round_as_json_and_tensorboard(tmp_path):
     log.record(summary(0, math.nan))
     log.record(summary(1, 2.5))
     log.close()
-    records = read_parts(fsspec.filesystem("file"), str(tmp_path / "log"), "rounds")
+    records = read_log(str(tmp_path / "log"), "rounds")
     assert records[0]["event"] == "start" and records[0]["config"]["rounds"]["rounds"] == 7
     first, second = records[1:]
     assert first["event"] == "round" and first["eval_loss"] is None and second["eval_loss"] == 2.5
@@ -150,6 +222,25 @@ def test_run_log_writes_every_round_as_json_and_tensorboard(tmp_path):
     assert [(e.step, e.value) for e in acc.Scalars("loss/eval")] == [(0, 4.0), (2, 2.5)]  # initial, then after round 1
     assert [e.step for e in acc.Scalars("loss/train")] == [1, 2]
     assert "steps_per_round = 2" in text_of(acc)
+
+
+@pytest.mark.integration
+def test_run_log_on_s3_uploads_each_round_as_it_closes_and_rotates_past_the_size(s3, monkeypatch):
+    monkeypatch.setattr("diloco.jsonlog.OBJECT_ROTATE_BYTES", 4000)  # a few round records a part
+    url = f"{s3}/run/log"
+    log = RunLog(url, "", tiny_config("rounds.rounds=12"))
+    try:
+        for r in range(12):
+            log.record(summary(r, 2.5))
+            records = wait_for_records(url, "rounds", r + 2)  # the start record, then rounds 0..r: before any close
+            assert [x["round"] for x in records[1:]] == list(range(r + 1))
+    finally:
+        log.close()
+    names = sorted(p.rsplit("/", 1)[-1] for p in fsspec.filesystem("s3").ls("diloco-test/run/log", detail=False))
+    started = min(names)[len("rounds-"):len("rounds-") + 15]
+    assert len(names) > 2 and set(names) == {f"rounds-{started}.jsonl"} | {f"rounds-{started}-{k}.jsonl" for k in range(1, len(names))}
+    records = read_log(url, "rounds")
+    assert records[0]["event"] == "start" and [x["round"] for x in records[1:]] == list(range(12))
 
 
 @pytest.mark.unit
@@ -229,7 +320,7 @@ def test_island_exports_metrics_logs_tensorboard_and_heartbeat_report(make_coord
     with pytest.raises(urllib.error.URLError):  # stopped: the port is closed
         urllib.request.urlopen(url, timeout=5)
 
-    records = read_parts(fsspec.filesystem("file"), str(tmp_path / "log"), "island-east")
+    records = read_log(str(tmp_path / "log"), "island-east")
     start, windows, landed = (records[0], [r for r in records if r["event"] == "window"],
                               [r for r in records if r["event"] == "round"])
     assert start["event"] == "start" and start["metrics"] == url and start["config"]["inner"]["steps_per_round"] == h
@@ -288,7 +379,7 @@ def test_mfu_from_model_flops_and_the_peak(tmp_path, monkeypatch):
         mfu = scrape(telemetry.server.url)["diloco_inner_mfu"]
     finally:
         telemetry.close()
-    (window,) = [r for r in read_parts(fsspec.filesystem("file"), str(tmp_path / "log"), "island-7") if r["event"] == "window"]
+    (window,) = [r for r in read_log(str(tmp_path / "log"), "island-7") if r["event"] == "window"]
     fpt = flops_per_token(5000, cfg.model.n_layers, cfg.model.d_model, cfg.data.seq_len)
     assert window["mfu"] == pytest.approx(window["tokens_per_s"] * fpt / (2 * 1e9)) == pytest.approx(mfu)
 
@@ -385,7 +476,7 @@ def test_run_island_with_streaming_logs_every_fragments_exchanges_and_closes(mak
     finally:
         world.shutdown()
     assert result.rounds == rounds and result.checksum_matches
-    records = read_parts(fsspec.filesystem("file"), str(tmp_path / "log"), result.island_id)
+    records = read_log(str(tmp_path / "log"), result.island_id)
     url = records[0]["metrics"]
     with pytest.raises(urllib.error.URLError):  # run_island stopped the exporter
         urllib.request.urlopen(url, timeout=5)
