@@ -1,7 +1,8 @@
 """The coordinator's own HTTP port: the live dashboard, its JSON API, and the metrics.
 
-A stdlib ThreadingHTTPServer on its own thread, apart from the gRPC server, so a
-slow browser never holds a thread islands need. Routes:
+diloco/security/httpserve.py's server (the one an island's --metrics-port uses too), on threads
+of its own apart from the gRPC server, so a slow browser never holds a thread islands
+need, and connections that send half a request hold none of its. Routes:
 
   GET /                the dashboard (coordinator/dashboard/index.html)
   GET /static/<name>   one of the dashboard's files, by exact name (nothing else is reachable)
@@ -23,12 +24,13 @@ import logging
 import threading
 from collections.abc import Callable
 from http import HTTPStatus
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from importlib import resources
-from urllib.parse import parse_qs, urlsplit
+from urllib.parse import parse_qs
 
 from coordinator.snapshot import run_snapshot
 from coordinator.state import CoordinatorState
+from diloco.security.httpserve import HttpServer
+from diloco.security.httpserve import text as _text
 from diloco.security.net import is_loopback
 
 log = logging.getLogger(__name__)
@@ -66,15 +68,6 @@ def dashboard_assets() -> dict[str, tuple[bytes, str]]:
     return assets
 
 
-class _Server(ThreadingHTTPServer):
-    daemon_threads = True  # a browser holding a keep-alive connection never blocks shutdown
-    allow_reuse_address = True
-
-    def handle_error(self, request, client_address) -> None:
-        # The default prints a traceback to stderr; a browser closing its tab mid-response is routine.
-        log.debug("dashboard request from %s failed", client_address, exc_info=True)
-
-
 class RunWebServer:
     """Serves the dashboard of one coordinator's run. start() returns at once; stop() is idempotent."""
 
@@ -85,10 +78,11 @@ class RunWebServer:
         if not is_loopback(host):
             log.warning("the dashboard on %s:%d has no authentication: anyone who reaches it sees the run and its "
                         "islands' hostnames", host, port)
-        self._server = _Server((host, port), self._handler_class())
+        self._server = HttpServer(self._route, host, port, name="dashboard", headers=SECURITY_HEADERS,
+                                  server="diloco-coordinator")
         self.host = host
-        self.port: int = self._server.server_address[1]
-        self._thread: threading.Thread | None = None
+        self.port: int = self._server.port
+        self._started = False
         self._stopped = False
         self._lock = threading.Lock()
 
@@ -101,10 +95,9 @@ class RunWebServer:
         with self._lock:
             if self._stopped:
                 raise RuntimeError("this dashboard server was stopped; make a new one")
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.25},
-                                                name="dashboard-http", daemon=True)
-                self._thread.start()
+            if not self._started:
+                self._started = True
+                self._server.start()
                 log.info("dashboard on %s", self.url)
         return self
 
@@ -114,11 +107,7 @@ class RunWebServer:
             if self._stopped:
                 return
             self._stopped = True
-            thread, self._thread = self._thread, None
-        if thread is not None:
-            self._server.shutdown()  # waits for serve_forever to return; only valid while it runs
-            thread.join(5.0)
-        self._server.server_close()
+        self._server.stop()
 
     def __enter__(self) -> RunWebServer:
         return self.start()
@@ -155,43 +144,3 @@ class RunWebServer:
         if path == "/healthz":
             return _text(HTTPStatus.OK, "ok\n")
         return _text(HTTPStatus.NOT_FOUND, "not found\n")
-
-    def _handler_class(self) -> type[BaseHTTPRequestHandler]:
-        web = self
-
-        class Handler(BaseHTTPRequestHandler):
-            server_version = "diloco-coordinator"
-            sys_version = ""
-            protocol_version = "HTTP/1.1"  # keep-alive: the page polls every 2 s
-            timeout = 30  # an idle kept-alive connection's thread ends after this, not at process exit
-
-            def do_GET(self) -> None:  # noqa: N802 - http.server's naming
-                self._respond(head=False)
-
-            def do_HEAD(self) -> None:  # noqa: N802
-                self._respond(head=True)
-
-            def _respond(self, head: bool) -> None:
-                url = urlsplit(self.path)
-                try:
-                    status, body, kind, headers = web._route(url.path, url.query)
-                except Exception:  # noqa: BLE001 - one failing request must not take the server down
-                    log.exception("dashboard: %s failed", url.path)
-                    status, body, kind, headers = _text(HTTPStatus.INTERNAL_SERVER_ERROR, "internal error\n")
-                self.send_response(status)
-                self.send_header("Content-Type", kind)
-                self.send_header("Content-Length", str(len(body)))
-                for name, value in {**SECURITY_HEADERS, **headers}.items():
-                    self.send_header(name, value)
-                self.end_headers()
-                if not head:
-                    self.wfile.write(body)
-
-            def log_message(self, format: str, *args) -> None:  # noqa: A002 - the stdlib's signature
-                log.debug("dashboard %s: " + format, self.address_string(), *args)
-
-        return Handler
-
-
-def _text(status: int, text: str) -> tuple[int, bytes, str, dict[str, str]]:
-    return status, text.encode(), "text/plain; charset=utf-8", {}

@@ -14,10 +14,12 @@ shard), so the figures are the group's. Push and pull seconds are rank 0's
 
 - Metrics (prometheus_client, this process's own CollectorRegistry), served at
   http://HOST:PORT/metrics; PORT is --metrics-port plus the replica group (0:
-  any free port, logged and written in the JSON log's start record). At most
-  METRICS_HANDLERS requests are served at once, each dropped after
-  METRICS_TIMEOUT_S of silence: a client cannot hold the island's threads.
-- JSON lines at --log-url, parts `<name>[-g<group>]-<start>-<n>.jsonl`, where
+  any free port, logged and written in the JSON log's start record). Served as
+  the coordinator serves its port (diloco/security/httpserve.py): a connection holds no
+  thread until its request is whole (closed after METRICS_TIMEOUT_S without
+  one), and at most METRICS_HANDLERS requests are answered at once, so clients
+  that send half a request and stop neither hold threads nor stop a scrape.
+- JSON lines at --log-url, `<name>[-g<group>]-<start>.jsonl`, rotated by size, where
   name is the island id (island-3), or island-<label> with a label
   (diloco/jsonlog.py): a start record (config, metrics address), one record per
   window of inner steps (--log-window, default the round's H) and one per
@@ -35,17 +37,16 @@ from __future__ import annotations
 
 import logging
 import math
-import socket
 import threading
 import time
 from dataclasses import dataclass
-from socketserver import ThreadingMixIn
-from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
+from http import HTTPStatus
 
 import torch
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, make_wsgi_app
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from diloco.models.moe import inactive_parameters
+from diloco.security.httpserve import HttpServer, text
 from diloco.jsonlog import JsonLines, LogError, check_tensorboard, tensorboard_writer
 
 log = logging.getLogger(__name__)
@@ -87,64 +88,30 @@ def flops_per_token(n_params: int, n_layers: int, d_model: int, seq_len: int) ->
     return 6.0 * n_params + 12.0 * n_layers * d_model * seq_len
 
 
-# A scrape takes milliseconds. A client silent this long in the middle of its request is dropped, and no more than
-# METRICS_HANDLERS requests are served at once (a connection beyond them is closed at once): 300 half-sent requests
-# held 300 threads of the island for as long as their clients liked.
+# A scrape takes milliseconds. A connection that has not sent a whole request this long after it opened is closed,
+# and no more than METRICS_HANDLERS whole requests are answered at once (diloco/security/httpserve.py: a connection holds no
+# thread until its request is whole). 300 half-sent requests once held 300 threads of the island for as long as their
+# clients liked, and then, bounded at 16 threads, made the port drop a scrape.
 METRICS_TIMEOUT_S = 10.0
 METRICS_HANDLERS = 16
 
 
-class _QuietHandler(WSGIRequestHandler):
-    timeout = METRICS_TIMEOUT_S  # on every read and write of the connection (socketserver.StreamRequestHandler)
-
-    def log_message(self, format: str, *args) -> None:  # no line on stderr per scrape
-        pass
-
-
-class _ThreadingServer(ThreadingMixIn, WSGIServer):
-    """A thread per request, at most METRICS_HANDLERS at once."""
-
-    daemon_threads = True
-    # Connections the kernel holds until they are accepted (socketserver's 5 overflowed under a burst: each
-    # connection beyond them waited for the client's SYN to be sent again, a second or more).
-    request_queue_size = 128
-
-    def __init__(self, *args, **kwargs):
-        self._slots = threading.BoundedSemaphore(METRICS_HANDLERS)
-        super().__init__(*args, **kwargs)
-
-    def process_request(self, request, client_address) -> None:
-        if not self._slots.acquire(blocking=False):
-            log.debug("metrics: %d requests in progress; closed the connection from %s", METRICS_HANDLERS, client_address)
-            self.shutdown_request(request)
-            return
-        try:
-            super().process_request(request, client_address)  # starts process_request_thread, which releases the slot
-        except BaseException:
-            self._slots.release()
-            raise
-
-    def process_request_thread(self, request, client_address) -> None:
-        try:
-            super().process_request_thread(request, client_address)
-        finally:
-            self._slots.release()
-
-    def handle_error(self, request, client_address) -> None:  # a client that timed out or went away: no traceback
-        log.debug("metrics: request from %s failed", client_address, exc_info=True)
-
-
 class MetricsServer:
-    """/metrics of a registry over HTTP on a daemon thread; stop() shuts it down and frees the port."""
+    """/metrics of a registry over HTTP, served as the coordinator serves its own port (diloco/security/httpserve.py): a request
+    takes a thread only once it is whole, at most METRICS_HANDLERS at once; a connection that sends no whole request
+    within METRICS_TIMEOUT_S is closed. stop() shuts it down and frees the port."""
 
     def __init__(self, registry: CollectorRegistry, host: str, port: int):
-        server_class = _ThreadingServer
-        if ":" in host:
-            server_class = type("_ThreadingServer6", (_ThreadingServer,), {"address_family": socket.AF_INET6})
-        self.server = make_server(host, port, make_wsgi_app(registry), server_class, handler_class=_QuietHandler)
-        self.host, self.port = host, self.server.server_port
-        self.thread = threading.Thread(target=self.server.serve_forever, args=(0.1,), name="metrics", daemon=True)
-        self.thread.start()
+        self.registry = registry
+        self.server = HttpServer(self._route, host, port, name="metrics", workers=METRICS_HANDLERS,
+                                 head_timeout_s=METRICS_TIMEOUT_S, write_timeout_s=METRICS_TIMEOUT_S,
+                                 server="diloco-island").start()
+        self.host, self.port = host, self.server.port
+
+    def _route(self, path: str, query: str) -> tuple[int, bytes, str, dict[str, str]]:
+        if path not in ("/", "/metrics"):
+            return text(HTTPStatus.NOT_FOUND, "not found: the metrics are at /metrics\n")
+        return HTTPStatus.OK, generate_latest(self.registry), CONTENT_TYPE_LATEST, {"Cache-Control": "no-store"}
 
     @property
     def url(self) -> str:
@@ -152,9 +119,7 @@ class MetricsServer:
         return f"http://{host}:{self.port}/metrics"
 
     def stop(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
-        self.thread.join(5.0)
+        self.server.stop()
 
 
 class IslandMetrics:
