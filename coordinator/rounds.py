@@ -806,7 +806,7 @@ class FragmentRounds:
                 self.cond.notify_all()
         finally:
             self.param_lock.release_write()
-        log.info("%sround %d closed (%s) with %d islands", self.label, summary.round, closing.reason, len(closing.contributions))
+        self.last_close_reason = closing.reason  # logged once the round is evaluated (CoordinatorState._record)
         return summary
 
     def _count_restart_cost(self) -> None:

@@ -173,6 +173,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                 Reason.CONFIG_MISMATCH,
                 f"config mismatch: the island's config digest is {request.config_digest}, the coordinator's is "
                 f"{cfg.digest()}; start the island with the coordinator's config file, or without --config to adopt it",
+                config_toml=cfg.to_toml(),  # the island names the keys that differ (islands/joining.py)
             )
         owner = self._caller(context, request.island_id)
         if owner is not None:

@@ -29,6 +29,7 @@ import torch
 from coordinator.filebacked import HandingBack
 from coordinator.ledger import DataLedger, account_dict
 from coordinator.limits import PushSlots
+from coordinator.loglines import round_closed_line, run_summary_line
 from coordinator.links import LinkAdvisor
 from coordinator.membership import Events, Island, Membership, canonical_order
 from coordinator.memory import FreedMemory, MemoryPeaks, state_memory
@@ -372,12 +373,18 @@ class CoordinatorState:
             summary.eval_s += time.perf_counter() - started
         if self.followers is not None:  # a leading shard: the round's summary is the run's, every shard's part in it
             self.followers.merge(summary)
+        # Before anyone waiting for the round learns of it: they may read the log next.
+        log.info("%s", round_closed_line(f.label, summary, f.last_close_reason))
         with self.cond:
             if finisher:
                 self.cond.wait_for(lambda: self._wave.pending == 1)
             self.summaries.append(summary)
             self._wave.pending -= 1
             self.cond.notify_all()
+        if finisher:
+            with self.cond:
+                summaries = list(self.summaries)
+            log.info("%s", run_summary_line(summaries, self.checksum))
         return Closed(summary, total, finisher)
 
     def data_report(self) -> dict | None:

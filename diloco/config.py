@@ -10,6 +10,7 @@ import dataclasses
 import hashlib
 import json
 import tomllib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -53,6 +54,16 @@ class RunConfig:
 
     def digest(self) -> str:
         """Hash of everything islands and coordinator must agree on."""
+        canonical = json.dumps(self._agreed(), sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(canonical.encode()).hexdigest()[:16]
+
+    def differing_keys(self, other: RunConfig) -> list[tuple[str, Any, Any]]:
+        """(section.key, ours, theirs) for each key the digest covers whose values differ: why two digests differ."""
+        ours, theirs = _flat(self._agreed()), _flat(other._agreed())
+        return [(k, ours.get(k), theirs.get(k)) for k in sorted(set(ours) | set(theirs)) if ours.get(k) != theirs.get(k)]
+
+    def _agreed(self) -> dict[str, Any]:
+        """What the digest covers: everything islands and coordinator must agree on."""
         body = self.to_dict()
         # Membership and timing knobs are the coordinator's business.
         body.pop("rounds")
@@ -74,8 +85,7 @@ class RunConfig:
             body["wire"] = {k: v for k, v in body["wire"].items() if k not in ("link_codecs", "link_fraction")}
         if self.rounds.mode != "steps":  # every island must pace its rounds alike (the rest of [rounds] is not theirs)
             body["pace"] = {"mode": self.rounds.mode, "round_s": self.rounds.round_s}
-        canonical = json.dumps(body, sort_keys=True, separators=(",", ":"))
-        return hashlib.sha256(canonical.encode()).hexdigest()[:16]
+        return body
 
     def validate(self) -> None:
         m, d, i, r = self.model, self.data, self.inner, self.rounds
@@ -156,6 +166,17 @@ class RunConfig:
                 raise ConfigError(message)
 
 
+def _flat(body: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """{"section.key": value} of a nested dict (the pace entry reads pace.mode, as it is hashed)."""
+    flat: dict[str, Any] = {}
+    for k, v in body.items():
+        if isinstance(v, dict):
+            flat.update(_flat(v, f"{prefix}{k}."))
+        else:
+            flat[f"{prefix}{k}"] = v
+    return flat
+
+
 def _build(cls: type, raw: dict[str, Any], where: str) -> Any:
     """Builds dataclass `cls` from a TOML table, rejecting unknown keys."""
     known = {f.name: f for f in dataclasses.fields(cls)}
@@ -212,7 +233,52 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
             raise ConfigError(f"{p} is not valid TOML: {e}") from e
     for item in overrides or []:
         _apply_override(raw, item)
-    return config_from_dict(raw)
+    cfg = config_from_dict(raw)
+    check_overrides_act(cfg, overrides or [])
+    return cfg
+
+
+@dataclass(frozen=True)
+class _ActsOnlyWith:
+    """Keys (a trailing * matches a prefix) that act only when setting's value passes acts; wanted names such a value."""
+    keys: tuple[str, ...]
+    setting: str
+    acts: Callable[[Any], bool]
+    wanted: str
+
+
+# Which keys matter only for which data source or mode. A --set of one of them in a config where it does nothing is
+# an error, not a warning: the user asked for something on the command line that the run would not do (train on the
+# synthetic language instead of their corpus, for hours), and a warning scrolls away among the run's logs.
+_ACTS_ONLY_WITH = (
+    _ActsOnlyWith(("data.url", "data.shuffle_block", "data.cache_dir", "data.cache_gb", "data.prefetch_shards"),
+                  "data.source", lambda v: v == "tokens", "'tokens'"),
+    _ActsOnlyWith(("data.stripe_bytes",), "data.source", lambda v: v == "text", "'text'"),
+    _ActsOnlyWith(("data.synthetic_*",), "data.source", lambda v: v == "synthetic", "'synthetic'"),
+    _ActsOnlyWith(("inner.muon_*",), "inner.optimizer", lambda v: v == "muon", "'muon'"),
+    _ActsOnlyWith(("model.moe_top_k", "model.moe_capacity_factor", "model.moe_aux_loss_coef"),
+                  "model.moe_experts", lambda v: v >= 2, "2 or more"),
+    _ActsOnlyWith(("rounds.round_s",), "rounds.mode", lambda v: v == "time", "'time'"),
+)
+
+
+def _value_at(cfg: RunConfig, key: str) -> Any:
+    value: Any = cfg
+    for part in key.split("."):
+        value = getattr(value, part)
+    return value
+
+
+def check_overrides_act(cfg: RunConfig, overrides: list[str]) -> None:
+    """ConfigError naming the first override (section.key=value) that has no effect in cfg, and what would give it one."""
+    for item in overrides:
+        key = item.split("=", 1)[0].strip()
+        for rule in _ACTS_ONLY_WITH:
+            if any(key == k or (k.endswith("*") and key.startswith(k[:-1])) for k in rule.keys):
+                value = _value_at(cfg, rule.setting)
+                if not rule.acts(value):
+                    raise ConfigError(f"{key} has no effect with {rule.setting} = {value!r}; set {rule.setting} = "
+                                      f"{rule.wanted} (or drop --set {key})")
 
 
 def config_from_toml(text: str) -> RunConfig:

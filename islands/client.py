@@ -7,6 +7,8 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 
 import grpc
 import torch
@@ -15,11 +17,11 @@ from diloco.wire.codec import Codec, get_codec
 from diloco.security.credentials import TlsFiles
 from diloco.wire.frames import ChunkView, ResultRest, ResultStreamError, push_frames, stub_for
 from diloco.params import checksum, ranges_checksum
-from diloco.progress import WORTH_SHOWING, Progress
+from diloco.progress import WORTH_SHOWING, Progress, human_bytes
 from diloco.wire.refusal import Reason, is_transport_failure, refusal_of, status_of
 from diloco.v1 import diloco_pb2 as pb
 from diloco.wire.messages import PROTOCOL_VERSION, FlatRange, Manifest, apply_chunks, framed_size, ranges_to_proto
-from islands.handshake import CoordinatorUnreachable, await_tls
+from islands.handshake import CoordinatorUnreachable, await_coordinator
 
 log = logging.getLogger(__name__)
 
@@ -109,6 +111,44 @@ def channel_options(receive_window_bytes: int = 0) -> list[tuple[str, int]]:
 
 
 SLOT_NOTICE_S = 10.0  # a push that waits this long for a slot says so
+WAIT_NOTICE_S = 1.0  # a wait says what it waits for once it lasts this long (a pull usually takes milliseconds)...
+STILL_EVERY_S = 10.0  # ...and that it still waits this often
+
+
+@dataclass
+class Wait:
+    """One wait a user meets, which may span several calls (a pull asked again until its round closes)."""
+    what: str
+    started: float = field(default_factory=time.monotonic)
+    last_told: float | None = None  # when it was last told (None: not yet)
+
+
+@contextmanager
+def told_wait(wait: Wait, enabled: bool = True, after_s: float = WAIT_NOTICE_S) -> Iterator[None]:
+    """Logs what the wait is for once it has lasted after_s, then that it still goes on every STILL_EVERY_S until
+    the block ends (a wait told already, by an earlier call, goes on with "still"): a user never meets a silent wait."""
+    if not enabled:
+        yield
+        return
+    done = threading.Event()
+
+    def tell() -> None:
+        due = wait.started + after_s if wait.last_told is None else wait.last_told + STILL_EVERY_S
+        while not done.wait(max(due - time.monotonic(), 0.0)):
+            now = time.monotonic()
+            if wait.last_told is None:
+                log.info("%s", wait.what)
+            else:
+                log.info("still %s (%.0fs so far)", wait.what, now - wait.started)
+            wait.last_told, due = now, now + STILL_EVERY_S
+
+    teller = threading.Thread(target=tell, name="told-wait", daemon=True)
+    teller.start()
+    try:
+        yield
+    finally:
+        done.set()
+        teller.join()
 
 
 def admitted_push(stub, frames: Iterator[bytes], timeout_s: float) -> pb.PushResponse:
@@ -143,17 +183,19 @@ class CoordinatorClient:
         self.reconnect_s = reconnect_s
         options = channel_options(receive_window_bytes)
         deadline = time.monotonic() + connect_timeout_s
+        # A certificate refused, TLS on one side only, no coordinator at that port: found by our own probe, at once
+        # and by name, instead of gRPC's channel retrying it until connect_timeout_s and then only timing out.
+        # The wait for a coordinator not up yet says what it waits for (islands/handshake.py).
         if tls is not None:
             ca, cert, key = tls.read()
-            # A certificate problem found by our own handshake: at once and by name, instead of gRPC's channel
-            # retrying it (logging each handshake) until connect_timeout_s and then only timing out.
-            await_tls(address, tls, ca, connect_timeout_s)
+            await_coordinator(address, connect_timeout_s, tls, ca)
             self.channel = grpc.secure_channel(address, grpc.ssl_channel_credentials(ca, key, cert), options=options)
         else:
+            await_coordinator(address, connect_timeout_s)
             self.channel = grpc.insecure_channel(address, options=options)
         try:
-            # The TLS check above passed: give gRPC's own handshake a few seconds even if that took most of the wait.
-            grpc.channel_ready_future(self.channel).result(timeout=max(deadline - time.monotonic(), 5.0 if tls else 0.0))
+            # The check above passed: give gRPC's own handshake a few seconds even if that took most of the wait.
+            grpc.channel_ready_future(self.channel).result(timeout=max(deadline - time.monotonic(), 5.0))
         except grpc.FutureTimeoutError:
             self.channel.close()
             how = (" over mutual TLS; check also that it serves --tls with the same run's CA and that its certificate "
@@ -168,7 +210,8 @@ class CoordinatorClient:
         # Codecs results may arrive in, by name; the island adds the run's downlink codec.
         self.codecs: dict[str, Codec] = {"fp32": get_codec("fp32")}
         self.on_call: CallObserver | None = None  # an island's telemetry (islands/telemetry.py)
-        self.progress = True  # a large fetch shows progress on a terminal (off on all ranks but one)
+        self.progress = True  # a large fetch shows progress on a terminal, and waits are told (off on all ranks but one)
+        self._round_waits: dict[int, tuple[int, Wait]] = {}  # per fragment: the round it waits to close
         self._heartbeat_stop = threading.Event()
         self._heartbeat: threading.Thread | None = None
 
@@ -330,7 +373,9 @@ class CoordinatorClient:
         """
         request = pb.FetchRequest(island_id=island_id, ranges=ranges_to_proto(ranges or ()), fragment=fragment)
         size = 4 * (sum(r.numel for r in ranges) if ranges is not None else manifest.total_numel())
-        with Progress("fetching parameters", size, enabled=self.progress and size >= WORTH_SHOWING) as progress:
+        what = f"fetching the global parameters ({human_bytes(size)}) from {self.address}"
+        with (told_wait(Wait(what), self.progress, after_s=0.0),
+              Progress("fetching parameters", size, enabled=self.progress and size >= WORTH_SHOWING) as progress):
             def attempt(tally: list[int]) -> pb.ResultHeader:
                 progress.set(0)
                 return self._receive(self.stub.FetchParameters(request), targets, manifest, "", ranges, tally=tally,
@@ -359,12 +404,26 @@ class CoordinatorClient:
             island_id=island_id, round=round_, timeout_s=timeout_s, accept_delta=bool(held), ranges=ranges_to_proto(ranges or ()),
             fragment=fragment, want_mean=mean is not None,
         )
-        return self._observed("pull", fragment, round_, lambda tally: self._retry(
-            "pull",
-            lambda: self._receive(self.stub.PullRoundResult(request, timeout=timeout_s + 60), targets, manifest, held, ranges, mean,
-                                  tally),
-            retry_local=False,
-        ))
+        with told_wait(self._round_wait(fragment, round_), self.progress):
+            result = self._observed("pull", fragment, round_, lambda tally: self._retry(
+                "pull",
+                lambda: self._receive(self.stub.PullRoundResult(request, timeout=timeout_s + 60), targets, manifest, held,
+                                      ranges, mean, tally),
+                retry_local=False,
+            ))
+        self._round_waits.pop(fragment, None)
+        return result
+
+    def _round_wait(self, fragment: int, round_: int) -> Wait:
+        """The wait for this round of the fragment to close: one across the pulls that ask again while it is open."""
+        known = self._round_waits.get(fragment)
+        if known is not None and known[0] == round_:
+            return known[1]
+        what = (f"waiting for round {round_}{f' of fragment {fragment}' if fragment else ''} to close at the "
+                "coordinator (it closes once every island in it has pushed, at least rounds.min_islands of them and "
+                "robust.first_quorum for the run's first outer step; at rounds.deadline_s with rounds.min_islands)")
+        self._round_waits[fragment] = (round_, Wait(what))
+        return self._round_waits[fragment][1]
 
     def push(self, header: pb.PushHeader, chunks: ReplayableChunks | RegeneratingChunks) -> pb.PushResponse:
         """Streams a pseudo-gradient; after DATA_LOSS resends only what the coordinator did not keep."""

@@ -9,11 +9,12 @@ import logging
 
 import grpc
 
-from diloco.config import RunConfig, config_from_toml
+from diloco.config import ConfigError, RunConfig, config_from_toml
 from diloco.data.sources import resolve_vocab
 from diloco.fragments import FragmentLayout, layout_for
 from diloco.v1 import diloco_pb2 as pb
 from diloco.wire.messages import Manifest, uplink_codec
+from diloco.wire.refusal import Reason, refusal_of
 from islands.client import CoordinatorClient
 from islands.outcome import Next, next_step, reason_name
 from islands.world import IslandWorld
@@ -43,7 +44,7 @@ def join_run(
             reply = client.join(cfg.digest() if cfg is not None else "", codec, island_id, key,
                                 ranks=groups * world.world_size).SerializeToString()
         except grpc.RpcError as e:
-            reply = (next_step(e).value, f"{reason_name(e)}: {e.details()}")
+            reply = (next_step(e).value, f"{reason_name(e)}: {_refusal_details(e, cfg)}")
     reply = world.broadcast_object(reply)
     if isinstance(reply, tuple):
         step, message = reply
@@ -52,7 +53,32 @@ def join_run(
             return None
         raise JoinRefused(f"coordinator refused the join: {message}")
     joined = pb.JoinResponse.FromString(reply)
+    if world.is_leader:
+        log.info("joined %s as %s at round %d%s", getattr(client, "address", "the coordinator"), joined.island_id, joined.round,
+                 "" if cfg is not None else f", adopting its config {joined.config_digest} (no --config)")
     return joined, cfg if cfg is not None else config_from_toml(joined.config_toml)
+
+
+SHOWN_KEYS = 8  # keys of a config mismatch named in its one line; the rest counted
+
+
+def _refusal_details(e: grpc.RpcError, cfg: RunConfig | None) -> str:
+    """The coordinator's message; for a config mismatch, the keys that differ (from the coordinator's config, which
+    comes with the refusal) instead of only the two digests."""
+    refusal = refusal_of(e)
+    if refusal.reason != Reason.CONFIG_MISMATCH or not refusal.config_toml or cfg is None:
+        return e.details()
+    try:
+        theirs = config_from_toml(refusal.config_toml)
+    except (ConfigError, ValueError):  # tomllib's errors are ValueErrors
+        return e.details()
+    differ = cfg.differing_keys(theirs)
+    if not differ:  # a digest computed otherwise (another release): the coordinator's digests say it all
+        return e.details()
+    named = ", ".join(f"{k} (here {ours!r}, the coordinator's {its!r})" for k, ours, its in differ[:SHOWN_KEYS])
+    more = f" and {len(differ) - SHOWN_KEYS} more" if len(differ) > SHOWN_KEYS else ""
+    return (f"this island's config differs from the coordinator's in {named}{more}; start the island with the "
+            "coordinator's config file, or without --config to adopt it")
 
 
 def check_join_reply(joined: pb.JoinResponse, cfg: RunConfig, model_manifest: Manifest) -> FragmentLayout:

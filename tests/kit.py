@@ -8,6 +8,7 @@
 - A coordinator checkpoint and diloco-export's command line: test_export.py, test_moe.py.
 - Sharded islands' reports checked against the coordinator: test_fsdp_islands.py, test_moe.py.
 - A small token corpus: test_token_runs.py, test_fsdp_islands.py.
+- A command's stderr read line by line while it runs (StderrLines): test_cli.py.
 
 Imported as `from kit import ...`, like conftest (pytest puts tests/ on sys.path).
 """
@@ -177,6 +178,59 @@ class Puppet:
     def close(self) -> None:
         self.client.leave(self.island_id, "", 0)
         self.client.close()
+
+
+class StderrLines:
+    """A command started with its stderr read line by line on a thread, so that a test waits for the lines it
+    expects while the command runs; the command is killed (and waited for) on close."""
+
+    def __init__(self, argv: list[str]):
+        import subprocess
+
+        self.proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        self.lines: list[str] = []
+        self._cond = threading.Condition()
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        for line in self.proc.stderr:
+            with self._cond:
+                self.lines.append(line.rstrip("\n"))
+                self._cond.notify_all()
+        with self._cond:
+            self.lines.append(None)  # the end
+            self._cond.notify_all()
+
+    def wait_for(self, text: str, timeout_s: float = 120.0) -> str:
+        """The first line containing text, once it came; fails if the command ends or timeout_s passes first."""
+        def found() -> list[str | None] | None:  # [the line], [None] when the command ended first
+            return next(([line] for line in self.lines if line is None or text in line), None)
+
+        with self._cond:
+            line = (self._cond.wait_for(found, timeout_s) or [None])[0]
+        assert line is not None, f"no line with {text!r} (within {timeout_s:.0f}s, before it ended):\n" + self.text()
+        return line
+
+    def text(self) -> str:
+        return "\n".join(line for line in self.lines if line is not None)
+
+    def exit_code(self, timeout_s: float = 120.0) -> int:
+        """The command's exit status, once it ended by itself."""
+        return self.proc.wait(timeout_s)
+
+    def close(self, timeout_s: float = 60.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        code = self.proc.wait(timeout_s)
+        self._reader.join(timeout_s)
+        return code
+
+    def __enter__(self) -> StderrLines:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
 def wait_for(state, what: str, condition, timeout_s: float = 120.0) -> None:

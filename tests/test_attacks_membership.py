@@ -150,7 +150,7 @@ def test_an_island_that_leaves_and_rejoins_after_every_round_holds_no_round(tls_
         for stub, island_id in honest:
             _push(stub, coordinator, island_id, round_, claim(cfg))
         wait_for_round(coordinator, round_, timeout_s=180)  # a deadline each would still pass here: see the reasons
-    closed = [m for m in caplog.messages if m.startswith("round ") and " closed (" in m]
+    closed = [m.split(":")[0] for m in caplog.messages if m.startswith("round ") and " closed (" in m]  # less the losses
     assert closed == [f"round {r} closed (every live island contributed) with 2 islands" for r in range(3)], closed
     assert [i.island_id for i in coordinator.state.departed].count(attacker) <= 1
 

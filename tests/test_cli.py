@@ -5,14 +5,17 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
+from kit import StderrLines
 
 SCRIPTS = {
     "diloco-coordinator": [sys.executable, "-m", "coordinator"],
     "diloco-island": [sys.executable, "-m", "islands"],
     "diloco-sim": [sys.executable, "-m", "islands.sim"],
 }
+TINY = Path(__file__).resolve().parents[1] / "configs" / "tiny.toml"
 
 
 def _run(argv, timeout=120):
@@ -49,6 +52,9 @@ def test_help_explains_flags(argv, flags):
         (["diloco-island", "join", "--coordinator", "nohostport"], "must be HOST:PORT"),
         (["diloco-sim", "--islands", "zero"], "invalid int value: 'zero'"),
         (["diloco-sim", "--config", "/nonexistent.toml"], "config file not found"),
+        # A --set that would do nothing in this config (it was silently ignored).
+        (["diloco-coordinator", "serve", "--config", str(TINY), "--set", "data.url=s3://bucket/corpus"],
+         "error: data.url has no effect with data.source = 'synthetic'; set data.source = 'tokens'"),
     ],
 )
 def test_bad_input_gives_one_line_error_and_status_2(argv, message):
@@ -132,12 +138,35 @@ def test_island_of_an_older_release_gets_a_one_line_refusal(make_coordinator):
     coordinator = make_coordinator(tiny_config())
     out = _run(_old_release_island(coordinator.port))
     assert out.returncode == 2, out.stderr
-    lines = out.stderr.strip().splitlines()
-    assert len(lines) == 1 and "Traceback" not in out.stderr, out.stderr
+    lines = _error_lines(out.stderr)
     from diloco.wire.messages import PROTOCOL_VERSION
 
     expected = f"protocol version {PROTOCOL_VERSION - 1} is not {PROTOCOL_VERSION}"
     assert "PROTOCOL_MISMATCH" in lines[0] and expected in lines[0], lines[0]
+
+
+def _error_lines(stderr: str) -> list[str]:
+    """The one error line an island's failed join ends with (after its "connecting to ..." progress lines)."""
+    errors = [line for line in stderr.strip().splitlines() if "error:" in line]
+    assert len(errors) == 1 and stderr.strip().endswith(errors[0]) and "Traceback" not in stderr, stderr
+    return errors
+
+
+@pytest.mark.integration
+def test_a_config_mismatch_at_join_names_the_keys_that_differ(make_coordinator):
+    # It showed only the two digests.
+    from conftest import tiny_config
+
+    coordinator = make_coordinator(tiny_config())
+    out = _run(SCRIPTS["diloco-island"] + [
+        "join", "--coordinator", f"127.0.0.1:{coordinator.port}", "--device", "cpu", "--config", str(TINY),
+        "--set", "inner.lr=1e-3"])
+    assert out.returncode == 2, out.stderr
+    line = _error_lines(out.stderr)[0]
+    assert "CONFIG_MISMATCH: this island's config differs from the coordinator's in " in line, line
+    assert "inner.lr (here 0.001, the coordinator's 0.003)" in line and "model.d_model (here 128, the coordinator's 32)" in line
+    assert "start the island with the coordinator's config file, or without --config to adopt it" in line
+    assert not coordinator.state.islands
 
 
 @pytest.mark.integration
@@ -173,7 +202,8 @@ def test_commands_touching_s3_fail_in_one_line_without_the_s3_librarys_chatter(s
     evaluate = [sys.executable, "-m", "diloco.cli.eval", f"{s3}/missing", "--log-level", "info"]
     for argv, message in [(island, "cannot reach the coordinator at 127.0.0.1:9"), (evaluate, f"{s3}/missing")]:
         out = _run(argv)
-        lines = out.stderr.strip().splitlines()
+        # The island's only other line says what it connects to.
+        lines = [line for line in out.stderr.strip().splitlines() if "INFO islands.handshake: connecting to" not in line]
         assert out.returncode == 2 and len(lines) == 1, (argv, out.stderr[-2000:])
         assert message in lines[0], lines[0]
     out = _run(island + ["--log-level", "debug"])
@@ -262,3 +292,92 @@ def test_a_killed_coordinators_spool_goes_when_the_next_one_starts_and_a_live_on
                 proc.send_signal(signal.SIGTERM)
                 proc.wait(60)
     assert list(tmp_path.glob("diloco-spool-*")) == []
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]  # closed again: nothing listens there
+
+
+@pytest.mark.integration
+def test_an_island_at_a_port_nobody_listens_on_says_what_it_waits_for_and_that_it_still_waits():
+    # It printed nothing for the whole --connect-timeout (60 s), then a good error.
+    address = f"127.0.0.1:{_free_port()}"
+    with StderrLines(SCRIPTS["diloco-island"] + ["join", "--coordinator", address, "--device", "cpu",
+                                                "--connect-timeout", "12"]) as island:
+        island.wait_for(f"connecting to {address} (plaintext)")
+        still = island.wait_for(f"still connecting to {address} (plaintext)")
+        assert "of --connect-timeout 12s; last: Connection refused" in still, still
+        error = island.wait_for("error:")
+        assert island.exit_code() == 2
+    assert error == (f"diloco-island: error: cannot reach the coordinator at {address} within 12s over plaintext (last: "
+                     "Connection refused); check the address and that `diloco-coordinator serve` is running"), error
+
+
+@pytest.mark.integration
+def test_a_plaintext_island_facing_a_tls_coordinator_is_told_at_once_to_join_with_tls(tls_coordinator):
+    # It printed nothing for 60 s, then "cannot reach".
+    from conftest import tiny_config
+
+    address = f"127.0.0.1:{tls_coordinator(tiny_config()).port}"
+    out = _run(SCRIPTS["diloco-island"] + ["join", "--coordinator", address, "--device", "cpu",
+                                          "--connect-timeout", "300"], timeout=240)
+    assert out.returncode == 2, out.stderr
+    assert f"connecting to {address} (plaintext)" in out.stderr
+    assert _error_lines(out.stderr)[0] == (
+        f"diloco-island: error: the coordinator at {address} serves mutual TLS and this island joins in plaintext: join "
+        "with --tls DIR (the run's ca.pem and this island's certificate: `diloco-certs island DIR NAME`)")
+
+
+@pytest.mark.integration
+def test_an_island_says_whom_it_joined_what_it_fetches_and_that_it_waits_for_the_quorum(run_ca, tls_coordinator):
+    # Its first line came after its first H inner steps. With robust.first_quorum 2 (the default) and one island, the
+    # run's first round waits for a second island: the island says so, and again every 10 s.
+    from conftest import tiny_config
+
+    address = f"127.0.0.1:{tls_coordinator(tiny_config()).port}"
+    with StderrLines(SCRIPTS["diloco-island"] + ["join", "--coordinator", address, "--device", "cpu", "--tls", str(run_ca),
+                                                "--tls-name", "east"]) as island:
+        island.wait_for(f"connecting to {address} (mutual TLS)")
+        joined = island.wait_for(f"joined {address} as ")
+        assert joined.endswith("at round 0, adopting its config " + tiny_config().digest() + " (no --config)"), joined
+        island.wait_for(f"fetching the global parameters (")
+        island.wait_for("waiting for round 0 to close at the coordinator")
+        island.wait_for("still waiting for round 0 to close at the coordinator")
+        text = island.text()
+    order = [text.index(s) for s in ("connecting to", "joined", "fetching the global", "waiting for round 0",
+                                     "still waiting for round 0")]
+    assert order == sorted(order), text
+
+
+@pytest.mark.integration
+def test_serve_logs_each_rounds_losses_and_a_summary_at_the_end(tmp_path):
+    # It showed only "initial eval loss" and "round N closed": nothing of whether the run learns.
+    import re
+
+    tiny = ["model.d_model=32", "model.n_layers=1", "model.n_heads=2", "model.d_ff=64", "model.max_seq_len=32",
+            "data.seq_len=32", "inner.batch_size=4", "inner.steps_per_round=2", "eval.batches=2", "rounds.rounds=3",
+            "eval.every_rounds=2", "robust.first_quorum=1", "rounds.deadline_s=60"]
+    proc = _serve(tmp_path, "coordinator", "--linger", "60", *(f for o in tiny for f in ("--set", o)))
+    try:
+        port = (tmp_path / "coordinator.port").read_text()
+        island = _run(SCRIPTS["diloco-island"] + ["join", "--coordinator", f"127.0.0.1:{port}", "--device", "cpu"], timeout=300)
+        assert island.returncode == 0, island.stderr[-3000:]
+        assert proc.wait(120) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(30)
+    log = (tmp_path / "coordinator.log").read_text()
+    loss = r"\d+\.\d{4}"
+    closed = re.findall(rf"round (\d) closed \(.+\) with 1 islands: train loss {loss}(, eval loss {loss})?$", log, re.M)
+    # Evaluated every 2 rounds (round 0, round 2) and at the end (round 2).
+    assert [(r, bool(e)) for r, e in closed] == [("0", True), ("1", False), ("2", True)], log[-3000:]
+    summary = re.search(rf"run finished: 3 rounds, eval loss ({loss}) -> ({loss}), ([\d,]+) tokens, traffic .+, "
+                        r"checksum ([0-9a-f]+)$", log, re.M)
+    assert summary, log[-3000:]
+    assert int(summary[3].replace(",", "")) == 3 * 2 * 4 * 32  # rounds x H x batch x seq_len
+    assert summary[4] in island.stderr  # the island's final checksum, the same parameters

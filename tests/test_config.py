@@ -90,3 +90,26 @@ def test_the_coordinator_bounds_each_incoming_streams_receive_window():
     assert options["grpc.http2.lookahead_bytes"] == 32 * 2**20 and options["grpc.http2.bdp_probe"] == 0
     options = dict(server_options(load_config(None, ["limits.receive_window_mb=0"])))
     assert "grpc.http2.lookahead_bytes" not in options and "grpc.http2.bdp_probe" not in options
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["data.url=s3://bucket/corpus"], "data.url has no effect with data.source = 'synthetic'; set data.source = 'tokens'"),
+    (["data.source='text'", "data.path='x.txt'", "model.vocab_size=256", "data.synthetic_seed=7"],
+     "data.synthetic_seed has no effect with data.source = 'text'; set data.source = 'synthetic'"),
+    (["inner.muon_lr=0.5"], "inner.muon_lr has no effect with inner.optimizer = 'adamw'; set inner.optimizer = 'muon'"),
+    (["model.moe_top_k=2"], "model.moe_top_k has no effect with model.moe_experts = 0; set model.moe_experts = 2 or more"),
+    (["rounds.round_s=2.0"], "rounds.round_s has no effect with rounds.mode = 'steps'; set rounds.mode = 'time'"),
+])
+def test_a_set_key_that_has_no_effect_in_the_config_is_an_error_naming_why(overrides, message):
+    # It was silently ignored: the run trained on something other than what the command line asked for.
+    with pytest.raises(ConfigError) as e:
+        load_config(ROOT / "configs" / "tiny.toml", overrides)
+    assert str(e.value).startswith(message), str(e.value)
+
+
+def test_a_set_key_acts_once_its_source_or_mode_is_set_too_in_either_order():
+    cfg = load_config(ROOT / "configs" / "tiny.toml", ["data.url='/corpus'", "data.source='tokens'", "model.vocab_size=0"])
+    assert cfg.data.url == "/corpus"
+    assert load_config(None, ["rounds.round_s=2.0", "rounds.mode='time'"]).rounds.round_s == 2.0
+    # Only what --set asks is checked: a config file may carry every key of every source.
+    assert load_config(ROOT / "configs" / "tiny.toml").data.synthetic_seed == 1234

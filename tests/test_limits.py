@@ -128,7 +128,7 @@ def test_an_island_that_never_pushes_is_removed_and_on_probation_holds_no_round(
     coordinator = make_coordinator(cfg)
     stub = channel_to(coordinator)
     worker, idler = _join(stub, island_key="w"), _join(stub, island_key="i")
-    caplog.set_level(logging.INFO, logger="coordinator.rounds")
+    caplog.set_level(logging.INFO, logger="coordinator.state")  # where the round-closed line is logged
 
     def round_with_worker(round_: int) -> None:
         stub.PushPseudoGradient(push_messages(_header(coordinator, worker, round_), _chunks(coordinator, round_)), timeout=30)

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from conftest import island_on, one_island_config, run_scenario, spawn_gloo_ranks, tiny_config
 from coordinator.server import initial_parameters
-from diloco.config import ConfigError, ModelConfig, load_config
+from diloco.config import ConfigError, ModelConfig, config_from_dict, load_config
 from diloco.data.sources import StepIndexedStream
 from diloco.inner import build_inner_optimizer, inner_lr, train_step
 from diloco.models.llama import Block, Transformer
@@ -212,7 +212,8 @@ def test_parameter_counts_total_and_active_and_equal_active_dense():
 @pytest.mark.unit
 def test_config_validates_and_a_dense_run_hashes_as_before():
     plain = load_config(None)
-    assert load_config(None, ["model.moe_top_k=1", "model.moe_capacity_factor=2.0"]).digest() == plain.digest()
+    # In a config file (a --set of them without experts is refused: test_config.py).
+    assert config_from_dict({"model": {"moe_top_k": 1, "moe_capacity_factor": 2.0}}).digest() == plain.digest()
     assert load_config(None, list(MOE)).digest() != plain.digest()
     for bad in (["model.moe_experts=1"], [*MOE, "model.moe_top_k=5"], [*MOE, "model.moe_capacity_factor=0.0"],
                 [*MOE, "model.moe_aux_loss_coef=-1.0"], ["model.moe_experts=-2"]):

@@ -238,7 +238,44 @@ def test_diloco_island_with_another_runs_credentials_exits_at_once_with_one_line
     )
     took = time.monotonic() - started
     lines = out.stderr.strip().splitlines()
-    # One line (no gRPC C-core handshake log), long before the connect timeout: starting the process is most of it.
-    assert out.returncode == 2 and len(lines) == 1, out.stderr[-2000:]
-    assert lines[0].startswith(f"diloco-island: error: {expected}"), lines[0]
+    # What it connects to, then one error line (no gRPC C-core handshake log), long before the connect timeout:
+    # starting the process is most of it.
+    assert out.returncode == 2 and len(lines) == 2, out.stderr[-2000:]
+    assert lines[0].endswith(f"connecting to {address} (mutual TLS)"), lines[0]
+    assert lines[1].startswith(f"diloco-island: error: {expected}"), lines[1]
     assert took < 60, took
+
+
+def test_an_island_dialing_the_dashboard_port_is_told_it_is_not_the_coordinators_grpc_port(run_ca, tmp_path):
+    # It was told the coordinator "serves plaintext; start it with --tls DIR", of a coordinator serving --tls.
+    from coordinator.server import Observe
+    from islands.handshake import NotACoordinator
+
+    coordinator = start_coordinator(tiny_config(), "127.0.0.1", 0, spool_dir=str(tmp_path / "spool"),
+                                    tls=credentials.coordinator_files(run_ca), observe=Observe(http_port=0))
+    try:
+        dashboard = f"127.0.0.1:{coordinator.web.port}"
+        for tls in (credentials.island_files(run_ca, "east"), None):
+            started = time.monotonic()
+            with pytest.raises(NotACoordinator) as e:
+                CoordinatorClient(dashboard, connect_timeout_s=120, tls=tls)
+            message = str(e.value)
+            assert time.monotonic() - started < 30
+            assert message.startswith(f"{dashboard} speaks HTTP/1, a web page, not a diloco coordinator's gRPC"), message
+            assert "dashboard" in message and "plaintext" not in message and "\n" not in message
+        assert not coordinator.state.islands
+    finally:
+        coordinator.stop(0.5)
+
+
+def test_a_plaintext_client_at_a_tls_coordinator_ends_the_wait_at_once_saying_join_with_tls(tls_coordinator):
+    # gRPC's plaintext channel retried it silently for the whole connect timeout, then only timed out.
+    coordinator = tls_coordinator(tiny_config())
+    address = f"127.0.0.1:{coordinator.port}"
+    started = time.monotonic()
+    with pytest.raises(CoordinatorTlsRefused) as e:
+        CoordinatorClient(address, connect_timeout_s=120)
+    assert time.monotonic() - started < 30
+    assert str(e.value).startswith(f"the coordinator at {address} serves mutual TLS and this island joins in plaintext: "
+                                   "join with --tls DIR"), str(e.value)
+    assert not coordinator.state.islands

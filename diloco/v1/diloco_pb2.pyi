@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class Refusal(_message.Message):
-    __slots__ = ("reason", "resend_from_chunk", "current_round")
+    __slots__ = ("reason", "resend_from_chunk", "current_round", "config_toml")
     class Reason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         REASON_UNSPECIFIED: _ClassVar[Refusal.Reason]
@@ -64,10 +64,12 @@ class Refusal(_message.Message):
     REASON_FIELD_NUMBER: _ClassVar[int]
     RESEND_FROM_CHUNK_FIELD_NUMBER: _ClassVar[int]
     CURRENT_ROUND_FIELD_NUMBER: _ClassVar[int]
+    CONFIG_TOML_FIELD_NUMBER: _ClassVar[int]
     reason: Refusal.Reason
     resend_from_chunk: int
     current_round: int
-    def __init__(self, reason: _Optional[_Union[Refusal.Reason, str]] = ..., resend_from_chunk: _Optional[int] = ..., current_round: _Optional[int] = ...) -> None: ...
+    config_toml: str
+    def __init__(self, reason: _Optional[_Union[Refusal.Reason, str]] = ..., resend_from_chunk: _Optional[int] = ..., current_round: _Optional[int] = ..., config_toml: _Optional[str] = ...) -> None: ...
 
 class ParameterSpec(_message.Message):
     __slots__ = ("name", "shape")

@@ -50,12 +50,13 @@ assert set(STATUS) == set(Reason.values()) - {Reason.REASON_UNSPECIFIED}, "every
 class Refused(Exception):
     """A call the coordinator turns down: a typed reason (which fixes the gRPC status) and a message for people."""
 
-    def __init__(self, reason: int, message: str, resend_from_chunk: int = 0, current_round: int = 0):
+    def __init__(self, reason: int, message: str, resend_from_chunk: int = 0, current_round: int = 0, config_toml: str = ""):
         # Messages quote what the caller sent (ids, names): a long one would push the status past gRPC's
         # metadata limit and the caller would get neither the status nor the reason.
         super().__init__(message if len(message) <= MAX_MESSAGE else message[:MAX_MESSAGE] + "...")
         self.reason = reason
-        self.refusal = pb.Refusal(reason=reason, resend_from_chunk=resend_from_chunk, current_round=current_round)
+        self.refusal = pb.Refusal(reason=reason, resend_from_chunk=resend_from_chunk, current_round=current_round,
+                                  config_toml=config_toml)
         self.code = STATUS[reason]
 
     @property
