@@ -381,9 +381,7 @@ def run_island(
     ckpt = IslandCheckpoint(checkpoint_url, checkpoint_every, world) if checkpoint_url else None
     previous = ckpt.choose() if ckpt is not None and resume else None
     island_telemetry = IslandTelemetry(telemetry, world.is_leader, spec.group, spec.groups)
-    cores = CoreShare() if world.device.type == "cpu" and not spec.cpu_threads else None
-    if cores is not None:
-        cores.apply()
+    cores = None
 
     def connect(address: str) -> CoordinatorClient:
         return CoordinatorClient(address, connect_timeout_s, receive_window_bytes=spec.receive_window_bytes, tls=tls)
@@ -393,8 +391,6 @@ def run_island(
         client = ShardedClient(connect(address), connect)
     except BaseException:
         island_telemetry.close()
-        if cores is not None:
-            cores.close()
         raise
     client.progress = world.is_leader and spec.group == 0  # one progress line per island on a shared terminal
     try:
@@ -402,6 +398,9 @@ def run_island(
         if joined is None:
             return None
         joined, run_cfg = joined
+        if world.device.type == "cpu" and not spec.cpu_threads:  # joined: a share of the cores for the training
+            cores = CoreShare()
+            cores.apply()
         client.adopt(joined)  # the ranks that did not join connect to the other shards too
         torch.manual_seed(run_cfg.seed + 1000 * world.rank)
         island = Island(run_cfg, world, client, joined, spec, compile_model)
