@@ -23,9 +23,9 @@ from diloco.security.credentials import (
     CredentialError,
     identity_from_auth_context,
     ranks_from_auth_context,
+    unranked_refusal,
 )
 from diloco.security.untrusted import CHECKSUM_MAX, ID_MAX, bounded
-from diloco.shardmap import signed
 from diloco.v1 import diloco_pb2 as pb
 from diloco.v1 import diloco_pb2_grpc as pb_grpc
 from diloco.wire.frames import ChunkView, chunk_deserializer, frame_chunk, serialized
@@ -130,7 +130,8 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
 
     def _most_ranks(self, context) -> tuple[int, str]:
         """The most ranks the caller may declare, and what sets it: its certificate's ranks (mutual TLS), else
-        rounds.max_island_ranks (plaintext, or a certificate issued without ranks). Never the island's word."""
+        rounds.max_island_ranks (plaintext, or a certificate issued without ranks where
+        rounds.allow_unranked_certificates lets one join: refused otherwise). Never the island's word."""
         cap = self.state.cfg.rounds.max_island_ranks
         if not self.mutual_tls:
             return cap, f"rounds.max_island_ranks = {cap} (plaintext: no certificate)"
@@ -139,6 +140,8 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         except CredentialError as e:
             raise Refused(Reason.BAD_REQUEST, str(e)) from None
         if granted is None:
+            if not self.state.cfg.rounds.allow_unranked_certificates:
+                raise Refused(Reason.BAD_REQUEST, unranked_refusal(identity_from_auth_context(context.auth_context())))
             return cap, f"rounds.max_island_ranks = {cap} (its certificate carries no ranks)"
         return granted, "its certificate"
 

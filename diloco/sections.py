@@ -125,6 +125,10 @@ class RoundConfig:
     # bound its island instead. 8: one machine of 8 accelerators. A push's tokens, and the island's stream and
     # heartbeat bounds, scale with ranks: this is the weight a caller without such a certificate can claim.
     max_island_ranks: int = 8
+    # A certificate issued before certificates carried ranks is refused at join (it would be allowed
+    # max_island_ranks, 8x a one-rank island's tokens); true lets such certificates join, capped at
+    # max_island_ranks, for a run that must keep them until each is issued again with --ranks.
+    allow_unranked_certificates: bool = False
     # "steps": every island trains inner.steps_per_round (H) inner steps a round (or its own
     # --steps-per-round); "time": each trains for round_s seconds of its own wall time from the start of
     # its round (less the time blocked on a result), between inner.min_steps and inner.max_steps steps, then

@@ -103,8 +103,21 @@ def test_an_island_declares_at_most_the_ranks_its_certificate_carries(tls_coordi
 
 
 @pytest.mark.integration
+def test_a_certificate_without_ranks_is_refused_at_join_by_default(tls_coordinator, stub_as):
+    """Such a certificate was allowed rounds.max_island_ranks (8) ranks: 8x a one-rank island's tokens."""
+    coordinator = tls_coordinator(tiny_config())
+    legacy = stub_as(coordinator, "legacy")
+    for ranks in (0, 1, 8):
+        error = _refused(lambda: _join(legacy, ranks=ranks))
+        assert reason_of(error) == Reason.BAD_REQUEST and error.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "diloco-certs island DIR legacy --ranks N --force" in error.details()
+        assert "rounds.allow_unranked_certificates" in error.details() and "\n" not in error.details()
+    assert not coordinator.state.islands
+
+
+@pytest.mark.integration
 def test_a_multi_rank_island_declares_what_it_was_issued_and_an_old_certificate_the_configs_cap(tls_coordinator, stub_as):
-    coordinator = tls_coordinator(tiny_config("rounds.max_island_ranks=4"))
+    coordinator = tls_coordinator(tiny_config("rounds.max_island_ranks=4", "rounds.allow_unranked_certificates=true"))
     sharded, legacy = stub_as(coordinator, "sharded"), stub_as(coordinator, "legacy")
     assert coordinator.state.islands[_join(sharded, ranks=2).island_id].ranks == 2  # a 1 x 2 FSDP island
     assert reason_of(_refused(lambda: _join(sharded, ranks=3))) == Reason.BAD_REQUEST

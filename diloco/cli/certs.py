@@ -160,7 +160,8 @@ def _ranks_line(cert_pem: bytes) -> str:
     except cr.CredentialError as e:
         return f"UNREADABLE ({e})"
     if ranks is None:
-        return "(not set: issued before the field; the coordinator allows rounds.max_island_ranks)"
+        return ("(not set: issued before the field; the coordinator refuses it at join unless "
+                "rounds.allow_unranked_certificates: issue it again with --ranks N --force)")
     return f"at most {ranks}"
 
 

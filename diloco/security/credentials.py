@@ -169,6 +169,14 @@ def ranks_of(cert_pem: bytes) -> int | None:
     return ranks
 
 
+def unranked_refusal(name: str | None) -> str:
+    """Why a certificate without the ranks field may not join, and how to issue it again: one line."""
+    return (f"the certificate of island {name or 'NAME'!r} carries no ranks (issued before certificates did), which "
+            "would let it claim rounds.max_island_ranks ranks: issue it again with "
+            f"`diloco-certs island DIR {name or 'NAME'} --ranks N --force` (N: its replica groups x ranks per group), "
+            "or set rounds.allow_unranked_certificates = true on the coordinator to keep it for this run")
+
+
 def ranks_from_auth_context(auth_context: dict) -> int | None:
     """ranks_of() the verified mTLS peer's certificate (gRPC's `context.auth_context()`); None without one."""
     pems = auth_context.get("x509_pem_cert") or []
