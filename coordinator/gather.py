@@ -19,8 +19,9 @@ from collections.abc import Callable
 import grpc
 import torch
 
+from diloco.security import shardproof
 from diloco.security.credentials import TlsFiles
-from diloco.shardmap import join_checksums, sign
+from diloco.shardmap import join_checksums
 from diloco.v1 import diloco_pb2 as pb
 from diloco.v1 import diloco_pb2_grpc as pb_grpc
 from diloco.wire.codec import get_codec
@@ -30,10 +31,17 @@ from diloco.wire.messages import Manifest, apply_chunks
 log = logging.getLogger(__name__)
 
 
-def leader_proof(secret: bytes) -> str:
-    """What a leading shard shows a following one to read its values and watch its rounds (what every member may
-    read already, and no island's to change)."""
-    return sign(secret, "leader reads")
+def leader_reads(secret: bytes, shard: int, request: pb.FetchRequest | pb.WatchRequest) -> pb.FetchRequest | pb.WatchRequest:
+    """request with what the leading shard shows following shard `shard` to read its values or watch its rounds (what
+    every member may read already, and no island's to change): a proof bound to the leader, that shard, the request and
+    the time (diloco/security/shardproof.py), made for each call."""
+    request.shard_proof = shardproof.seal(secret, "leader reads", 0, shard, request, "shard_proof")
+    return request
+
+
+def leader_reads_refusal(secret: bytes, shard: int, request: pb.FetchRequest | pb.WatchRequest) -> str | None:
+    """Why request is not the leading shard's read of following shard `shard` (one line), or None when it is."""
+    return shardproof.refusal(secret, "leader reads", 0, shard, request, "shard_proof")
 
 
 class WholeModel:
@@ -41,7 +49,7 @@ class WholeModel:
 
     def __init__(self, addresses: tuple[str, ...], secret: bytes, tls: TlsFiles | None, manifests: list[Manifest],
                  wait_s: float = 60.0):
-        self.proof, self.manifests, self.wait_s = leader_proof(secret), manifests, wait_s
+        self.secret, self.manifests, self.wait_s = secret, manifests, wait_s
         self.channels = [shard_channel(a, tls) for a in addresses[1:]]
         self.stubs = [stub_for(c) for c in self.channels]
 
@@ -60,7 +68,7 @@ class WholeModel:
         while True:
             try:
                 targets = {n: torch.empty(s) for n, s in manifest.shapes.items()}
-                got = self._fetch(stub, targets, manifest)
+                got = self._fetch(stub, targets, manifest, shard)
                 if got == rounds:
                     return targets
                 if any(g > r for g, r in zip(got, rounds)):
@@ -74,8 +82,8 @@ class WholeModel:
                 return None
             time.sleep(0.1)
 
-    def _fetch(self, stub, targets: dict[str, torch.Tensor], manifest: Manifest) -> list[int]:
-        stream = stub.FetchParameters(pb.FetchRequest(shard_proof=self.proof), timeout=max(30.0, self.wait_s),
+    def _fetch(self, stub, targets: dict[str, torch.Tensor], manifest: Manifest, shard: int) -> list[int]:
+        stream = stub.FetchParameters(leader_reads(self.secret, shard, pb.FetchRequest()), timeout=max(30.0, self.wait_s),
                                       wait_for_ready=True)
         header = next(stream).header
         rest = ResultRest(stream, lambda n: None)
@@ -117,18 +125,17 @@ class FollowerRounds:
         self.rounds: dict[int, dict[int, int]] = {}  # each follower's fragments' rounds now (the last closed + 1)
         self.bytes: dict[int, list[int]] = {0: [0, 0]}  # each shard's bytes [up, down] over the run (0: the leader's)
         self.stop = threading.Event()
-        proof = leader_proof(secret)
         self.channels = [shard_channel(a, tls) for a in addresses[1:]]
-        self.threads = [threading.Thread(target=self._watch, args=(shard, channel, proof), name=f"watch-shard-{shard}",
+        self.threads = [threading.Thread(target=self._watch, args=(shard, channel, secret), name=f"watch-shard-{shard}",
                                          daemon=True) for shard, channel in enumerate(self.channels, start=1)]
         for t in self.threads:
             t.start()
 
-    def _watch(self, shard: int, channel: grpc.Channel, proof: str) -> None:
+    def _watch(self, shard: int, channel: grpc.Channel, secret: bytes) -> None:
         stub, seen = pb_grpc.CoordinatorStub(channel), set()
-        while not self.stop.is_set():  # a follower restarting: watch again, skipping what came already
+        while not self.stop.is_set():  # a follower restarting: watch again (a fresh proof), skipping what came already
             try:
-                for s in stub.WatchRounds(pb.WatchRequest(from_round=0, shard_proof=proof), wait_for_ready=True):
+                for s in stub.WatchRounds(leader_reads(secret, shard, pb.WatchRequest(from_round=0)), wait_for_ready=True):
                     if (s.fragment, s.round) in seen:
                         continue
                     seen.add((s.fragment, s.round))

@@ -31,8 +31,9 @@ import numpy as np
 from coordinator.gather import shard_channel
 from coordinator.rounds import fold_key
 from diloco.robust import NormGuard, Verdict
+from diloco.security import shardproof
 from diloco.security.credentials import TlsFiles
-from diloco.shardmap import sign, signed
+from diloco.shardmap import sign
 from diloco.v1 import diloco_pb2 as pb
 from diloco.v1 import diloco_pb2_grpc as pb_grpc
 
@@ -41,8 +42,16 @@ log = logging.getLogger(__name__)
 _KEPT_ROUNDS = 8  # verdicts kept per fragment for a shard that asks late (it restarted, or was slow)
 
 
-def proof(secret: bytes, fragment: int, round_: int, shard: int) -> str:
-    return sign(secret, "judge", fragment, round_, shard)
+def proof(secret: bytes, request: pb.JudgeRequest, now: float | None = None) -> str:
+    """A following shard's proof for its Judge request to the leader: bound to the shard, to the request's fragment,
+    round and statistics (its whole body), and to the time (diloco/security/shardproof.py)."""
+    return shardproof.seal(secret, "judge", request.shard, 0, request, "proof", now)
+
+
+def signed_request(secret: bytes, request: pb.JudgeRequest) -> pb.JudgeRequest:
+    """request with a fresh proof: made again for each attempt, as a proof expires."""
+    request.proof = proof(secret, request)
+    return request
 
 
 def stats_of(contributions) -> list[pb.ContributionStats]:
@@ -113,9 +122,11 @@ class LeaderJudge:
         self.pieces: dict[tuple[int, int, int], dict[int, list[pb.ContributionStats]]] = {}  # a shard's, as they come
         self.verdicts: dict[tuple[int, int], Verdict] = {}
 
-    def admits(self, request: pb.JudgeRequest) -> bool:
-        return 0 < request.shard < self.shards and signed(self.secret, request.proof, "judge", request.fragment,
-                                                          request.round, request.shard)
+    def refusal(self, request: pb.JudgeRequest) -> str | None:
+        """Why the leader does not take this Judge request from a following shard (one line), or None when it does."""
+        if not 0 < request.shard < self.shards:
+            return f"shard {request.shard} is not a following shard of the {self.shards}"
+        return shardproof.refusal(self.secret, "judge", request.shard, 0, request, "proof")
 
     def judge(self, fragment: int, round_: int, shard: int, stats: list[pb.ContributionStats], piece: int = 0,
               pieces: int = 1) -> Verdict | None:
@@ -161,15 +172,16 @@ class FollowerJudge:
 
     def judge(self, fragment: int, round_: int, stats: list[pb.ContributionStats], guard: NormGuard, label: str) -> Verdict:
         pieces = pieces_of(stats, self.message_bytes)
-        signature = proof(self.secret, fragment, round_, self.index)
-        requests = [pb.JudgeRequest(fragment=fragment, round=round_, shard=self.index, contributions=piece, proof=signature,
+        requests = [pb.JudgeRequest(fragment=fragment, round=round_, shard=self.index, contributions=piece,
                                     piece=i, pieces=len(pieces)) for i, piece in enumerate(pieces)]
         deadline = time.monotonic() + 2 * self.wait_s  # the leader itself waits up to wait_s for the other shards
         delay = 0.2
         while True:
             try:
                 for request in requests:  # all again after a failure: a restarted leader holds none of them
-                    response = self.stub.Judge(request, timeout=max(1.0, deadline - time.monotonic()), wait_for_ready=True)
+                    # An attempt waits less than a proof lives (a leader down that long gets a fresh one at the next).
+                    timeout = max(1.0, min(deadline - time.monotonic(), shardproof.MAX_AGE_S / 2))
+                    response = self.stub.Judge(signed_request(self.secret, request), timeout=timeout, wait_for_ready=True)
                 verdict = verdict_of(response)
                 guard.remember(verdict.reference)  # the history the leader's guard keeps: the first quorum ends here too
                 return verdict

@@ -12,8 +12,9 @@ from contextlib import contextmanager
 import grpc
 
 from coordinator.audit import NoAudit
+from coordinator.gather import leader_reads_refusal
 from coordinator.judging import MAX_PIECES, LeaderJudge, verdict_proto
-from coordinator.ledger import ranges_of
+from coordinator.ledger import lease_bound, ranges_of
 from coordinator.limits import Abandoned, Limits, idle_bounded
 from coordinator.publish import Reading
 from coordinator.sharding import ShardRole
@@ -301,7 +302,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
     def _leader_reads(self, request: pb.FetchRequest | pb.WatchRequest) -> bool:
         """The leading shard reading this following one's values or rounds (coordinator/gather.py)."""
         return (self.shard is not None and not self.shard.leads and not getattr(request, "island_id", "")
-                and signed(self.shard.secret, request.shard_proof, "leader reads"))
+                and leader_reads_refusal(self.shard.secret, self.shard.index, request) is None)
 
     def _credential(self, context) -> str | None:
         """The caller's credential (mutual TLS), None without TLS; refused when revoked or naming no island."""
@@ -413,9 +414,10 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
 
     @_refusals
     def Judge(self, request: pb.JudgeRequest, context) -> pb.JudgeResponse:
-        if self.judges is None or not self.judges.admits(request):
-            raise Refused(Reason.NOT_YOURS, "only the coordinator's own shards may send the leading shard a round's "
-                          "statistics (signed with DILOCO_SHARD_SECRET)")
+        why = "this coordinator is not a leading shard" if self.judges is None else self.judges.refusal(request)
+        if why is not None:
+            raise Refused(Reason.NOT_YOURS, f"only the coordinator's own shards may send the leading shard a round's "
+                          f"statistics (signed with DILOCO_SHARD_SECRET): {why}")
         self.state.fragment(request.fragment)  # refuses a fragment that does not exist
         pieces = max(1, request.pieces)
         if not (0 <= request.piece < pieces <= MAX_PIECES):

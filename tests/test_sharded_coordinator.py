@@ -460,7 +460,8 @@ def test_only_the_shards_own_signed_statistics_reach_the_leaders_judge(tmp_path)
     cfg = tiny_config()
     forged = pb.ContributionStats(key="island-0", sumsq_parts=[1e30], lr_sum=1.0)
     with coordinator_of(cfg, 2, tmp_path / "k2") as (leader, _), coordinator_of(cfg, 0, tmp_path / "k0") as (alone,):
-        for target, signed in ((leader, proof(b"a guess at the secret" * 2, 0, 0, 1)), (leader, ""), (alone, "")):
+        guessed = proof(b"a guess at the secret" * 2, pb.JudgeRequest(fragment=0, round=0, shard=1, contributions=[forged]))
+        for target, signed in ((leader, guessed), (leader, ""), (alone, "")):
             with grpc.insecure_channel(f"127.0.0.1:{target.port}") as channel, pytest.raises(grpc.RpcError) as refused:
                 pb_grpc.CoordinatorStub(channel).Judge(
                     pb.JudgeRequest(fragment=0, round=0, shard=1, proof=signed, contributions=[forged]), timeout=30)
@@ -468,10 +469,10 @@ def test_only_the_shards_own_signed_statistics_reach_the_leaders_judge(tmp_path)
         judge = leader.shard_services.judging.leader
         # Signed, but pieces that cannot be: refused as a bad request before anything is kept.
         for piece, pieces in ((2, 2), (-1, 2), (0, 1 << 20)):
+            request = pb.JudgeRequest(fragment=0, round=0, shard=1, contributions=[forged], piece=piece, pieces=pieces)
+            request.proof = proof(judge.secret, request)
             with grpc.insecure_channel(f"127.0.0.1:{leader.port}") as channel, pytest.raises(grpc.RpcError) as refused:
-                pb_grpc.CoordinatorStub(channel).Judge(
-                    pb.JudgeRequest(fragment=0, round=0, shard=1, proof=proof(judge.secret, 0, 0, 1), contributions=[forged],
-                                    piece=piece, pieces=pieces), timeout=30)
+                pb_grpc.CoordinatorStub(channel).Judge(request, timeout=30)
             assert refusal_of(refused.value).reason == Reason.BAD_REQUEST, (piece, pieces)
         assert not judge.parts and not judge.verdicts and not judge.pieces
 
