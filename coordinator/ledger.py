@@ -27,13 +27,38 @@ from __future__ import annotations
 
 import bisect
 import threading
+from dataclasses import dataclass
 
+from diloco.pace import max_round_steps
 from diloco.wire.refusal import Reason, Refused
 from diloco.v1 import diloco_pb2 as pb
 
 Range = tuple[int, int]  # positions [start, stop)
 
 MAX_LEASE = 1 << 26  # positions in one lease: a sanity bound, far above any round's batch
+
+
+@dataclass(frozen=True)
+class LeaseBound:
+    """What one island may hold ahead of its training: its ranks' samples of one round (batch x ranks x the most
+    inner steps a round holds), and how many rounds of them at most. A lease is at most one round's samples; the
+    island's allowance starts at `rounds` rounds' samples, each lease takes its samples from it, and every round the
+    run closes (its first fragment's) gives one round's back, up to `rounds` rounds' again: so a member holds at most
+    what its ranks train in the rounds ahead, however fast it asks."""
+
+    per_round: int
+    rounds: int
+
+    @property
+    def most(self) -> int:
+        return self.per_round * self.rounds
+
+
+def lease_bound(cfg, ranks: int) -> LeaseBound:
+    """An island's LeaseBound from the run's config and the ranks it declared at join (its certificate's at most):
+    inner.batch_size x ranks samples an inner step, the most inner steps a round holds (diloco/pace.py), and
+    limits.lease_rounds rounds."""
+    return LeaseBound(cfg.inner.batch_size * max(1, ranks) * max_round_steps(cfg), cfg.limits.lease_rounds)
 
 
 class RangeSet:
@@ -134,13 +159,19 @@ class DataLedger:
         self.asked: dict[str, int] = {}  # island -> the highest lease index it asked for
         self.sizes: dict[str, int] = {}  # island -> the samples of its last lease
         self.held: dict[str, RangeSet] = {}  # island -> every position leased to it and not handed back
+        self.named: dict[str, RangeSet] = {}  # island -> the positions its accepted pushes named (trained)
+        # Islands leasing under a bound (the service's): what each may still be leased (LeaseBound). Kept through a
+        # leave and a rejoin, so leaving resets nothing; not checkpointed (a restart starts every allowance full).
+        self.bounds: dict[str, LeaseBound] = {}
+        self.allowance: dict[str, int] = {}
         self.folded = [RangeSet() for _ in range(fragments)]
         self.leased = self.returned = 0
         self.repeated = [0] * fragments
 
     # --- leasing --------------------------------------------------------------------------
 
-    def lease(self, island_id: str, index: int, samples: int, members: list[str] = ()) -> list[Range]:
+    def lease(self, island_id: str, index: int, samples: int, members: list[str] = (),
+              bound: LeaseBound | None = None) -> list[Range]:
         """The island's lease number `index`: the same ranges every time it is asked for, less what has been
         folded or handed back since (an island resumed from an older checkpoint of its own asks again).
 
@@ -149,13 +180,20 @@ class DataLedger:
         data. So the first request for lease number i grants it to every member (`members`, in
         canonical order) whose last request was for i - 1, in that order: islands in step get
         consecutive blocks in id order, whoever asks first.
+
+        With a bound (LeaseBound) a new lease is refused beyond the island's allowance (RATE_LIMITED), and a
+        member in step is granted ahead only within its own.
         """
-        if index < 0 or not 0 < samples <= MAX_LEASE:
-            raise Refused(Reason.BAD_REQUEST, f"a lease needs index >= 0 and 1..{MAX_LEASE} samples, got {index} and {samples}")
+        most = MAX_LEASE if bound is None else min(MAX_LEASE, bound.per_round)
+        if index < 0 or not 0 < samples <= most:
+            raise Refused(Reason.BAD_REQUEST, f"a lease needs index >= 0 and 1..{most} samples (at most one round of the "
+                          f"island's ranks), got {index} and {samples}")
         with self.lock:
+            mine = self.leases.setdefault(island_id, {})
+            if bound is not None:
+                self._refuse_beyond(island_id, 0 if index in mine else samples, bound)
             self.sizes[island_id] = samples
             self.asked[island_id] = max(self.asked.get(island_id, -1), index)
-            mine = self.leases.setdefault(island_id, {})
             if index in mine:
                 held = self.held.get(island_id, RangeSet())
                 live = [p for a, b in mine[index] for p in held.within(a, b)]
@@ -164,8 +202,26 @@ class DataLedger:
                        and self.asked.get(m, -1) == index - 1]
             rank = {m: k for k, m in enumerate(members)}
             for m in sorted([*in_step, island_id], key=lambda i: rank.get(i, len(rank))):
-                self._grant(m, index, self.sizes.get(m, samples))
+                n = self.sizes.get(m, samples)
+                if m == island_id or n <= self.allowance.get(m, n):
+                    self._grant(m, index, n)
             return mine[index]
+
+    def _refuse_beyond(self, island_id: str, samples: int, bound: LeaseBound) -> None:
+        """Refuses a new lease of `samples` beyond the island's allowance (0: a lease it holds, asked again). Caller
+        holds lock."""
+        self.bounds[island_id] = bound
+        left = self.allowance.setdefault(island_id, bound.most)
+        if samples > left:
+            raise Refused(Reason.RATE_LIMITED, f"{island_id} holds leases for {bound.rounds} rounds of its ranks already "
+                          f"({bound.most - left} of {bound.most} samples not yet given back by closed rounds; "
+                          f"{samples} more asked): lease as it trains, one round's samples a round")
+
+    def refill(self) -> None:
+        """A round of the run closed: every bounded island may be leased one round's samples more, up to its bound."""
+        with self.lock:
+            for island_id, bound in self.bounds.items():
+                self.allowance[island_id] = min(bound.most, self.allowance.get(island_id, bound.most) + bound.per_round)
 
     def _grant(self, island_id: str, index: int, samples: int) -> None:
         """Caller holds lock."""
@@ -175,18 +231,28 @@ class DataLedger:
             ranges.append((self.cursor, self.cursor + rest))
             self.cursor += rest
         self.leases.setdefault(island_id, {})[index] = ranges
+        if island_id in self.allowance:
+            self.allowance[island_id] -= samples
         held = self.held.setdefault(island_id, RangeSet())
         for a, b in ranges:
             held.add(a, b)
         self.leased += samples
 
-    def release(self, island_id: str) -> int:
-        """An island left or died: the leases granted to it ahead of its asking are leased again."""
+    def release(self, island_id: str, keep_current: bool = False) -> int:
+        """An island left or was removed: what it never trained is leased again. That is the leases granted to it
+        ahead of its asking, and every position of the others that none of its pushes named and no fragment folded
+        (a round it trained for and never pushed, a lease taken and never trained). keep_current: an island that
+        may come back as itself (its lease ran out: a restart) keeps the lease it was on, to go on with."""
         with self.lock:
+            mine = self.leases.get(island_id, {})
             asked = self.asked.get(island_id, -1)
-            ahead = [i for i in self.leases.get(island_id, {}) if i > asked]
-            ranges = [r for i in ahead for r in self.leases[island_id].pop(i)]
-        return self.give_back(island_id, ranges)
+            ahead = [r for i in [i for i in mine if i > asked] for r in mine.pop(i)]
+            kept = RangeSet(mine.get(asked, []) if keep_current else [])
+            named = self.named.get(island_id, RangeSet())
+            behind = [q for a, b in self.held.get(island_id, RangeSet()) for q in _minus(a, b, named.within(a, b))]
+            behind = [q for a, b in behind for q in _minus(a, b, kept.within(a, b))]
+            untrained = [q for a, b in ahead + behind for q in self._unfolded(a, b)]
+        return self.give_back(island_id, untrained)
 
     # --- pushes and folds ------------------------------------------------------------------
 
@@ -216,6 +282,9 @@ class DataLedger:
                                   "may have restarted from an older checkpoint); resync and take new leases")
                 if self.folded[fragment].overlap(a, b):
                     raise Refused(Reason.NOT_LEASED, f"samples [{a}, {b}) are folded already; resync and go on")
+            named = self.named.setdefault(island_id, RangeSet())
+            for a, b in ranges:
+                named.add(a, b)
 
     def fold(self, fragment: int, ranges: list[Range]) -> int:
         """Records positions as folded into `fragment`; returns how many."""
@@ -242,6 +311,8 @@ class DataLedger:
     def settle(self, fragment: int, pushed: list[list[Range]], live: list[str]) -> pb.DataAccount:
         """A round closed with these contributions' positions: folds them, returns the account after."""
         n = sum(self.fold(fragment, ranges) for ranges in pushed)
+        if fragment == 0:  # every fragment closes once a round: the run's rounds are the first fragment's
+            self.refill()
         account = self.account(fragment, live, folded_this_round=n)
         account.samples.extend(pb.SampleRange(start=a, stop=b) for a, b in RangeSet([r for rs in pushed for r in rs]))
         return account
@@ -274,6 +345,7 @@ class DataLedger:
                 "leases": {i: {str(k): [list(r) for r in v] for k, v in m.items()} for i, m in self.leases.items()},
                 "asked": dict(self.asked), "sizes": dict(self.sizes),
                 "held": {i: s.to_list() for i, s in self.held.items()},
+                "named": {i: s.to_list() for i, s in self.named.items()},
                 "folded": [f.to_list() for f in self.folded], "leased": self.leased, "returned": self.returned,
                 "repeated": list(self.repeated),
             }
@@ -286,6 +358,7 @@ class DataLedger:
             self.cursor, self.free = state["cursor"], RangeSet([tuple(r) for r in state["free"]])
             self.leases = {i: {int(k): [tuple(r) for r in v] for k, v in m.items()} for i, m in state["leases"].items()}
             self.held = {i: RangeSet([tuple(r) for r in s]) for i, s in state["held"].items()}
+            self.named = {i: RangeSet([tuple(r) for r in s]) for i, s in state.get("named", {}).items()}
             self.asked, self.sizes = dict(state["asked"]), dict(state["sizes"])
             self.folded = [RangeSet([tuple(r) for r in f]) for f in state["folded"]]
             self.leased, self.returned, self.repeated = state["leased"], state["returned"], list(state["repeated"])

@@ -115,6 +115,11 @@ class Membership:
     def is_member(self, island_id: str) -> bool:
         return island_id in self.islands
 
+    def is_known(self, island_id: str) -> bool:
+        """A member, or an island whose lease ran out or that left (it may come back as itself)."""
+        with self.cond:
+            return island_id in self.islands or island_id in self.expired or self._departed(island_id) is not None
+
     def waited_for(self) -> list[str]:
         """The live members a round waits for: all but those on probation. Caller holds cond."""
         return [i for i in self.live() if not self.islands[i].probation]

@@ -409,7 +409,10 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         if ledger is None:
             raise Refused(Reason.BAD_REQUEST, "this run reads no token corpus (data.source is not 'tokens'): there is nothing to lease")
         self._caller(context, request.island_id)
-        ranges = ledger.lease(request.island_id, request.index, request.samples, self.state.canonical_members())
+        if not self.state.members.is_known(request.island_id):  # an allowance is an island's: no fresh ids to lease under
+            raise Refused(Reason.NOT_A_MEMBER, f"unknown island {bounded(request.island_id, ID_MAX)!r}: join first")
+        ranges = ledger.lease(request.island_id, request.index, request.samples, self.state.canonical_members(),
+                              lease_bound(self.state.cfg, self._ranks(request.island_id)))
         return pb.LeaseResponse(index=request.index, ranges=[pb.SampleRange(start=a, stop=b) for a, b in ranges])
 
     @_refusals

@@ -132,8 +132,8 @@ class CoordinatorState:
         """An island left or its lease expired (caller holds cond)."""
         for f in self.fragments:
             f.drop_pending(island_id)
-        if self.ledger is not None:
-            self.ledger.release(island_id)
+        if self.ledger is not None:  # one whose lease ran out may come back as itself: it keeps the lease it is on
+            self.ledger.release(island_id, keep_current=island_id in self.members.expired)
 
     def canonical_members(self) -> list[str]:
         with self.cond:
@@ -173,10 +173,10 @@ class CoordinatorState:
             island_checksum = whole if matches else "fragments differ: " + ",".join(c[:12] for c in fragment_checksums)
         else:
             matches = island_checksum == whole
-        self.members.leave(island_id, island_checksum, stats, matches)
-        if self.ledger is not None and untrained:
+        if self.ledger is not None and untrained:  # before leaving, which gives back what no push of it named
             n = self.ledger.give_back(island_id, list(untrained))
             log.info("%s handed back %d untrained samples", island_id, n)
+        self.members.leave(island_id, island_checksum, stats, matches)
         return matches, whole
 
     # --- the run as a whole ---------------------------------------------------------

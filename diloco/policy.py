@@ -52,6 +52,10 @@ class LimitsConfig:
     # and a rejoin, and a credential that rejoins without having contributed since its last join, or after
     # sitting through a round idle, is on probation at once: leaving and rejoining resets nothing.
     idle_rounds: int = 3
+    # Samples an island may hold leased ahead of its training (token corpus, coordinator/ledger.py LeaseBound): this
+    # many rounds of what its ranks train in a round (inner.batch_size x ranks x the most inner steps a round holds),
+    # each closed round giving one round's back. A lease is at most one round's. Beyond: RATE_LIMITED.
+    lease_rounds: int = 4
     # Records of islands that left or whose lease ran out, kept for the run's report, the dashboard and the
     # checkpoint (with mutual TLS each credential has one, which carries its idle count and probation): the
     # most recent this many; older ones are forgotten. A client's strings in them are bounded (diloco/security/untrusted.py).
@@ -85,5 +89,5 @@ class LimitsConfig:
         if min(self.watch_streams_per_credential, self.watch_streams) <= 0:
             return False
         return (min(self.push_streams_per_rank, self.push_idle_s, self.heartbeats_per_interval, self.joins_per_minute,
-                    self.spool_gb, self.departed_kept) > 0 and self.idle_rounds >= 0 and self.spool_memory_models >= 0
-                and self.receive_window_mb >= 0 and self.push_slots >= 0)
+                    self.spool_gb, self.departed_kept, self.lease_rounds) > 0 and self.idle_rounds >= 0 and self.spool_memory_models >= 0
+                and self.receive_window_mb >= 0 and self.push_slots >= 0 and self.push_floor_mbps >= 0)

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from coordinator.ledger import DataLedger, RangeSet
+from coordinator.ledger import DataLedger, LeaseBound, RangeSet
 from diloco.wire.refusal import Refused
 from diloco.wire.refusal import Reason
 
@@ -136,3 +136,35 @@ def test_leases_granted_ahead_go_back_when_an_island_leaves_or_dies():
     assert ledger.release("island-1") == 10
     assert ledger.lease("island-0", 1, 10, ["island-0"]) == [(10, 20)]
     assert ledger.account(0, live=["island-0"]).lost == 0
+
+
+def test_a_bounded_island_holds_its_rounds_ahead_and_each_closed_round_gives_one_back():
+    ledger, bound = DataLedger(10_000, SEQ), LeaseBound(per_round=10, rounds=2)
+    with pytest.raises(Refused) as e:
+        ledger.lease("a", 0, 11, ["a"], bound)  # more than a round of its ranks' samples in one lease
+    assert e.value.reason == Reason.BAD_REQUEST
+    first, second = ledger.lease("a", 0, 10, ["a"], bound), ledger.lease("a", 1, 10, ["a"], bound)
+    assert ledger.lease("a", 0, 10, ["a"], bound) == first  # asked again (another rank): nothing more taken
+    with pytest.raises(Refused) as e:
+        ledger.lease("a", 2, 10, ["a"], bound)
+    assert e.value.reason == Reason.RATE_LIMITED
+    ledger.settle(0, [first], ["a"])  # a round closed
+    ledger.lease("a", 2, 10, ["a"], bound)
+    with pytest.raises(Refused):
+        ledger.lease("a", 3, 10, ["a"], bound)
+    for _ in range(5):  # rounds closing while it takes nothing refill at most its bound
+        ledger.settle(0, [], ["a"])
+    ledger.lease("a", 3, 10, ["a"], bound), ledger.lease("a", 4, 10, ["a"], bound)
+    with pytest.raises(Refused):
+        ledger.lease("a", 5, 10, ["a"], bound)
+
+
+def test_what_a_leaving_island_never_named_in_a_push_is_leased_again():
+    ledger = DataLedger(10_000, SEQ)
+    (a0,), (a1,), (a2,) = (ledger.lease("a", i, 10) for i in range(3))
+    ledger.check("a", 0, [a0], 10 * SEQ)  # pushed on lease 0; lease 1 skipped (a lost round); on lease 2 now
+    assert ledger.release("a", keep_current=True) == 10  # its lease ran out: it keeps lease 2 to go on with
+    assert ledger.release("a") == 10  # it left: lease 2 goes back too; lease 0 was pushed, it stays
+    account = ledger.account(0, [])
+    assert account.returned == 20 * SEQ and account.lost == 10 * SEQ  # lease 0: pushed, never folded here
+    assert _positions(ledger.lease("b", 0, 20)) == _positions([a1, a2])
