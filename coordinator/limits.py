@@ -182,8 +182,18 @@ class PushSlots:
 _END = object()
 
 
-def idle_bounded(messages: Iterator, idle_s: float) -> Iterator:
-    """A client stream's messages, refused (STREAM_IDLE) when none comes for idle_s seconds.
+def _message_bytes(message) -> int:
+    size = getattr(message, "size", None)  # a ChunkView knows its message's size
+    return size if isinstance(size, int) else message.ByteSize()
+
+
+def idle_bounded(messages: Iterator, idle_s: float, floor_bytes_per_s: float = 0.0) -> Iterator:
+    """A client stream's messages, refused (STREAM_IDLE) when none comes for idle_s seconds, or when the client
+    has kept the handler waiting longer than idle_s plus what its bytes need at floor_bytes_per_s (0: no floor).
+
+    The floor stops a member that trickles a chunk just inside idle_s from holding a round to its deadline. Only
+    the time spent waiting on the client counts, never the time the coordinator takes with what it received, so a
+    busy coordinator does not cut off an honest push.
 
     gRPC's request iterator blocks without a timeout, so a reader thread feeds
     a short queue (at most a few chunks held: memory stays bounded) and the
@@ -212,17 +222,25 @@ def idle_bounded(messages: Iterator, idle_s: float) -> Iterator:
             put(e)
 
     threading.Thread(target=read, name="push-reader", daemon=True).start()
+    waited = received = 0.0  # seconds spent waiting on the client; bytes it sent
     try:
         while True:
+            allowed = idle_s + received / floor_bytes_per_s - waited if floor_bytes_per_s > 0 else idle_s
+            started = time.monotonic()
             try:
-                item = inbox.get(timeout=idle_s)
+                item = inbox.get(timeout=max(min(idle_s, allowed), 0.0))
             except queue.Empty:
+                if allowed < idle_s:
+                    raise Refused(Reason.STREAM_IDLE, f"the push stream sent {received / 1e6:.3f} MB in {waited:.0f}s of waiting on it, "
+                                  f"below limits.push_floor_mbps: cut off, and what it sent was dropped") from None
                 raise Refused(Reason.STREAM_IDLE, f"the push stream sent nothing for {idle_s:g}s (limits.push_idle_s): "
                               "cut off, and what it sent was dropped") from None
+            waited += time.monotonic() - started
             if item is _END:
                 return
             if isinstance(item, BaseException):
                 raise item
+            received += _message_bytes(item)
             yield item
     finally:
         done.set()

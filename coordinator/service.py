@@ -330,7 +330,8 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
 
     @_refusals
     def PushPseudoGradient(self, request_iterator: Iterator[pb.PushMessage], context) -> pb.PushResponse:
-        request_iterator = idle_bounded(request_iterator, self.state.cfg.limits.push_idle_s)
+        limits = self.state.cfg.limits
+        request_iterator = idle_bounded(request_iterator, limits.push_idle_s, limits.push_floor_mbps * 125_000)
         first = next(request_iterator, None)
         if first is None or isinstance(first, ChunkView) or not first.HasField("header"):
             raise Refused(Reason.BAD_REQUEST, "a push must start with a PushHeader")

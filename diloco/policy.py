@@ -40,6 +40,11 @@ class LimitsConfig:
     push_streams_per_rank: int = 2
     # A push stream that sends nothing for this long is cut off and what it sent dropped: STREAM_IDLE.
     push_idle_s: float = 60.0
+    # A push stream must arrive at least this fast, in Mbit/s of its own, after push_idle_s of grace (only the time
+    # the coordinator waits on it counts): one that trickles a chunk just inside push_idle_s would otherwise hold its
+    # round to rounds.deadline_s. Beyond: STREAM_IDLE. 1 Mbit/s per stream is a 64-rank island behind a 0.1 Gbit/s
+    # link; lower it for more ranks behind a slower one. 0: no floor.
+    push_floor_mbps: float = 1.0
     # Heartbeats an island may send per rounds.heartbeat_s, per declared rank (bursts of twice that):
     # islands send one. Beyond: RATE_LIMITED.
     heartbeats_per_interval: float = 4.0

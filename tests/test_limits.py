@@ -87,6 +87,46 @@ def test_a_push_stream_that_goes_quiet_is_cut_off_and_its_part_dropped(make_coor
 
 
 @pytest.mark.integration
+def test_a_member_trickling_its_push_just_inside_the_idle_bound_does_not_hold_the_round(make_coordinator, channel_to):
+    """The attacker (a member with a valid key) sends a chunk every 0.8 s, inside limits.push_idle_s = 1, so the idle
+    bound never cuts it: its 13 chunks would hold round 0 for 10 s, and a whole model's worth of such pushes to the
+    deadline. Below limits.push_floor_mbps (1 Mbit/s, the default) once its grace of push_idle_s is spent, it is cut
+    off, and the round closes on the two honest islands without waiting for it."""
+    cfg = tiny_config("limits.push_idle_s=1", "rounds.min_islands=2", "rounds.deadline_s=600",
+                      "limits.idle_rounds=0")  # the attacker, which never contributes, stays a member
+    coordinator = make_coordinator(cfg)
+    stub = channel_to(coordinator)
+    east, west, mallory = _join(stub, island_key="east"), _join(stub, island_key="west"), _join(stub, island_key="mallory")
+    chunks = _chunks(coordinator)
+    assert len(chunks) >= 10
+    stop = threading.Event()
+
+    def trickles():
+        yield pb.PushMessage(header=_header(coordinator, mallory))
+        for chunk in chunks:
+            if stop.wait(0.8):
+                return
+            yield pb.PushMessage(chunk=chunk)
+        stop.wait(120)
+
+    started = time.monotonic()
+    attack = stub.PushPseudoGradient.future(trickles(), timeout=120)
+    try:
+        for seed, island in enumerate((east, west), start=1):
+            reply = stub.PushPseudoGradient(push_messages(_header(coordinator, island), _chunks(coordinator, seed)), timeout=60)
+            assert reply.contribution_complete
+        error = attack.exception(60)
+        cut_s = time.monotonic() - started
+        wait_for_round(coordinator, 0, timeout_s=60)
+    finally:
+        stop.set()
+    assert error is not None and reason_of(error) == Reason.STREAM_IDLE and "push_floor_mbps" in error.details(), error
+    assert sorted(coordinator.state.summaries[0].islands) == sorted([east, west])
+    # Cut off before its trickle could end: the bound, not the attacker, decided when round 0 stopped waiting for it.
+    assert cut_s < 0.8 * len(chunks), cut_s
+
+
+@pytest.mark.integration
 def test_heartbeats_beyond_the_rate_are_refused(make_coordinator, channel_to):
     # heartbeat_s so long that no token comes back during the test: the bound is the burst, 2 x 4 x 1 rank.
     coordinator = make_coordinator(tiny_config("rounds.heartbeat_s=10000", "rounds.lease_s=100000"))
