@@ -365,9 +365,11 @@ def main(argv: list[str] | None = None) -> None:
     if unknown or not seeds:
         raise SystemExit(f"convergence: error: unknown methods {unknown} or no seeds")
     methods = [m for m in METHODS if m in methods]
+    # The source the run will read (not yet looked for), so that --set keys of that source are checked as acting.
+    source = ["data.source='tokens'", f"data.url={args.tokens!r}", "model.vocab_size=0"] if args.tokens else ["data.source='text'"]
     for spec in filter(None, args.codecs.split(",")):
         try:  # before the data is looked for: a bad spec is the user's first error to hear about
-            apply_codec_spec(load_config(None, args.overrides), spec)
+            apply_codec_spec(load_config(None, [*source, *args.overrides]), spec)
         except ValueError as e:
             raise SystemExit(f"convergence: error: --codecs {spec}: {e}") from None
         methods.append(f"diloco:{spec}")
