@@ -365,8 +365,12 @@ def main(argv: list[str] | None = None) -> None:
     if unknown or not seeds:
         raise SystemExit(f"convergence: error: unknown methods {unknown} or no seeds")
     methods = [m for m in METHODS if m in methods]
-    # The source the run will read (not yet looked for), so that --set keys of that source are checked as acting.
-    source = ["data.source='tokens'", f"data.url={args.tokens!r}", "model.vocab_size=0"] if args.tokens else ["data.source='text'"]
+    # The source the run will read, as build_setup sets it (not yet looked for), so that --set keys of that source
+    # are checked as acting on it.
+    if args.tokens:
+        source = ["data.source='tokens'", f"data.url={args.tokens!r}", "model.vocab_size=0"]
+    else:
+        source = ["data.source='text'", f"data.path={args.data!r}", "model.vocab_size=256"]
     for spec in filter(None, args.codecs.split(",")):
         try:  # before the data is looked for: a bad spec is the user's first error to hear about
             apply_codec_spec(load_config(None, [*source, *args.overrides]), spec)
