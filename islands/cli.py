@@ -156,6 +156,8 @@ def _join(parser: ArgumentParser, args, argv: list[str] | None, cfg, tls: TlsFil
     )
     if sharded and args.compile:
         fail(parser.prog, "--compile is for one-rank islands for now; drop it for --nproc-per-node/--replica-groups islands")
+    if args.threads < 0:
+        fail(parser.prog, f"--threads {args.threads}: give a number of threads, or 0 for this rank's share of the cores")
     if args.threads:
         torch.set_num_threads(args.threads)
     if sharded and not launched:

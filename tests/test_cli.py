@@ -50,6 +50,7 @@ def test_help_explains_flags(argv, flags):
         (["diloco-island", "join", "--coordinator", "127.0.0.1:1", "--config", "/nonexistent.toml"], "config file not found"),
         (["diloco-island", "join"], "the following arguments are required: --coordinator"),
         (["diloco-island", "join", "--coordinator", "nohostport"], "must be HOST:PORT"),
+        (["diloco-island", "join", "--coordinator", "127.0.0.1:9", "--threads", "-1"], "--threads -1: give a number"),
         (["diloco-sim", "--islands", "zero"], "invalid int value: 'zero'"),
         (["diloco-sim", "--config", "/nonexistent.toml"], "config file not found"),
         # A --set that would do nothing in this config (it was silently ignored).
