@@ -6,10 +6,12 @@ longer run; in the suite, DILOCO_SCREENSHOT=PATH saves the test's screenshot the
 
 from __future__ import annotations
 
+import fcntl
 import http.client
 import inspect
 import json
 import os
+import select
 import shutil
 import signal
 import socket
@@ -189,6 +191,82 @@ def chromium(url: str, *args: str, profile: Path, timeout_s: float = 90.0) -> st
     return out
 
 
+class DevTools:
+    """Headless Chromium driven over its DevTools pipe (it reads commands on fd 3 and answers on fd 4, JSON ended by
+    NUL: no websocket library needed), for what --dump-dom cannot show: computed styles, what is painted on top.
+    A context manager: the browser's whole process group is killed on the way out."""
+
+    def __init__(self, profile: Path):
+        commands, self._to = (_high_fd(fd) for fd in os.pipe())
+        self._from, answers = (_high_fd(fd) for fd in os.pipe())
+        cmd = [CHROMIUM, "--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--no-first-run",
+               "--disable-extensions", "--mute-audio", "--hide-scrollbars", "--remote-debugging-pipe",
+               f"--user-data-dir={profile}", "--window-size=1400,1000", "about:blank"]
+        # bash moves the pipes to fds 3 and 4 before it execs Chromium (a preexec_fn would be unsafe: island threads
+        # run; dash, Debian's sh, takes no fd above 9).
+        self.proc = subprocess.Popen(["bash", "-c", f'exec "$@" 3<&{commands} 4>&{answers}', "bash", *cmd],
+                                     pass_fds=(commands, answers), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                     start_new_session=True)
+        os.close(commands)
+        os.close(answers)  # ours closed, a Chromium that dies reads as the end of the pipe
+        self._buffer, self._sent = b"", 0
+
+    def __enter__(self) -> DevTools:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait(30)
+        os.close(self._to)
+        os.close(self._from)
+
+    def send(self, method: str, session: str | None = None, timeout_s: float = 30.0, **params) -> dict:
+        """The result of one DevTools command (in session, a page's, where given); the events between are skipped."""
+        self._sent += 1
+        message = {"id": self._sent, "method": method, "params": params} | ({"sessionId": session} if session else {})
+        os.write(self._to, json.dumps(message).encode() + b"\0")
+        deadline = time.monotonic() + timeout_s
+        while True:
+            while b"\0" not in self._buffer:
+                left = deadline - time.monotonic()
+                assert left > 0 and select.select([self._from], [], [], left)[0], f"chromium did not answer {method}"
+                chunk = os.read(self._from, 1 << 16)
+                assert chunk, f"chromium exited ({self.proc.poll()}) before answering {method}"
+                self._buffer += chunk
+            line, _, self._buffer = self._buffer.partition(b"\0")
+            answer = json.loads(line)
+            if answer.get("id") == self._sent:
+                assert "error" not in answer, f"{method}: {answer['error']}"
+                return answer["result"]
+
+    def evaluate(self, session: str, expression: str):
+        """The JSON value of a JavaScript expression in the page."""
+        result = self.send("Runtime.evaluate", session, expression=expression, returnByValue=True)
+        assert "exceptionDetails" not in result, result["exceptionDetails"]
+        return result["result"].get("value")
+
+    def open(self, url: str, until: str, timeout_s: float = 60.0) -> str:
+        """A new tab on url, once the JavaScript condition until holds there; returns its session for evaluate."""
+        target = self.send("Target.createTarget", url=url)["targetId"]
+        session = self.send("Target.attachToTarget", targetId=target, flatten=True)["sessionId"]
+        deadline = time.monotonic() + timeout_s
+        # Polled: until may throw while the page is still loading (or still about:blank), which is a no for now.
+        while not self.evaluate(session, f"(() => {{ try {{ return !!({until}); }} catch (e) {{ return false; }} }})()"):
+            assert time.monotonic() < deadline, f"{url}: {until} did not hold within {timeout_s:.0f}s"
+            time.sleep(0.1)
+        return session
+
+
+def _high_fd(fd: int) -> int:
+    """fd moved to 10 or above, so that bash's `3<&A 4>&B` cannot overwrite one pipe with the other."""
+    high = fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, 10)
+    os.close(fd)
+    return high
+
+
 VOID = {"area", "base", "br", "col", "embed", "hr", "img", "input", "link", "meta", "source", "track", "wbr"}
 
 
@@ -261,6 +339,7 @@ def test_the_dashboard_shows_a_live_run_in_headless_chromium(make_coordinator, t
             assert sorted(a["data-island"] for a in trains) == members and {int(a["data-points"]) for a in trains} == {closed}
             assert page.text["round"].strip() == str(closed) and page.text["status-text"].strip() == "live"
             assert page.text["codec"].strip() == "fp32 ↑↓" and "less" in page.text["traffic-factor"]
+            assert page.text["run-quorum"] == f"{islands} to {cfg.rounds.max_islands} islands per round"
             assert len(page.find("g", "round-bar")) == closed
 
             shot = Path(os.environ.get("DILOCO_SCREENSHOT") or tmp_path / "dashboard.png")
@@ -275,6 +354,75 @@ def test_the_dashboard_shows_a_live_run_in_headless_chromium(make_coordinator, t
         assert int(page.find("path", "eval-loss")[0]["data-points"]) == rounds
     finally:
         server.stop()
+
+
+# What the page shows, read in the browser: the shards card's rows and whether it takes any room; each bandwidth
+# curve's points and computed stroke; at how many downlink dots' centres a downlink dot is what is painted (nothing
+# else covers them; two rounds closed a few ms apart may overlap their own dots); the legend's swatches; the run's
+# island bounds as worded, and their tooltip.
+SEEN = """(() => {
+  const style = (e) => getComputedStyle(e), card = document.getElementById("shards-card");
+  const curve = (cls) => {
+    const e = document.querySelector(`#bandwidth-chart path.${cls}`), s = style(e);
+    return { points: +e.dataset.points, stroke: s.stroke, width: parseFloat(s.strokeWidth), dash: s.strokeDasharray };
+  };
+  const dots = [...document.querySelectorAll("#bandwidth-chart circle.bw-down-point")];
+  const onTop = dots.filter((c) => {
+    const b = c.getBoundingClientRect();
+    return document.elementFromPoint(b.x + b.width / 2, b.y + b.height / 2).classList.contains("bw-down-point");
+  });
+  const swatches = [...document.querySelectorAll("#bandwidth-legend .item")].map((i) => {
+    const s = style(i.querySelector(".swatch"));
+    return { label: i.textContent, color: s.backgroundColor, mask: s.maskImage };
+  });
+  const quorum = document.getElementById("run-quorum");
+  return {
+    shards_shown: card.getClientRects().length > 0, shard_rows: [...card.querySelectorAll("tbody tr")].map((r) => r.dataset.shard),
+    up: curve("bw-up"), down: curve("bw-down"), dots: dots.length, dots_on_top: onTop.length, swatches,
+    details: document.getElementById("run-details").textContent,
+    quorum: quorum && { text: quorum.textContent, title: quorum.title, shown: quorum.getClientRects().length > 0 },
+  };
+})()"""
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="headless Chromium is not installed (Debian: apt-get install chromium)")
+def test_the_page_of_a_one_process_run_has_no_shards_card_both_bandwidth_curves_and_its_island_bounds_in_words(
+        make_coordinator, tmp_path, monkeypatch):
+    rounds = 4
+    cfg = one_island_config(f"rounds.rounds={rounds}", "rounds.min_islands=1", "rounds.max_islands=64")
+    coordinator = make_coordinator(cfg)
+    with island_on(coordinator, cfg) as island:
+        island.run()
+    finished = "document.getElementById('status').dataset.state === 'finished'"
+    with RunWebServer(coordinator.state) as server, DevTools(tmp_path / "profile") as browser:
+        seen = browser.evaluate(browser.open(server.url, finished), SEEN)
+        # One process: no shards card at all (it was shown, empty: .card's display won over the hidden attribute).
+        assert not seen["shards_shown"] and seen["shard_rows"] == []
+        # fp32 both ways: the curves all but coincide (it was drawn 1 px dashed over the uplink's 1 px). Both are drawn,
+        # a point a round; the downlink, dashed and narrower than the solid uplink, is painted over it (each of its
+        # dots on top) and the uplink shows at its edges.
+        up, down = seen["up"], seen["down"]
+        assert up["points"] == down["points"] == rounds and seen["dots"] == seen["dots_on_top"] == rounds
+        assert up["stroke"] != down["stroke"] and up["dash"] == "none" and down["dash"] != "none"
+        assert up["width"] >= down["width"] + 1, (up, down)
+        # The legend names both, in their colours, the downlink's swatch dashed as its curve.
+        (up_key, down_key) = seen["swatches"]
+        assert "uplink" in up_key["label"] and "downlink" in down_key["label"]
+        assert (up_key["color"], down_key["color"]) == (up["stroke"], down["stroke"])
+        assert up_key["mask"] == "none" and "repeating-linear-gradient" in down_key["mask"]
+        # The island bounds in words (the header said "islands 1–64"), and what they are on hover.
+        assert seen["quorum"]["shown"] and seen["quorum"]["text"] == "1 to 64 islands per round"
+        assert "1 to 64 islands per round" in seen["details"] and "islands 1–64" not in seen["details"]
+        for words in ("at least 1", "rounds.min_islands", "as soon as 64", "rounds.max_islands"):
+            assert words in seen["quorum"]["title"], (words, seen["quorum"]["title"])
+
+        # A sharded coordinator's leader lists its shards (rows as coordinator/gather.py's rows() gives them): the card
+        # is there, a row each.
+        rows = [{"shard": i, "address": f"127.0.0.1:{9000 + i}", "round": rounds, "bytes_up": 10 * (i + 1), "bytes_down": 20}
+                for i in range(2)]
+        monkeypatch.setattr("coordinator.web.run_snapshot", lambda state, since=0: run_snapshot(state, since) | {"shards": rows})
+        seen = browser.evaluate(browser.open(server.url, finished), SEEN)
+        assert seen["shards_shown"] and seen["shard_rows"] == ["0", "1"]
 
 
 def main(path: str) -> None:

@@ -10,6 +10,7 @@ const PHASES = [  // a round's time, in the order it is spent (RoundSummary's *_
   ["wait_s", "waiting for islands", "#cbd5e1"], ["fold_s", "fold", "#4e79a7"], ["step_s", "outer step", "#f28e2b"],
   ["publish_s", "publish", "#59a14f"], ["eval_s", "eval", "#b07aa1"],
 ];
+const UPLINK = "#2563eb", DOWNLINK = "#f28e2b";  // the bandwidth chart's two directions
 const run = { rounds: [], snap: null, next: 0, failures: 0, timer: null };
 
 const $ = (id) => document.getElementById(id);
@@ -189,17 +190,19 @@ function drawBandwidth() {
   const t0 = timed.length ? Math.min(...timed.map((r) => r.closed_at - r.seconds)) : 0;
   const up = timed.map((r) => [r.closed_at - t0, r.bytes_up / r.seconds]);
   const down = timed.map((r) => [r.closed_at - t0, r.bytes_down / r.seconds]);
+  // With a symmetric codec the two curves coincide: the downlink goes second (painted over the uplink), narrower
+  // and dashed, with a dot per round, so the wider solid uplink still shows at its edges and between its dashes.
   lineChart($("bandwidth-chart"), [
-    { points: up, cls: "bw-up", color: "#2563eb", area: true, attrs: { "data-points": up.length } },
-    // Dashed: with a symmetric codec the two lines coincide, and the uplink's must still show.
-    { points: down, cls: "bw-down", color: "#f28e2b", attrs: { "data-points": down.length, "stroke-dasharray": "6 4" } },
+    { points: up, cls: "bw-up", color: UPLINK, area: true, attrs: { "data-points": up.length } },
+    { points: down, cls: "bw-down", color: DOWNLINK, markers: "bw-down-point", attrs: { "data-points": down.length },
+      tip: (p) => `closed at ${+p[0].toPrecision(3)}s: downlink ↓ ${bytes(p[1])}/s` },
   ], { yZero: true, xMinSpan: 1e-3, xTitle: "seconds since the first round opened", yTitle: "",
     xFmt: (v) => `${+v.toPrecision(3)}s`, yFmt: (v) => `${bytes(v)}/s`, empty: "no traffic yet" });
   const span = timed.length ? Math.max(...timed.map((r) => r.closed_at)) - t0 : 0;
   const sum = (k) => timed.reduce((a, r) => a + r[k], 0);
   legend($("bandwidth-legend"), [
-    { label: "uplink ↑ (pseudo-gradients)", color: "#2563eb", value: span ? `${bytes(sum("bytes_up") / span)}/s` : null },
-    { label: "downlink ↓ (parameters)", color: "#f28e2b", value: span ? `${bytes(sum("bytes_down") / span)}/s` : null },
+    { label: "uplink ↑ (pseudo-gradients)", color: UPLINK, kind: "thick", value: span ? `${bytes(sum("bytes_up") / span)}/s` : null },
+    { label: "downlink ↓ (parameters)", color: DOWNLINK, kind: "dashed", value: span ? `${bytes(sum("bytes_down") / span)}/s` : null },
   ]);
 }
 
@@ -295,12 +298,28 @@ function drawShards() {
   $("shards-note").textContent = `${shards.length} shards · the leader's figures above are the run's`;
 }
 
+// rounds.min_islands to max_islands in words: a bare "islands 4–64" read as a count of islands, or a range of ids.
+function islandsRange(r) {
+  const n = r.islands_min === r.islands_max ? `${r.islands_min}` : `${r.islands_min} to ${r.islands_max}`;
+  return `${n} island${r.islands_max === 1 ? "" : "s"}`;
+}
+
+function drawDetails(r) {
+  const box = $("run-details");
+  box.replaceChildren(`${r.fragments > 1 ? `${r.fragments} fragments (streaming) · ` : ""}H = ${r.inner_steps} inner steps · `);
+  const quorum = htmlEl("span", "explained", box, `${islandsRange(r)} per round`);
+  quorum.id = "run-quorum";
+  quorum.title = `Each round combines the updates of ${islandsRange(r)}: it waits for at least ${r.islands_min} ` +
+    `(rounds.min_islands), past its deadline if need be, and closes as soon as ${r.islands_max} have sent theirs ` +
+    `(rounds.max_islands, also the most islands the run admits).`;
+  box.append(` · ${run.rounds.length} round summaries`);
+}
+
 function drawHeader() {
   const snap = run.snap, r = snap.run;
   document.title = `diloco · ${r.name} · round ${snap.round}/${r.total_rounds}`;
   $("run-name").textContent = r.name;
-  $("run-details").textContent = `${r.fragments > 1 ? `${r.fragments} fragments (streaming) · ` : ""}` +
-    `H = ${r.inner_steps} inner steps · islands ${r.islands_min}–${r.islands_max} · ${run.rounds.length} round summaries`;
+  drawDetails(r);
   $("round").textContent = String(snap.round);
   $("total-rounds").textContent = ` / ${r.total_rounds}`;
   $("progress-bar").style.width = `${Math.min(100, (100 * snap.round) / Math.max(1, r.total_rounds))}%`;
