@@ -12,9 +12,20 @@ A shard's part goes in pieces where one request would exceed the leader's
 message limit (coordinator/limits.py max_message_bytes): a sketch is 128 KiB a
 contribution, so from about 16 islands a round at the default wire.chunk_bytes.
 
+The shards close each round together, and a contribution is whole on every
+shard or on none. The leader closes a round by its own rule (every live island
+in, or the deadline) and tells each follower so, naming the islands it closed
+with (CloseNotices, the CloseRound call); a follower then closes as soon as
+those islands' parts are whole there too, never waiting for a member the leader
+did not wait for (coordinator/rounds.py FragmentRounds._following_close_reason).
+The verdict drops, on every shard, a contribution that some shard's part lacks
+(a member that pushed to some shards only): folded on some shards only, it
+would move part of the model by an update the rest never sees.
+
 The leader waits for every shard's part at most rounds.deadline_s, then judges
 on the parts it has (a shard that is down would otherwise stop the run); a
-shard that cannot reach the leader for that long judges its part alone.
+shard that cannot reach the leader for that long closes at its deadline and
+judges its part alone.
 """
 
 from __future__ import annotations
@@ -86,13 +97,28 @@ def pieces_of(stats: list[pb.ContributionStats], limit: int) -> list[list[pb.Con
     return pieces
 
 
+def partial_keys(parts: list[list[pb.ContributionStats]]) -> list[str]:
+    """The contributions some of these shards' parts hold and others do not: not whole, so folded on none."""
+    keys = [{c.key for c in part} for part in parts]
+    return sorted(set().union(*keys) - set.intersection(*keys)) if keys else []
+
+
 def judge_stats(guard: NormGuard, parts: list[list[pb.ContributionStats]], label: str) -> Verdict:
-    """The guard's verdict on every shard's statistics together (a contribution's parts summed over the shards)."""
+    """The guard's verdict on every shard's statistics together (a contribution's parts summed over the shards).
+
+    A contribution missing from some shard's part (a member that pushed to some shards only, or a push that did not
+    arrive whole on one in time) is dropped on every shard, unjudged: folded on some shards only, it would move part
+    of the model by an update the rest never sees."""
+    partial = partial_keys(parts)
+    if partial:
+        log.warning("%s%s: contribution(s) not whole on every shard; dropped on all of them", label, ", ".join(partial))
     sums: dict[str, list[float]] = {}
     lrs: dict[str, float] = {}
     sketches: dict[str, np.ndarray | None] = {}
     for shard in parts:
         for c in shard:
+            if c.key in partial:
+                continue
             sums.setdefault(c.key, []).extend(c.sumsq_parts)
             lrs[c.key] = c.lr_sum
             mine = np.frombuffer(c.sketch, dtype=np.float64) if c.sketch else None
@@ -101,7 +127,10 @@ def judge_stats(guard: NormGuard, parts: list[list[pb.ContributionStats]], label
             elif sketches[c.key] is not None:
                 sketches[c.key] = None if mine is None else sketches[c.key] + mine
     norms = {key: math.sqrt(math.fsum(s)) / lrs[key] for key, s in sums.items()}
-    return guard.judge(norms, label, {k: s for k, s in sketches.items() if s is not None})
+    verdict = guard.judge(norms, label, {k: s for k, s in sketches.items() if s is not None})
+    verdict.factors.update(dict.fromkeys(partial, 0.0))
+    verdict.dropped.extend(partial)
+    return verdict
 
 
 def verdict_proto(v: Verdict) -> pb.JudgeResponse:
@@ -162,6 +191,15 @@ class LeaderJudge:
             return self.verdicts[key]
 
 
+def unjudged_dropped(verdict: Verdict, stats: list[pb.ContributionStats]) -> Verdict:
+    """The leader's verdict on a following shard: a contribution of this shard's part that it does not name was not
+    judged there (this part came after the leader judged without it), so it was folded on no other shard: dropped."""
+    unjudged = [c.key for c in stats if c.key not in verdict.factors]
+    verdict.factors.update(dict.fromkeys(unjudged, 0.0))
+    verdict.dropped.extend(unjudged)
+    return verdict
+
+
 class FollowerJudge:
     """On a following shard: asks the leader for each closing round's verdict; judges alone if it cannot reach it."""
 
@@ -182,7 +220,7 @@ class FollowerJudge:
                     # An attempt waits less than a proof lives (a leader down that long gets a fresh one at the next).
                     timeout = max(1.0, min(deadline - time.monotonic(), shardproof.MAX_AGE_S / 2))
                     response = self.stub.Judge(signed_request(self.secret, request), timeout=timeout, wait_for_ready=True)
-                verdict = verdict_of(response)
+                verdict = unjudged_dropped(verdict_of(response), stats)
                 guard.remember(verdict.reference)  # the history the leader's guard keeps: the first quorum ends here too
                 return verdict
             except grpc.RpcError as e:
@@ -200,6 +238,54 @@ class FollowerJudge:
         self.channel.close()
 
 
+def close_proof(secret: bytes, shard: int, request: pb.CloseRoundRequest) -> str:
+    """The leading shard's proof on its CloseRound call to following shard `shard` (diloco/security/shardproof.py)."""
+    return shardproof.seal(secret, "close round", 0, shard, request, "proof")
+
+
+def close_refusal(secret: bytes, shard: int, request: pb.CloseRoundRequest) -> str | None:
+    """Why a CloseRound call is not the leading shard's to following shard `shard` (one line), or None when it is."""
+    return shardproof.refusal(secret, "close round", 0, shard, request, "proof")
+
+
+class CloseNotices:
+    """On the leading shard: tells every following shard that a fragment's round closed here and with whose
+    contributions (CloseRound), so that they close it with the same islands now rather than wait for members the
+    leader did not wait for. Each notice is retried on its own thread until the follower took it, the round's
+    verdict is made (the follower closed anyway), or wait_s passed."""
+
+    def __init__(self, addresses: tuple[str, ...], secret: bytes, tls: TlsFiles | None, wait_s: float):
+        self.secret, self.wait_s = secret, wait_s
+        self.channels = [shard_channel(a, tls) for a in addresses[1:]]
+        self.stubs = [pb_grpc.CoordinatorStub(c) for c in self.channels]
+
+    def send(self, fragment: int, round_: int, islands: list[str], settled: Callable[[], bool]) -> None:
+        for shard, stub in enumerate(self.stubs, start=1):
+            request = pb.CloseRoundRequest(fragment=fragment, round=round_, islands=islands)
+            threading.Thread(target=self._send, args=(stub, shard, request, settled), daemon=True,
+                             name=f"close-notice-{shard}").start()
+
+    def _send(self, stub, shard: int, request: pb.CloseRoundRequest, settled: Callable[[], bool]) -> None:
+        deadline, delay = time.monotonic() + self.wait_s, 0.2
+        while not settled():
+            try:
+                request.proof = close_proof(self.secret, shard, request)
+                timeout = max(1.0, min(deadline - time.monotonic(), shardproof.MAX_AGE_S / 2))
+                stub.CloseRound(request, timeout=timeout, wait_for_ready=True)
+                return
+            except grpc.RpcError as e:
+                if time.monotonic() + delay > deadline:
+                    log.warning("fragment %d round %d: shard %d did not take the leader's close (%s: %s); it closes the "
+                                "round at its deadline", request.fragment, request.round, shard, e.code().name, e.details())
+                    return
+                time.sleep(delay)
+                delay = min(2 * delay, 5.0)
+
+    def close(self) -> None:
+        for c in self.channels:
+            c.close()
+
+
 class ShardJudging:
     """A shard's part in judging: the round machines' judge hook, the sketches' shared keys, and (the leader) the
     verdicts its Judge calls answer with."""
@@ -208,6 +294,7 @@ class ShardJudging:
                  fragments: Callable[[], list], message_bytes: int):
         self.sketch_secret = bytes.fromhex(sign(secret, "sketch"))[:16]
         self.leader: LeaderJudge | None = None
+        self.notices: CloseNotices | None = None
         self.follower: FollowerJudge | None = None
         if index == 0:
             def guard_of(f: int) -> tuple[NormGuard, str]:
@@ -215,6 +302,7 @@ class ShardJudging:
                 return rounds.guard, rounds.label
 
             self.leader = LeaderJudge(len(addresses), secret, guard_of, wait_s)
+            self.notices = CloseNotices(addresses, secret, tls, wait_s)
         else:
             self.follower = FollowerJudge(index, addresses[0], secret, tls, wait_s, message_bytes)
 
@@ -222,9 +310,13 @@ class ShardJudging:
         """The verdict on a fragment's closing round (FragmentContext.judge)."""
         stats = stats_of(closing.contributions)
         if self.leader is not None:
+            key = (rounds.index, rounds.round)
+            on_time = [i for i, c in closing.contributions if not c.staleness]
+            self.notices.send(*key, on_time, settled=lambda: key in self.leader.verdicts)
             return self.leader.judge(rounds.index, rounds.round, 0, stats)
         return self.follower.judge(rounds.index, rounds.round, stats, rounds.guard, rounds.label)
 
     def close(self) -> None:
-        if self.follower is not None:
-            self.follower.close()
+        for part in (self.follower, self.notices):
+            if part is not None:
+                part.close()

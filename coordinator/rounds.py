@@ -159,6 +159,16 @@ class Closing:
     waited_s: float = 0.0  # from the round's opening to its close
 
 
+@dataclass(frozen=True)
+class LeaderClose:
+    """On a following shard of several: the leading shard's word that it closed a round of this fragment, with the
+    on-time contributions of these islands (CloseRound, coordinator/judging.py), and when it came."""
+
+    round: int
+    islands: frozenset[str]
+    at: float
+
+
 @dataclass
 class Closed:
     """What the driver learns when a round closed."""
@@ -216,7 +226,7 @@ def round_summary(round_: int, fragment: int, contributions: list, numel: int, c
         train_loss=sum(c.train_loss * c.tokens for _, c in contributions) / tokens if tokens else math.nan,
         eval_loss=math.nan,
         # A ring all-reduce of fp32 gradients every inner step over the same islands (this fragment's share).
-        ddp_bytes=2.0 * (n - 1) * 4 * numel * cfg.inner.steps_per_round,
+        ddp_bytes=2.0 * max(n - 1, 0) * 4 * numel * cfg.inner.steps_per_round,
         fragment=fragment,
         fragments=cfg.streaming.fragments,
         contributions=[pb.IslandContribution(island_id=i, tokens=c.tokens, train_loss=c.train_loss, staleness=c.staleness,
@@ -294,6 +304,9 @@ class FragmentContext:
     # sketches' keys the shards share. None: this process judges alone, with keys only it knows.
     judge: Callable[[FragmentRounds, Closing], Verdict] | None = None
     sketch_secret: bytes | None = None
+    # A following shard: its rounds close when the leading shard closed them (LeaderClose), with the same islands, or
+    # at the deadline when the leader cannot be reached; never on this shard's own view of who pushed.
+    follows_leader: bool = False
 
 
 class Scratch:
@@ -345,6 +358,8 @@ class FragmentRounds:
         self.restored_round: int | None = None
         self.restored_at = self._last_wait_log = 0.0
         self.max_round_seen = 0
+        self.leader_close: LeaderClose | None = None  # a following shard: the leader's latest close of this fragment
+        self.absent: set[str] = set()  # a following shard: islands the leader closed with that never pushed here
 
     @property
     def checksum(self) -> str:
@@ -365,6 +380,7 @@ class FragmentRounds:
             if self.phase is Phase.FINISHED:
                 raise Refused(Reason.RUN_FINISHED, f"the run has finished{' for ' + self.label.strip() if self.label else ''}")
             late = self.lateness(header.round, "is closed")
+            self.absent.discard(header.island_id)
             if header.island_id in self.dropped:
                 raise Refused(Reason.DROPPED, f"{header.island_id} was dropped from {self.label}round {self.round}")
             if header.codec not in self.push_codecs:
@@ -642,6 +658,8 @@ class FragmentRounds:
 
     def close_reason(self) -> str | None:
         """Why the current round may close now, or None. Caller holds cond."""
+        if self.ctx.follows_leader:
+            return self._following_close_reason()
         behind = (self.behind | {i for i, _ in self.late}) - set(self.contributions)  # pushing on time now: waited for
         live = [i for i in self.members.waited_for() if i not in behind]
         overdue = self.clock() - self.round_opened_at > self.cfg.rounds.deadline_s
@@ -660,6 +678,35 @@ class FragmentRounds:
                 log.warning("%sround %d is past its %gs deadline with %d of min_islands=%d contributions; still waiting",
                             self.label, self.round, self.cfg.rounds.deadline_s, len(done), least)
         return reason
+
+    def leader_closed(self, round_: int, islands: list[str]) -> None:
+        """A following shard: the leading shard closed round_ with these islands' on-time contributions."""
+        with self.cond:
+            if self.leader_close is None or round_ >= self.leader_close.round:
+                self.leader_close = LeaderClose(round_, frozenset(islands), self.clock())
+            self.cond.notify_all()
+
+    def _following_close_reason(self) -> str | None:
+        """A following shard's close: once the leader closed this round, when every island it closed with has its
+        contribution whole here too, not waiting for one whose push has not begun here within
+        limits.shard_push_start_s (pushes go to every shard at once: such a member pushed to some shards only, and
+        its contribution is dropped on all of them, coordinator/judging.py); or at the deadline, with what it has,
+        when no word from the leader came (it is down: the shard judges alone). Caller holds cond."""
+        done = {i for i, c in self.contributions.items() if c.state == "complete"}
+        notice = self.leader_close
+        if notice is not None and notice.round == self.round:
+            # A member that did not push here last time gets no grace until it does (begin_push): else it would hold
+            # every round of this shard that long.
+            late_start = self.clock() - notice.at > self.cfg.limits.shard_push_start_s
+            waited = [i for i in notice.islands if i not in self.dropped
+                      and (i in self.contributions or not late_start and i not in self.absent)]
+            if all(i in done for i in waited):
+                self.absent = {i for i in notice.islands if i not in self.contributions}
+                return "the leading shard closed the round"
+        overdue = self.clock() - self.round_opened_at > self.cfg.rounds.deadline_s
+        if overdue and (done or notice is not None and notice.round == self.round):
+            return "deadline"
+        return None
 
     def close(self, poll_s: float = 0.2) -> Closing | None:
         """Waits up to poll_s for the close condition; when it holds, stops taking pushes and returns what to fold."""

@@ -13,7 +13,7 @@ import grpc
 
 from coordinator.audit import NoAudit
 from coordinator.gather import leader_reads_refusal
-from coordinator.judging import MAX_PIECES, LeaderJudge, verdict_proto
+from coordinator.judging import MAX_PIECES, LeaderJudge, close_refusal, verdict_proto
 from coordinator.ledger import lease_bound, ranges_of
 from coordinator.limits import Abandoned, Limits, idle_bounded
 from coordinator.publish import Reading
@@ -429,6 +429,18 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         verdict = self.judges.judge(request.fragment, request.round, request.shard, list(request.contributions),
                                     request.piece, pieces)
         return pb.JudgeResponse() if verdict is None else verdict_proto(verdict)
+
+    @_refusals
+    def CloseRound(self, request: pb.CloseRoundRequest, context) -> pb.CloseRoundResponse:
+        """The leading shard closed a round (coordinator/judging.py CloseNotices): this following shard closes it too."""
+        follower = self.shard is not None and not self.shard.leads
+        why = (close_refusal(self.shard.secret, self.shard.index, request) if follower
+               else "this coordinator is not a following shard")
+        if why is not None:
+            raise Refused(Reason.NOT_YOURS, f"only the coordinator's leading shard may close a following shard's round "
+                          f"(signed with DILOCO_SHARD_SECRET): {why}")
+        self.state.fragment(request.fragment).leader_closed(request.round, list(request.islands))
+        return pb.CloseRoundResponse()
 
     @_refusals
     def WatchRounds(self, request: pb.WatchRequest, context) -> Iterator[pb.RoundSummary]:

@@ -92,8 +92,10 @@ class ShardServices:
         return services
 
     def state_args(self) -> dict:
-        """CoordinatorState's arguments for a shard: the round machines' judge and sketch keys, the leader's followers."""
-        return {"judge": self.judging, "sketch_secret": self.judging.sketch_secret, "followers": self.followers}
+        """CoordinatorState's arguments for a shard: the round machines' judge and sketch keys, the leader's followers,
+        and whether its rounds follow the leader's closes."""
+        return {"judge": self.judging, "sketch_secret": self.judging.sketch_secret, "followers": self.followers,
+                "follows_leader": self.judging.follower is not None}
 
     def evaluators(self, evaluate, tasks, initial, fragments) -> dict:
         """The leader's evaluation and task scores over the whole model (the others' parts read at its fragments'

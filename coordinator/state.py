@@ -73,11 +73,12 @@ class CoordinatorState:
         judge: Callable | None = None,
         sketch_secret: bytes | None = None,
         followers=None,
+        follows_leader: bool = False,
     ):
         """params: the global parameters this process holds (a shard's part of them, docs/sharding.md); layout:
         their fragments (a shard's: ShardMap.restrict), else the run's over params; model: the whole model's manifest
-        and layout, which a shard tells joining islands (default: its own); judge, sketch_secret: a shard's
-        (FragmentContext; coordinator/judging.py); followers: a leading shard's
+        and layout, which a shard tells joining islands (default: its own); judge, sketch_secret, follows_leader: a
+        shard's (FragmentContext; coordinator/judging.py); followers: a leading shard's
         view of the others' rounds (coordinator/gather.py FollowerRounds), which makes its summaries the run's."""
         self.cfg = cfg
         self.codec = uplink_codec(cfg.wire)
@@ -112,7 +113,7 @@ class CoordinatorState:
             run_finished=lambda: self.finished, fragment_of=self._fragment_of, ledger=ledger, codecs=codecs, links=self.links,
             # Every fragment's folds and publications share the cores (threads start on first use, idle between rounds).
             pool=ThreadPoolExecutor(max(1, torch.get_num_threads()), thread_name_prefix="close"),
-            judge=judge, sketch_secret=sketch_secret,
+            judge=judge, sketch_secret=sketch_secret, follows_leader=follows_leader,
         )
         self.fragments = [FragmentRounds(ctx, f.index, self.layout.subset(f.index, params)) for f in self.layout]
         # The published parameters of every fragment, in manifest order (the same tensors).

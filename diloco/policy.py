@@ -45,6 +45,11 @@ class LimitsConfig:
     # round to rounds.deadline_s. Beyond: STREAM_IDLE. 1 Mbit/s per stream is a 64-rank island behind a 0.1 Gbit/s
     # link; lower it for more ranks behind a slower one. 0: no floor.
     push_floor_mbps: float = 1.0
+    # A coordinator of several shards: once the leading shard closed a round with an island's contribution, a
+    # following shard waits this long for that island's push to begin there (islands push to every shard at once);
+    # one that does not begin is dropped on every shard (a contribution is whole on all or none), and is not waited
+    # for again until it pushes there.
+    shard_push_start_s: float = 10.0
     # Heartbeats an island may send per rounds.heartbeat_s, per declared rank (bursts of twice that):
     # islands send one. Beyond: RATE_LIMITED.
     heartbeats_per_interval: float = 4.0

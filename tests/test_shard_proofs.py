@@ -81,3 +81,29 @@ def test_a_captured_judge_proof_neither_carries_a_forged_body_nor_outlives_its_t
                 pb_grpc.CoordinatorStub(channel).Judge(request, timeout=30)
             assert refusal_of(refused.value).reason == Reason.NOT_YOURS and why in refused.value.details()
         assert not judge.parts and not judge.verdicts and not judge.pieces
+
+
+@pytest.mark.integration
+def test_only_the_leaders_signed_close_reaches_a_follower(tmp_path):
+    """CloseRound makes a follower close a round without the islands it did not name: only the leading shard may call
+    it, signed for that follower and that body; the leader itself and a one-process coordinator take none."""
+    from coordinator.judging import close_proof
+
+    cfg = tiny_config()
+    with coordinator_of(cfg, 2, tmp_path / "k2") as (leader, follower), coordinator_of(cfg, 0, tmp_path / "k0") as (alone,):
+        secret = leader.shard_services.judging.leader.secret
+        good = pb.CloseRoundRequest(fragment=0, round=0, islands=["island-0"])
+        good.proof = close_proof(secret, 1, good)
+        widened = pb.CloseRoundRequest(fragment=0, round=0, islands=[], proof=good.proof)  # the captured proof, another body
+        to_shard_2 = pb.CloseRoundRequest(fragment=0, round=0, islands=["island-0"])
+        to_shard_2.proof = close_proof(secret, 2, to_shard_2)
+        for target, request in ((follower, widened), (follower, to_shard_2), (follower, pb.CloseRoundRequest()),
+                                (leader, good), (alone, good)):
+            with grpc.insecure_channel(f"127.0.0.1:{target.port}") as channel, pytest.raises(grpc.RpcError) as refused:
+                # wait_for_ready: the leader's own channel to the follower, opened before it listened, may be in backoff
+                pb_grpc.CoordinatorStub(channel).CloseRound(request, timeout=30, wait_for_ready=True)
+            assert refusal_of(refused.value).reason == Reason.NOT_YOURS
+        assert follower.state.fragments[0].leader_close is None
+        with grpc.insecure_channel(f"127.0.0.1:{follower.port}") as channel:
+            pb_grpc.CoordinatorStub(channel).CloseRound(good, timeout=30, wait_for_ready=True)
+        assert follower.state.fragments[0].leader_close.islands == {"island-0"}

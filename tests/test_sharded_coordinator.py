@@ -170,6 +170,57 @@ def test_with_three_islands_the_shards_direction_sketches_add_up_to_every_contri
         assert_same_run(run(cfg, shards, tmp_path, islands=3), reference, cfg, shards)
         assert judged == [(3, 3)] * cfg.rounds.rounds, f"K = {shards}: {judged}"
 
+def test_a_member_pushing_to_the_leader_only_is_folded_on_no_shard_and_holds_no_round(tmp_path, monkeypatch):
+    """A member holding a valid key that pushes its part to the leading shard and never to the follower: the follower
+    closes each round when the leader did (CloseRound), not at its deadline, and the contribution, whole on one shard
+    only, is dropped on both, so the shards' parameters stay the ones a run of the honest islands alone gives."""
+    from islands.island import Island
+    from islands.sharded import ShardedClient
+    from diloco.shardmap import split_checksum
+    from diloco.v1 import diloco_pb2 as pb
+
+    real_push = ShardedClient.push
+
+    def leader_only(self, header, chunks):
+        if header.island_id != "island-2":
+            return real_push(self, header, chunks)
+        own = pb.PushHeader()
+        own.CopyFrom(header)
+        own.global_checksum = split_checksum(header.global_checksum, self.map.shards)[0]
+        return self.leader.push(own, chunks.only(frozenset(self.map.names(0))))
+
+    real_run = Island.run
+
+    def run_island(self):
+        # The attacker, idle on the follower, is removed from it and ends refused there (NOT_FOUND): the test is
+        # about the honest islands and the shards.
+        try:
+            return real_run(self)
+        except grpc.RpcError:
+            if self.island_id != "island-2":
+                raise
+
+    monkeypatch.setattr(ShardedClient, "push", leader_only)
+    monkeypatch.setattr(Island, "run", run_island)
+    # A deadline no round may reach in the test (a round here takes well under a second): hitting it fails the test.
+    cfg = tiny_config("rounds.rounds=4", "rounds.min_islands=2", "rounds.deadline_s=120")
+    reference = run(cfg, 0, tmp_path / "honest")  # the two honest islands alone
+    with coordinator_of(cfg, 2, tmp_path / "k2") as running:
+        specs = [ReplicaSpec(0, 1, f"island-{i}") for i in range(3)]
+        with islands_on_threads(running, cfg, specs) as (_, results):
+            pass
+        assert all(c.wait(60) for c in running), "a shard did not finish"
+        reasons = [f.last_close_reason for c in running for f in c.state.fragments]
+        summaries = running[0].state.summaries
+        params = {n: t for c in running for n, t in c.state.params.items()}
+    assert reasons == ["every live island contributed", "the leading shard closed the round"], reasons
+    assert all("island-2" in s.dropped and "island-2" not in s.islands for s in summaries), [list(s.dropped) for s in summaries]
+    assert all(s.seconds < cfg.rounds.deadline_s for s in summaries)
+    for name, t in reference["params"].items():
+        assert torch.equal(params[name], t), f"{name}: a shard folded the partial contribution"
+    assert [results[i].checksum_matches for i in (0, 1)] == [True, True], results
+
+
 def test_shards_on_a_token_corpus_each_take_the_corpuss_vocabulary_and_admit_the_island(tmp_path):
     """model.vocab_size = 0 takes the corpus's vocabulary: every shard resolves it, not only the leader that keeps the
     ledger, so every shard serves the same model and config digest and a follower does not refuse the island."""

@@ -112,6 +112,26 @@ def test_the_leader_judges_the_shards_parts_as_one_coordinator_judges_the_whole(
     assert sharded.reference == whole.reference and math.isfinite(whole.reference)
 
 
+def test_a_contribution_missing_from_one_shards_part_is_dropped_on_every_shard_unjudged():
+    """Whole on every shard or on none: a member that pushed to some shards only is dropped (factor 0) in the verdict
+    every shard folds by, and the others are judged as if it had never pushed; a follower whose part reached the
+    leader after it judged drops what that verdict does not name."""
+    from coordinator.judging import judge_stats, unjudged_dropped
+    from diloco.config import RobustConfig
+    from diloco.robust import NormGuard, Verdict
+
+    stats, owner = _contribution_stats()
+    parts = [stats(lambda n, s=s: owner[n] == s) for s in range(3)]
+    honest = judge_stats(NormGuard(RobustConfig()), [[c for c in p if c.key != "island-0"] for p in parts], "")
+    parts[2] = [c for c in parts[2] if c.key != "island-0"]  # island-0 never pushed to shard 2
+    verdict = judge_stats(NormGuard(RobustConfig()), parts, "")
+    assert verdict.factors["island-0"] == 0.0 and "island-0" in verdict.dropped
+    assert {k: f for k, f in verdict.factors.items() if k != "island-0"} == honest.factors
+    assert verdict.reference == honest.reference
+    late = unjudged_dropped(Verdict({"island-1": 1.0}), stats(lambda n: owner[n] == 1)[:2])
+    assert late.factors == {"island-1": 1.0, "island-0": 0.0} and late.dropped == ["island-0"]
+
+
 def test_a_shards_part_too_large_for_one_message_goes_in_pieces_and_is_judged_as_the_whole():
     """Six sketches (128 KiB each) exceed the leader's message limit: the follower cuts its part into pieces that fit,
     the leader answers all but the last at once and judges when every shard's last piece is in."""

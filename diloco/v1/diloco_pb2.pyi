@@ -580,3 +580,19 @@ class JudgeResponse(_message.Message):
     dropped: _containers.RepeatedScalarFieldContainer[str]
     reference: float
     def __init__(self, factors: _Optional[_Mapping[str, float]] = ..., clipped: _Optional[_Iterable[str]] = ..., dropped: _Optional[_Iterable[str]] = ..., reference: _Optional[float] = ...) -> None: ...
+
+class CloseRoundRequest(_message.Message):
+    __slots__ = ("fragment", "round", "islands", "proof")
+    FRAGMENT_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    ISLANDS_FIELD_NUMBER: _ClassVar[int]
+    PROOF_FIELD_NUMBER: _ClassVar[int]
+    fragment: int
+    round: int
+    islands: _containers.RepeatedScalarFieldContainer[str]
+    proof: str
+    def __init__(self, fragment: _Optional[int] = ..., round: _Optional[int] = ..., islands: _Optional[_Iterable[str]] = ..., proof: _Optional[str] = ...) -> None: ...
+
+class CloseRoundResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...

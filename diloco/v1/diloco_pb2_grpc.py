@@ -79,6 +79,11 @@ class CoordinatorStub:
                 request_serializer=diloco_dot_v1_dot_diloco__pb2.JudgeRequest.SerializeToString,
                 response_deserializer=diloco_dot_v1_dot_diloco__pb2.JudgeResponse.FromString,
                 _registered_method=True)
+        self.CloseRound = channel.unary_unary(
+                '/diloco.v1.Coordinator/CloseRound',
+                request_serializer=diloco_dot_v1_dot_diloco__pb2.CloseRoundRequest.SerializeToString,
+                response_deserializer=diloco_dot_v1_dot_diloco__pb2.CloseRoundResponse.FromString,
+                _registered_method=True)
 
 
 class CoordinatorServicer:
@@ -155,6 +160,17 @@ class CoordinatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def CloseRound(self, request, context):
+        """A coordinator of several shards: the leading shard tells each following
+        shard that a fragment's round closed on it, and with whose contributions,
+        so that the follower closes the same round with the same islands instead
+        of waiting for its deadline (a contribution is whole on every shard or on
+        none: coordinator/judging.py).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CoordinatorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -202,6 +218,11 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.Judge,
                     request_deserializer=diloco_dot_v1_dot_diloco__pb2.JudgeRequest.FromString,
                     response_serializer=diloco_dot_v1_dot_diloco__pb2.JudgeResponse.SerializeToString,
+            ),
+            'CloseRound': grpc.unary_unary_rpc_method_handler(
+                    servicer.CloseRound,
+                    request_deserializer=diloco_dot_v1_dot_diloco__pb2.CloseRoundRequest.FromString,
+                    response_serializer=diloco_dot_v1_dot_diloco__pb2.CloseRoundResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -447,6 +468,33 @@ class Coordinator:
             '/diloco.v1.Coordinator/Judge',
             diloco_dot_v1_dot_diloco__pb2.JudgeRequest.SerializeToString,
             diloco_dot_v1_dot_diloco__pb2.JudgeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CloseRound(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/diloco.v1.Coordinator/CloseRound',
+            diloco_dot_v1_dot_diloco__pb2.CloseRoundRequest.SerializeToString,
+            diloco_dot_v1_dot_diloco__pb2.CloseRoundResponse.FromString,
             options,
             channel_credentials,
             insecure,
