@@ -89,6 +89,7 @@ from coordinator.links import LinkAdvisor
 from coordinator.membership import Membership, canonical_order
 from coordinator.publish import DeltaStream, Publication, Reading, step_and_publish
 from coordinator.spool import Spool, SpoolCorrupt, SpooledChunk, Spools
+from coordinator.stragglers import PushPace
 from diloco.wire.codec import Codec
 from diloco.config import RunConfig
 from diloco.inner import inner_lr
@@ -360,6 +361,8 @@ class FragmentRounds:
         self.max_round_seen = 0
         self.leader_close: LeaderClose | None = None  # a following shard: the leader's latest close of this fragment
         self.absent: set[str] = set()  # a following shard: islands the leader closed with that never pushed here
+        self.pace = PushPace(cfg.limits.push_pace_factor, cfg.limits.push_idle_s)  # pushes still arriving: waited for?
+        self._slow_logged: set[tuple[str, int]] = set()
 
     @property
     def checksum(self) -> str:
@@ -462,7 +465,7 @@ class FragmentRounds:
                 ranges.append((chunk.name, chunk.offset, chunk.numel, sumsq))
                 size = framed_size(chunk, len(payload))
                 received += size
-                self._count(header.round, header.island_id, up=size)
+                self._count(header.round, header.island_id, up=size, elements=chunk.numel)
             if self.ctx.links is not None:  # what this island's link delivers (compression per link)
                 self.ctx.links.observe(header.island_id, received, time.monotonic() - started)
             return self._attach(header, spool, ranges, codec, sketch)
@@ -520,6 +523,7 @@ class FragmentRounds:
             if trial.problem():  # more streams of this island's contribution are still to come
                 return response
             contribution.state, response.contribution_complete = "complete", True
+            self.pace.whole(header.island_id, header.round, self.clock())
             self.members.pushed(header.island_id)
             log.info("%sround %d: %s contributed %d tokens%s", self.label, header.round, header.island_id, header.tokens,
                      f", {late} round(s) late: folded into round {self.round}" if late else "")
@@ -557,11 +561,13 @@ class FragmentRounds:
             for spool in self.late.pop(key).spools:
                 spool.discard()
 
-    def _count(self, round_: int, island_id: str, up: int = 0, down: int = 0) -> None:
+    def _count(self, round_: int, island_id: str, up: int = 0, down: int = 0, elements: int = 0) -> None:
         with self.cond:
             entry = self.traffic.setdefault((round_, island_id), [0, 0])
             entry[0] += up
             entry[1] += down
+            if elements:
+                self.pace.arrived(island_id, round_, elements, self.clock())
 
     def count_down(self, round_: int, island_id: str, n: int) -> None:
         self._count(round_, island_id, down=n)
@@ -666,7 +672,10 @@ class FragmentRounds:
         done = [i for i, c in self.contributions.items() if c.state == "complete"]
         quorum = min(self.guard.quorum(), self.cfg.rounds.max_islands)  # the first outer step's (diloco/robust.py)
         least = max(self.cfg.rounds.min_islands, quorum)
-        reason = close_reason(done, live, self.dropped, overdue, least, self.cfg.rounds.max_islands)
+        slow = self._too_slow(live, done) if len(done) >= least else {}
+        reason = close_reason(done, [i for i in live if i not in slow], self.dropped, overdue, least, self.cfg.rounds.max_islands)
+        if reason is not None and slow:
+            reason = f"every other live island contributed; {', '.join(sorted(slow))} pushing too slowly to wait for"
         if reason is None and done and self.clock() - self._last_wait_log > 10:
             if len(done) < quorum and self.cfg.rounds.min_islands < quorum:
                 self._last_wait_log = self.clock()
@@ -678,6 +687,21 @@ class FragmentRounds:
                 log.warning("%sround %d is past its %gs deadline with %d of min_islands=%d contributions; still waiting",
                             self.label, self.round, self.cfg.rounds.deadline_s, len(done), least)
         return reason
+
+    def _too_slow(self, live: list[str], done: list[str]) -> dict[str, float]:
+        """The live islands still pushing this round whose own pace says they would hold it far beyond the others'
+        (coordinator/stragglers.py); each logged once a round. Caller holds cond."""
+        pending = [i for i in live if i not in done and i not in self.dropped]
+        if not pending:
+            return {}
+        slow = self.pace.too_slow(self.round, pending, done, self.manifest.total_numel(), self.clock())
+        for island, left in slow.items():
+            if (island, self.round) not in self._slow_logged:
+                self._slow_logged.add((island, self.round))
+                log.warning("%sround %d: %s's push would take %s more at its own pace, beyond limits.push_pace_factor=%g "
+                            "times the others' (+ push_idle_s); the round does not wait for it", self.label, self.round,
+                            island, "forever" if math.isinf(left) else f"{left:.0f} s", self.cfg.limits.push_pace_factor)
+        return slow
 
     def leader_closed(self, round_: int, islands: list[str]) -> None:
         """A following shard: the leading shard closed round_ with these islands' on-time contributions."""
@@ -841,6 +865,8 @@ class FragmentRounds:
                 self.accumulator.reset()
                 self.dropped.clear()
                 self.round += 1
+                self.pace.forget_before(self.round)
+                self._slow_logged = {k for k in self._slow_logged if k[1] >= self.round}
                 self.round_opened_at = self.clock()
                 self.published = {r: c for r, c in self.published.items() if r >= self.round - self.cfg.rounds.late_rounds}
                 self.published[self.round] = self.checksum

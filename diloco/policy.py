@@ -50,6 +50,12 @@ class LimitsConfig:
     # one that does not begin is dropped on every shard (a contribution is whole on all or none), and is not waited
     # for again until it pushes there.
     shard_push_start_s: float = 10.0
+    # Once every other island a round waits for is in, a push still arriving is waited for only while its own pace
+    # (elements since its first chunk) says it is whole within this many times the median time the others' pushes
+    # took, plus push_idle_s (coordinator/stragglers.py): a member pushing just above push_floor_mbps would otherwise
+    # hold a large model's round for hours. A slower link is brought back to pace by wire.link_codecs, or folded
+    # late (rounds.late_rounds). 0: waited for up to rounds.deadline_s.
+    push_pace_factor: float = 4.0
     # Heartbeats an island may send per rounds.heartbeat_s, per declared rank (bursts of twice that):
     # islands send one. Beyond: RATE_LIMITED.
     heartbeats_per_interval: float = 4.0

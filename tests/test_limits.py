@@ -127,6 +127,46 @@ def test_a_member_trickling_its_push_just_inside_the_idle_bound_does_not_hold_th
 
 
 @pytest.mark.integration
+def test_a_member_pushing_above_the_floor_but_far_slower_than_the_others_does_not_hold_the_round(make_coordinator, channel_to):
+    """The attacker keeps above limits.push_floor_mbps (a large model's push at just over 1 Mbit/s takes hours; here
+    the floor is lowered so that the tiny model's trickle stays above it, and push_idle_s raised past its 2 s between
+    chunks so that the idle bound does not cut it): once the two honest islands are in, its own pace says it would
+    take far longer than push_pace_factor times theirs, and the round closes without it, its stream still open."""
+    cfg = tiny_config("limits.push_floor_mbps=0.001", "limits.push_idle_s=3", "rounds.min_islands=2",
+                      "rounds.deadline_s=600", "limits.idle_rounds=0")  # the attacker, which never contributes, stays a member
+    coordinator = make_coordinator(cfg)
+    stub = channel_to(coordinator)
+    east, west, mallory = _join(stub, island_key="east"), _join(stub, island_key="west"), _join(stub, island_key="mallory")
+    chunks = _chunks(coordinator)
+    assert len(chunks) >= 10
+    stop, sent = threading.Event(), []
+
+    def trickles():
+        yield pb.PushMessage(header=_header(coordinator, mallory))
+        for chunk in chunks:
+            sent.append(chunk)
+            yield pb.PushMessage(chunk=chunk)
+            if stop.wait(2.0):
+                return
+        stop.wait(120)
+
+    attack = stub.PushPseudoGradient.future(trickles(), timeout=120)
+    try:
+        for seed, island in enumerate((east, west), start=1):
+            reply = stub.PushPseudoGradient(push_messages(_header(coordinator, island), _chunks(coordinator, seed)), timeout=60)
+            assert reply.contribution_complete
+        wait_for_round(coordinator, 0, timeout_s=60)
+        at_close = len(sent)
+    finally:
+        stop.set()
+    assert at_close < len(chunks), "the round waited for the whole trickle"
+    summary = coordinator.state.summaries[0]
+    assert sorted(summary.islands) == sorted([east, west])
+    assert "pushing too slowly" in coordinator.state.fragments[0].last_close_reason
+    assert attack.exception(60) is not None  # its stream, ended by the test, was not taken
+
+
+@pytest.mark.integration
 def test_heartbeats_beyond_the_rate_are_refused(make_coordinator, channel_to):
     # heartbeat_s so long that no token comes back during the test: the bound is the burst, 2 x 4 x 1 rank.
     coordinator = make_coordinator(tiny_config("rounds.heartbeat_s=10000", "rounds.lease_s=100000"))
