@@ -8,6 +8,10 @@ fragments, tau = 1), 2 islands, once undisturbed and once per kind of kill:
   from its own checkpoint (every round);
 - coordinator: the coordinator SIGKILLed two rounds after its last checkpoint
   (checkpoint.every_rounds = 4), so its islands are ahead of it when it is back;
+- shard (against "sharded": the same run on a coordinator of 2 shards, `serve
+  --shards 2`, undisturbed): the following shard SIGKILLed once it checkpointed
+  a round; its launcher starts it again with --resume and it resumes at the round
+  the leader is in;
 - launcher (with --launcher, against "fsdp": the same layout undisturbed): island 1
   is a 2-rank FSDP island; its launcher (the
   `diloco-island join --nproc-per-node 2` process a user starts) is SIGKILLed and
@@ -25,7 +29,7 @@ coordinator's ledger on, and each row also gives the ledger's account: tokens
 leased, lost (trained for a round that was then discarded, or leased and never
 trained: the work a kill cost) and handed back untrained.
 
-    python -m benchmarks.faults [--rounds 8] [--launcher] [--tokens TEXT]
+    python -m benchmarks.faults [--rounds 8] [--kinds none,island,coordinator,shard] [--launcher] [--tokens TEXT]
 
 --launcher starts torchrun, whose store binds every interface: run it in a
 network namespace with only loopback, as the tests do (README, results table).
@@ -42,8 +46,9 @@ from pathlib import Path
 from diloco.config import RunConfig, load_config
 from islands.sim.simulation import Simulation
 
-KINDS = ("none", "island", "coordinator", "fsdp", "launcher")
-BASELINE = {"island": "none", "coordinator": "none", "launcher": "fsdp"}  # the undisturbed run of the same layout
+KINDS = ("none", "island", "coordinator", "sharded", "shard", "fsdp", "launcher")
+# The undisturbed run of the same layout.
+BASELINE = {"island": "none", "coordinator": "none", "shard": "sharded", "launcher": "fsdp"}
 
 
 def config(rounds: int, kind: str, corpus: str = "") -> RunConfig:
@@ -67,23 +72,31 @@ def prepare_corpus(text: str, out: Path) -> str:
 def run(kind: str, rounds: int, workdir: Path, corpus: str = "", timeout_s: float = 900) -> dict:
     cfg = config(rounds, kind, corpus)
     island_args = {1: ["--nproc-per-node", "2"]} if kind in ("fsdp", "launcher") else None
-    sim = Simulation(cfg, 2, workdir, checkpoints=True, island_args=island_args)
+    shards = 2 if kind in ("sharded", "shard") else 1
+    sim = Simulation(cfg, 2, workdir, checkpoints=True, island_args=island_args, coordinator_shards=shards)
     kill_at = 5 if kind == "coordinator" else rounds // 2  # the coordinator's checkpoint holds rounds 0-3
-    killed_at = None
+    killed_at, closed = None, 0
     try:
         sim.start()
         for summary in sim.watch(timeout_s):
-            if kind in BASELINE and killed_at is None and summary.fragment == 0 and summary.round == kill_at:
+            closed += 1
+            # A shard is killed once it checkpointed a step (every P fragment rounds): as many rounds closed as that.
+            due = closed == kill_at * cfg.streaming.fragments if kind == "shard" else summary.fragment == 0 and summary.round == kill_at
+            if kind in BASELINE and killed_at is None and due:
                 killed_at = time.monotonic()
                 if kind == "coordinator":
                     sim.kill_coordinator()
                     sim.start_coordinator(resume=True)
+                elif kind == "shard":
+                    sim.kill_coordinator_shard(1, after_step=closed)
                 else:
                     sim.kill_island(1)  # the launcher, for an FSDP island: its ranks die with it
                     sim.start_island(1, resume=True)
         result = sim.finish(timeout_s)
     finally:
         sim.close()
+    if kind in BASELINE and killed_at is None:
+        raise RuntimeError(f"{kind}: the run ended before its kill was due (round {kill_at}); give it more --rounds")
     report = result.report
     folded = {f: sum(r["tokens"] for r in report["rounds"] if r["fragment"] == f) for f in range(cfg.streaming.fragments)}
     return {
@@ -105,7 +118,7 @@ def main() -> None:
     kinds = [k for k in args.kinds.split(",") if k] + (["launcher"] if args.launcher else [])
     if args.rounds < 8 or any(k not in KINDS for k in kinds):
         p.error(f"--rounds must be at least 8 and --kinds of {', '.join(KINDS)}")
-    kinds = [b for b in ("none", "fsdp") if b in kinds or any(BASELINE.get(k) == b for k in kinds)] + \
+    kinds = [b for b in ("none", "sharded", "fsdp") if b in kinds or any(BASELINE.get(k) == b for k in kinds)] + \
             [k for k in kinds if k in BASELINE]
     rows = {}
     if args.tokens and not Path(args.tokens).is_file():

@@ -6,6 +6,12 @@ Each child is the same command with `--shard I` and the shards' addresses
 appended (argparse takes an option's last value), on port P+I, with a secret the
 shards share in its environment. Across machines the launcher is the field's
 (torchrun, SLURM, a StatefulSet; docs/sharding.md), never this.
+
+With --checkpoint, a shard killed by a signal (the OOM killer, a crash, an
+operator's SIGKILL) is started again with --resume, at most MAX_RESTARTS times
+in a run, as torchrun restarts a rank: the others keep serving and it resumes at
+the round they are in. A shard that exits with an error of its own stops the
+rest (a restart would meet the same error), and so does the launcher's own stop.
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ from diloco.cli.lifetime import child_dies_with
 log = logging.getLogger(__name__)
 
 SECRET_ENV = "DILOCO_SHARD_SECRET"  # hex; made by `serve --shards K`, handed to remote shards by their launcher
+MAX_RESTARTS = 3  # restarts of killed shards in one run, all shards together
 
 _WILDCARD = ("", "0.0.0.0", "::")
 
@@ -72,8 +79,9 @@ def launch_local_shards(argv: list[str], args) -> int:
     scratch = Path(tempfile.mkdtemp(prefix="diloco-shards-"))
     children = []
     dies_with_us = child_dies_with(os.getpid())  # a launcher SIGKILLed (diloco-sim ending a failed run) takes its shards
-    for i, port in enumerate(ports):
-        extra = ["--shard", str(i), "--shard-addresses", addresses, "--port", str(port),
+
+    def spawn(i: int, resume: bool = False) -> subprocess.Popen:
+        extra = ["--shard", str(i), "--shard-addresses", addresses, "--port", str(ports[i]),
                  "--port-file", str(scratch / f"port-{i}")]
         if args.http_port > 0:
             extra += ["--http-port", str(args.http_port + i)]
@@ -81,11 +89,17 @@ def launch_local_shards(argv: list[str], args) -> int:
             extra += ["--http-port-file", str(scratch / f"http-{i}")]
         if args.report:  # each shard's part; the run's report is put together from them at the end (write_run_report)
             extra += ["--report", shard_report(args.report, i)]
-        children.append(subprocess.Popen([sys.executable, "-m", "coordinator", *argv, *extra], env=env, preexec_fn=dies_with_us))
+        if resume:
+            extra.append("--resume")
+        return subprocess.Popen([sys.executable, "-m", "coordinator", *argv, *extra], env=env, preexec_fn=dies_with_us)
+
+    children.extend(spawn(i) for i in range(count))
     log.info("started %d coordinator shards at %s", count, addresses)
-    stop = _forward_signals(children)
+    stopping: list[int] = []  # the signal the launcher was stopped with: its shards' deaths are not restarted then
+    stop = _forward_signals(children, stopping)
+    restart = (lambda i: spawn(i, resume=True)) if args.checkpoint else None
     try:
-        code = _wait(children, scratch, args.port_file, count, addresses)
+        code = _wait(children, scratch, args.port_file, count, addresses, restart, stopping)
     finally:
         stop()
         for child in children:
@@ -129,10 +143,19 @@ def write_run_report(path: str, count: int) -> None:
     Path(path).write_text(json.dumps(merged_report([json.loads(p.read_text()) for p in parts]), indent=2))
 
 
-def _wait(children: list[subprocess.Popen], scratch: Path, port_file: str | None, count: int, addresses: str) -> int:
-    told = False
+def _wait(children: list[subprocess.Popen], scratch: Path, port_file: str | None, count: int, addresses: str,
+          restart=None, stopping: list[int] = ()) -> int:
+    """Waits for every shard; restart(i): shard i started again with --resume (None: a killed shard stops the rest)."""
+    told, restarts = False, MAX_RESTARTS
     while True:
         codes = [c.poll() for c in children]
+        for i, c in enumerate(codes):
+            if c is not None and c < 0 and restart is not None and restarts and not stopping:
+                restarts -= 1
+                log.warning("coordinator shard %d was killed (signal %d); starting it again with --resume (%d restart(s) "
+                            "left)", i, -c, restarts)
+                children[i] = restart(i)
+                codes[i] = None
         failed = [c for c in codes if c not in (None, 0)]
         if failed:
             return max(failed)
@@ -146,8 +169,9 @@ def _wait(children: list[subprocess.Popen], scratch: Path, port_file: str | None
         time.sleep(0.2)
 
 
-def _forward_signals(children: list[subprocess.Popen]):
+def _forward_signals(children: list[subprocess.Popen], stopping: list[int]):
     def forward(signum, frame):
+        stopping.append(signum)
         for child in children:
             if child.poll() is None:
                 child.send_signal(signum)

@@ -346,15 +346,15 @@ def running(pid: int) -> bool:
 
 
 @contextmanager
-def serving_shards(cfg, workdir, shards: int = 2):
-    """`diloco-coordinator serve --shards K` as a process, once every shard serves; yields it and its log (every
-    shard's output). Everything it started is killed at the end."""
+def serving_shards(cfg, workdir, shards: int = 2, *flags: str):
+    """`diloco-coordinator serve --shards K [flags]` as a process, once every shard serves; yields it and its log
+    (every shard's output). Everything it started is killed at the end."""
     config, port_file, log_path = workdir / "run.toml", workdir / "port", workdir / "launcher.log"
     config.write_text(cfg.to_toml())
     with open(log_path, "w") as out:
         launcher = subprocess.Popen([sys.executable, "-m", "coordinator", "serve", "--config", str(config), "--host",
                                      "127.0.0.1", "--port", "0", "--port-file", str(port_file), "--http-port", "-1",
-                                     "--shards", str(shards)], env=dict(os.environ, PYTHONUNBUFFERED="1"), stdout=out,
+                                     "--shards", str(shards), *flags], env=dict(os.environ, PYTHONUNBUFFERED="1"), stdout=out,
                                     stderr=subprocess.STDOUT)
     children: list[int] = []
     try:
@@ -369,7 +369,7 @@ def serving_shards(cfg, workdir, shards: int = 2):
         if launcher.poll() is None:
             launcher.kill()
             launcher.wait(30)
-        for pid in filter(running, children):
+        for pid in filter(running, children + children_of(launcher.pid)):
             os.kill(pid, signal.SIGKILL)
 
 
@@ -385,6 +385,38 @@ def test_the_shards_of_a_sigkilled_serve_shards_k_launcher_die_with_it(tmp_path)
         while any(map(running, shards)) and time.monotonic() < deadline:
             time.sleep(0.1)
         assert not any(map(running, shards)), "a shard outlived its SIGKILLed launcher"
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc for the launcher's children")
+def test_a_shard_killed_under_serve_shards_k_with_checkpoints_is_started_again_with_resume(tmp_path):
+    """With --checkpoint, a shard SIGKILLed (the OOM killer, a crash) is started again with --resume and the others
+    keep serving, as torchrun restarts a rank; without a checkpoint to resume from, a killed shard stops the rest."""
+    with serving_shards(tiny_config(), tmp_path, 2, "--checkpoint", str(tmp_path / "ckpt")) as (launcher, log_path):
+        before = {shard_of(p): p for p in children_of(launcher.pid)}
+        os.kill(before[1], signal.SIGKILL)
+        deadline = time.monotonic() + 120
+        while "coordinator shard 1 of 2 serving" not in log_path.read_text().partition("was killed")[2]:
+            assert launcher.poll() is None and time.monotonic() < deadline, log_path.read_text()
+            time.sleep(0.1)
+        after = {shard_of(p): p for p in children_of(launcher.pid)}
+        assert after[0] == before[0] and after[1] != before[1] and all(map(running, after.values()))
+        assert "--resume" in open(f"/proc/{after[1]}/cmdline").read().split("\0")
+        assert "coordinator shard 1 was killed (signal 9); starting it again with --resume" in log_path.read_text()
+    (tmp_path / "plain").mkdir()
+    with serving_shards(tiny_config(), tmp_path / "plain", 2) as (launcher, log_path):
+        os.kill({shard_of(p): p for p in children_of(launcher.pid)}[1], signal.SIGKILL)
+        assert launcher.wait(120) != 0, log_path.read_text()
+        assert "starting it again" not in log_path.read_text()
+
+
+def shard_of(pid: int) -> int | None:
+    """The --shard I a shard process runs as (the last one given: argparse takes it); None for another process."""
+    try:
+        args = open(f"/proc/{pid}/cmdline").read().split("\0")
+    except OSError:
+        return None
+    at = [k for k, a in enumerate(args) if a == "--shard"]
+    return int(args[at[-1] + 1]) if at else None
 
 
 def test_each_shard_of_serve_shards_k_names_itself_in_its_log_lines(tmp_path):

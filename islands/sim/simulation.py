@@ -250,6 +250,23 @@ class Simulation:
         self.coordinator.send_signal(signal.SIGKILL)
         self.coordinator.wait()
 
+    def kill_coordinator_shard(self, shard: int, after_step: int, timeout_s: float = 120) -> None:
+        """SIGKILLs shard `shard` of the `serve --shards K` coordinator once it committed checkpoint after_step or a
+        later one (so it resumes at the round the others are in); its launcher starts it again with --resume
+        (coordinator/launch.py)."""
+        steps = Path(self.checkpoint_url) / f"shard-{shard}-of-{self.coordinator_shards}"
+
+        def newest() -> int:
+            return max((int(d.name[5:]) for d in steps.glob("step-*") if (d / "COMMITTED").exists()), default=-1)
+
+        deadline = time.monotonic() + timeout_s
+        while newest() < after_step:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"coordinator shard {shard} did not commit step {after_step} within {timeout_s:.0f}s")
+            time.sleep(0.01)
+        (pid,) = [p for p in _children(self.coordinator.pid) if _shard_index(p) == shard]
+        os.kill(pid, signal.SIGKILL)
+
     def watch(self, timeout_s: float) -> Iterator[pb.RoundSummary]:
         """Round summaries until the run finishes, across coordinator restarts. Raises RuntimeError as soon as an
         island exits with an error of its own (failed_island), rather than waiting out the timeout for it."""
@@ -326,6 +343,30 @@ class Simulation:
                 p.wait()
         for link in self.links.values():
             link.stop()
+
+
+def _children(pid: int) -> list[int]:
+    """The processes whose parent is pid (Linux /proc)."""
+    found = []
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
+                    found.append(int(entry))
+        except (OSError, ValueError, IndexError):
+            pass  # gone meanwhile
+    return found
+
+
+def _shard_index(pid: int) -> int | None:
+    """The --shard I a coordinator shard process was started with (its last one: argparse takes the last)."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            args = f.read().decode().split("\0")
+    except OSError:
+        return None
+    at = [k for k, a in enumerate(args) if a == "--shard"]
+    return int(args[at[-1] + 1]) if at else None
 
 
 def run_sim(
