@@ -42,6 +42,7 @@ def snapshot(state: CoordinatorState) -> tuple[dict, dict]:
             "fragment_rounds": [f["round"] for f in fragments],
             "fragment_checksums": [f.checksum for f in state.fragments],
             "fragment_last": [f["last"] for f in fragments],
+            "fragment_guards": [f["guard"] for f in fragments],  # the norm guard's history: it judges on after a resume
             "finished": state.finished,
             **state.members.state_dict(),
             "summaries": [json_format.MessageToDict(s) for s in state.summaries],
@@ -86,10 +87,11 @@ def restore(state: CoordinatorState, store: CheckpointStore, step: int | None = 
         for name, t in tensors["outer_params"].items():
             outer_params[name].copy_(t)
     last = meta.get("fragment_last") or [[0, 0]] * len(fragments)
-    for f, optimizer, round_, islands_tokens in zip(fragments, optimizers, rounds, last):
+    guards = meta.get("fragment_guards") or [{}] * len(fragments)  # none in a checkpoint written before they were kept
+    for f, optimizer, round_, islands_tokens, guard in zip(fragments, optimizers, rounds, last, guards):
         published = {n: t for n, t in tensors["published"].items() if n in f.manifest.shapes}
-        f.load_state_dict({"round": round_, "last": list(islands_tokens), "outer": optimizer, "published": published},
-                          finished=meta["finished"])
+        f.load_state_dict({"round": round_, "last": list(islands_tokens), "outer": optimizer, "published": published,
+                           "guard": guard}, finished=meta["finished"])
     if state.checksum != meta["checksum"]:
         raise ValueError(f"checkpoint at {store.url} round {meta['round']} does not reproduce its own checksum")
     state.members.load_state_dict(meta)

@@ -122,13 +122,19 @@ def shard_report(path: str, index: int) -> str:
 
 def merged_report(reports: list[dict]) -> dict:
     """The run's report from its shards' (leader first): the leader's, whose rounds are the run's already, with the
-    model's checksum and each island's being the shards' joined in shard order (diloco/shardmap.py join_checksums)."""
+    model's checksum and each island's being the shards' joined in shard order (diloco/shardmap.py join_checksums),
+    and the calls refused by every shard, by reason."""
     from diloco.shardmap import join_checksums  # here: it imports torch, which the launcher needs nowhere else
 
     leader = reports[0]
     if len(reports) == 1:
         return leader
-    return dict(leader, checksum=join_checksums([r["checksum"] for r in reports]),
+    refusals: dict[str, int] = {}  # each shard refuses its own part of a call: every shard's count
+    for r in reports:
+        for reason, n in r.get("events", {}).get("refusals", {}).items():
+            refusals[reason] = refusals.get(reason, 0) + n
+    events = dict(leader.get("events", {}), refusals=refusals)
+    return dict(leader, checksum=join_checksums([r["checksum"] for r in reports]), events=events,
                 islands={i: join_checksums([r["islands"].get(i, "") for r in reports]) for i in leader["islands"]})
 
 

@@ -334,8 +334,10 @@ def start_coordinator(
         except OSError as e:  # a busy dashboard port must not stop a training run
             log.warning("no dashboard or metrics: could not bind %s:%d (%s); pass --http-port 0 for any free port",
                         observe.http_host, observe.http_port, e)
-    # Every fragment closing checkpoint.every_rounds rounds (without streaming: every every_rounds rounds).
-    save_every = cfg.checkpoint.every_rounds * len(state.fragments)
+    # Every fragment closing checkpoint.every_rounds rounds (without streaming: every every_rounds rounds). A shard of
+    # several counts each fragment's round: restarted, it must resume at the round the others are in, whichever
+    # fragment closed last (docs/sharding.md).
+    save_every = cfg.checkpoint.every_rounds * (len(state.fragments) if whole else 1)
 
     def after_close(closed: Closed) -> None:
         if runlog is not None:

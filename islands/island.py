@@ -214,7 +214,7 @@ class Island:
         t0 = time.monotonic()
         for f in range(len(self.fragments)):
             if s.step == s.last_sync[f]:
-                self.sync.pace.begin_round(f)  # the time box counts from the round's first inner step
+                self.sync.round_begins(f)  # the time box counts from the round's first inner step
         loss = train_step(self.model, self.optimizer, batch, inner_lr(self.sync.lr_step(), total_steps, cfg), cfg.grad_clip,
                           self._reduce_gradients, self.world.device, autocast=self.whole)
         if self.spec.throttle_s:

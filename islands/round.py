@@ -430,6 +430,8 @@ class IslandRound:
         self.pace = RoundPace(cfg, spec.steps_per_round, blocked=lambda: timing["wait_s"])
         self.agreed_clock: tuple[int, list[float]] = (-1, [])  # (step, fragment clocks) every rank and group agreed on
         self.inflight: dict[int, Exchange] = {}
+        # Fragments whose round starts later than where the island trains from (_defer_starts): step -> its start.
+        self.deferred: dict[int, int] = {}
         self.late_folds = 0  # pushes the coordinator folded into a later round (rounds.late_rounds)
         self.takeovers = 0
         self.final_checksum = ""  # what the coordinator said of our parameters at leave
@@ -462,7 +464,33 @@ class IslandRound:
                 s.restart_fragment(f)
         for f in (f for f, a in enumerate(adopt) if a):
             mix_(self.fragments[f].local, self.fragments[f].flat, 0.0)  # theta_local <- theta_global
+        if any(adopt):
+            self._defer_starts()
         s.finished = s.finished or header.run_finished
+
+    def _defer_starts(self) -> None:
+        """After the island moved to the earliest of its fragments' round starts (start_step): a fragment whose own
+        round starts a whole round or more later begins it there, as its landing would have begun it, not now. That
+        happens when a restarted coordinator's fragments are out of their schedule's order (one closed a round the
+        other lost): counted from now, that fragment's round would claim more inner steps than a round holds, and be
+        refused. The steps before its start train it for nothing; at its start its local values go back to the
+        global ones (round_begins)."""
+        s, h = self.state, self.cfg.inner.steps_per_round
+        self.deferred = {}
+        if self.pace.custom:
+            return
+        for f in range(len(self.fragments)):
+            begin = self.layout.round_start(f, s.rounds[f], self.total_rounds)
+            if s.rounds[f] < self.total_rounds and begin - s.step >= h:
+                s.last_sync[f] = self.deferred[f] = begin
+
+    def round_begins(self, f: int) -> None:
+        """Fragment f's round takes its first inner step now: its time box starts, and a start put off by
+        _defer_starts begins the round afresh from the global values, as a landing does."""
+        self.pace.begin_round(f)
+        if self.deferred.pop(f, None) is not None:
+            mix_(self.fragments[f].local, self.fragments[f].flat, 0.0)
+            self.state.restart_fragment(f)
 
     def _fetch_all(self, into: dict[str, torch.Tensor]) -> pb.ResultHeader:
         """Every fragment's global parameters (this rank's ranges), the same round on every rank of the group."""
@@ -770,6 +798,7 @@ class IslandRound:
             mix_(shard.local, shard.flat, 0.0)
             if self.eager is not None:
                 self.eager[f].forget()
+        self._defer_starts()
         log.warning("%s: the coordinator went back to fragment rounds %s (it restarted): training again from inner step %d",
                     s.island_id, s.rounds, s.step)
 

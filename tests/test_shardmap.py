@@ -190,3 +190,27 @@ def test_a_shard_that_vanishes_after_some_of_its_pieces_leaves_the_round_judged_
     alone = judge_stats(NormGuard(RobustConfig()), [parts[0]], "")
     assert (verdict.factors, verdict.clipped, verdict.dropped) == (alone.factors, alone.clipped, alone.dropped)
     assert leader.pieces == {} and leader.parts == {}
+
+
+def test_the_runs_report_counts_every_shards_refusals_and_joins_their_checksums():
+    """A follower refuses its part of a push on its own (ROUND_AHEAD after its restart): the run's report counts it."""
+    from coordinator.launch import merged_report
+
+    leader = {"checksum": "a", "islands": {"east": "a"}, "events": {"refusals": {"NOT_LEASED": 1}, "late_pushes": 2}}
+    follower = {"checksum": "b", "islands": {"east": "b"}, "events": {"refusals": {"ROUND_AHEAD": 3, "NOT_LEASED": 1}}}
+    run = merged_report([leader, follower])
+    assert run["events"] == {"refusals": {"NOT_LEASED": 2, "ROUND_AHEAD": 3}, "late_pushes": 2}
+    assert run["checksum"] == "a+b" and run["islands"] == {"east": "a+b"}
+
+
+def test_a_failure_found_on_the_islands_side_is_a_typed_error_not_a_key_error():
+    """The shards staying at different rounds is found by the island, with no coordinator reason: it still makes one
+    final error (before: KeyError: 0 from the status table, a traceback, and torchrun restarting the ranks)."""
+    import grpc
+
+    from diloco.wire.refusal import Reason
+    from islands.client import LocalRefusal
+    from islands.outcome import Next, next_step
+
+    error = LocalRefusal(Reason.REASON_UNSPECIFIED, "the coordinator's shards stayed at different rounds")
+    assert error.code() == grpc.StatusCode.UNKNOWN and next_step(error) is Next.FAIL

@@ -245,3 +245,56 @@ def test_an_island_resumed_behind_the_run_on_tokens_claims_what_it_names(corpus,
     assert "BAD_REQUEST" not in refused, refused
     _assert_every_fold_named(report, cfg.data.seq_len)
     assert set(report["islands"].values()) == {report["checksum"]}
+
+
+def _landed(sim: Simulation, island: int, fragment: int) -> int:
+    """The round of fragment's last exchange the island landed, from its /metrics (-1 before one, or unreachable)."""
+    import re
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{sim.metrics_ports[island]}/metrics", timeout=5) as r:
+            text = r.read().decode()
+    except OSError:
+        return -1
+    m = re.search(rf'^diloco_exchange_round\{{fragment="{fragment}"\}} (\S+)$', text, re.M)
+    return int(float(m.group(1))) if m else -1
+
+
+def test_a_coordinator_restarted_between_its_fragments_closes_out_of_order_takes_every_push(corpus, tmp_path):
+    """The coordinator SIGKILLed after fragment 1 closed round 4 (past its checkpoint of [4, 4]) and before fragment 0
+    did: when it is back, fragment 0's round 4 push (in flight) is taken, fragment 1's round 5 is ahead of it, so the
+    islands go back to fragment rounds [5, 4], a whole round apart. They train from fragment 1's round start; fragment
+    0's round begins at its own start, as its landing would have begun it. Before: fragment 0's round counted from
+    fragment 1's start, claimed more inner steps than a round holds, and was refused BAD_REQUEST and folded on 0 tokens
+    (the team run of issue 42, on wikitext-2 over S3)."""
+    rounds = 8
+    cfg = _token_config(corpus, tmp_path, f"rounds.rounds={rounds}", "checkpoint.every_rounds=1",
+                        "rounds.heartbeat_s=0.5", "rounds.lease_s=30")
+    # Islands slowed to 1 s an inner step: fragment 0 syncs 2 steps after fragment 1's round 4 lands (tau 1), the
+    # window the coordinator is killed in.
+    sim = Simulation(cfg, 2, tmp_path, checkpoints=True, island_args={i: ["--throttle", "1.0"] for i in range(2)})
+    try:
+        sim.start()
+        killed = False
+        for summary in sim.watch(400):
+            if not killed and summary.fragment == 1 and summary.round == 4:
+                deadline = time.monotonic() + 120
+                while min(_landed(sim, i, 1) for i in range(2)) < 4:
+                    assert time.monotonic() < deadline, "the islands never landed fragment 1's round 4"
+                    time.sleep(0.05)
+                sim.kill_coordinator()
+                sim.start_coordinator(resume=True)
+                killed = True
+        report = sim.finish(400).report
+    finally:
+        sim.close()
+    assert killed
+    logs = "".join((tmp_path / f"island-{i}.log").read_text() for i in range(2))
+    assert "went back to fragment rounds [5, 4]" in logs, "the kill did not land between the two fragments' closes"
+    refused = report["events"]["refusals"]
+    assert set(refused) <= {"ROUND_AHEAD", "PUSH_AGAIN"}, refused
+    tokens = _fragment_tokens(report)
+    assert all(len(t) == rounds and all(x > 0 for x in t) for t in tokens.values()), tokens
+    _assert_every_fold_named(report, cfg.data.seq_len)
+    assert set(report["islands"].values()) == {report["checksum"]}

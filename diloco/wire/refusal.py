@@ -69,7 +69,8 @@ def name(reason: int) -> str:
 
 
 def status_of(reason: int) -> grpc.StatusCode:
-    return STATUS[reason]
+    """The reason's status code; UNKNOWN for none (a failure found on the caller's side that no reason names)."""
+    return STATUS.get(reason, _C.UNKNOWN)
 
 
 def trailing_metadata(refusal: pb.Refusal) -> tuple[tuple[str, bytes], ...]:
