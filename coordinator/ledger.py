@@ -265,7 +265,7 @@ class DataLedger:
 
     def check(self, island_id: str, fragment: int, ranges: list[Range], tokens: int) -> None:
         """Refuses a push whose positions are not the island's, are folded already, or do not make its tokens."""
-        if not ranges:
+        if not ranges and not tokens:
             return  # pushed with no inner step since its last sync (a recovery path): no samples to account for
         n, end = 0, -1
         for a, b in sorted(ranges):

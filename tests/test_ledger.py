@@ -64,6 +64,7 @@ def test_a_push_may_name_only_its_own_unfolded_positions_and_their_exact_tokens(
         ([theirs], 64 * SEQ, Reason.NOT_LEASED),  # another island's samples
         ([(mine[0], mine[1] + 1)], 65 * SEQ, Reason.NOT_LEASED),  # one beyond the lease
         ([first, (mine[0] + 8, mine[0] + 9)], 33 * SEQ, Reason.BAD_REQUEST),  # overlapping ranges
+        ([], 32 * SEQ, Reason.BAD_REQUEST),  # tokens claimed with no samples named: weight nobody can account for
     ]:
         with pytest.raises(Refused) as e:
             ledger.check("a", 0, ranges, tokens)
