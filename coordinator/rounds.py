@@ -76,7 +76,7 @@ import math
 import os
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Executor, wait
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -335,7 +335,7 @@ class FragmentRounds:
         self.outer = OuterOptimizer(params, cfg.outer)
         self.publication = Publication(params, downlink_codec(cfg.wire), cfg.wire.chunk_bytes, ctx.pool, ctx.spools.directory)
         self.accumulator = PseudoGradientAccumulator(self.manifest.shapes)
-        self.ahead = FoldAhead()  # what of the open round is folded already (the driver's thread only)
+        self.ahead = FoldAhead(self.members.order)  # what of the open round is folded already (the driver's thread only)
         self.guard = NormGuard(cfg.robust)
         self.sketcher = Sketcher(ctx.sketch_secret or os.urandom(16))  # keys only this coordinator knows (diloco/robust.py)
         self.param_lock = ReadWriteLock()
@@ -755,9 +755,9 @@ class FragmentRounds:
                 log.warning("%sround %d: %s's late contribution to round %d was incomplete; dropped", self.label, self.round, *key)
                 for spool in self.late.pop(key).spools:
                     spool.discard()
-            complete = [(i, self.contributions[i]) for i in canonical_order(self.contributions)]
+            complete = [(i, self.contributions[i]) for i in self.members.order(self.contributions)]
             # Late ones after the on-time ones, in canonical island order, then by the round they trained for.
-            rank = {i: n for n, i in enumerate(canonical_order({i for i, _ in self.late}))}
+            rank = {i: n for n, i in enumerate(self.members.order({i for i, _ in self.late}))}
             for key in sorted((key for key, c in self.late.items() if c.state == "complete"), key=lambda key: (rank[key[0]], key[1])):
                 late = self.late.pop(key)
                 late.staleness = self.round - late.origin
@@ -984,7 +984,8 @@ def _fold_one(accumulator: PseudoGradientAccumulator, codec: Codec, contribution
 class FoldAhead:
     """The contributions of the open round folded already, in canonical order (module docstring)."""
 
-    def __init__(self) -> None:
+    def __init__(self, order: Callable[[Iterable[str]], list[str]] = canonical_order) -> None:
+        self.order = order  # the run's canonical order of island ids (Membership.order)
         self.done: list[tuple[str, Contribution]] = []
         self.broken = False  # a fold ahead failed part-way: the close starts over
 
@@ -996,7 +997,7 @@ class FoldAhead:
         on time is complete. Caller holds the round's condition."""
         if self.broken:
             return None
-        order = canonical_order(set(waited_for) | set(contributions))
+        order = self.order(set(waited_for) | set(contributions))
         n = len(self.done)
         if n >= len(order) or [i for i, _ in self.done] != order[:n]:
             return None  # an island before those folded came back: the close will fold from the spools

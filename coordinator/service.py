@@ -33,6 +33,7 @@ from diloco.wire.frames import ChunkView, chunk_deserializer, frame_chunk, seria
 from diloco.wire.messages import (
     PROTOCOL_VERSION,
     PUSH_ADMITTED,
+    instance_from,
     ChunkError,
     FlatRange,
     overlapping_chunks,
@@ -119,14 +120,17 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         self.audit.record("refused", method=method, island=island, reason=pb.Refusal.Reason.Name(e.reason), message=str(e),
                           **self._who(context))
 
-    def _caller(self, context, island_id: str) -> str | None:
-        """The caller's name (its client certificate's), refused unless island_id is its own; None without TLS."""
-        if not self.mutual_tls:
-            return None
-        owner = identity_from_auth_context(context.auth_context())
-        if owner is None:
-            raise Refused(Reason.NOT_YOURS, "the client certificate names no island; issue one with `diloco-certs island`")
-        self.state.members.check_owner(island_id, owner)
+    def _caller(self, context, island_id: str, joining: bool = False) -> str | None:
+        """The caller's name (its client certificate's), refused unless island_id is its own; None without TLS. A
+        call from a process that another one replaced as island_id is refused REPLACED (a join may replace it)."""
+        owner = None
+        if self.mutual_tls:
+            owner = identity_from_auth_context(context.auth_context())
+            if owner is None:
+                raise Refused(Reason.NOT_YOURS, "the client certificate names no island; issue one with `diloco-certs island`")
+            self.state.members.check_owner(island_id, owner)
+        if not joining:
+            self.state.members.check_instance(island_id, instance_from(context.invocation_metadata()))
         return owner
 
     def _most_ranks(self, context) -> tuple[int, str]:
@@ -179,7 +183,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                 f"{cfg.digest()}; start the island with the coordinator's config file, or without --config to adopt it",
                 config_toml=cfg.to_toml(),  # the island names the keys that differ (islands/joining.py)
             )
-        owner = self._caller(context, request.island_id)
+        owner = self._caller(context, request.island_id, joining=True)
         if owner is not None:
             self.limits.join(owner)
         self._check_ranks(context, request.ranks, owner)
@@ -187,8 +191,10 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         if following and not self.shard.admits(request.shard_ticket, request.island_id, owner, request.ranks):
             raise Refused(Reason.NOT_YOURS, f"this is shard {self.shard.index} of {self.shard.count}: it admits islands "
                           f"with the ticket the leading shard ({self.shard.addresses[0]}) gives them at join; join there")
+        replaced: list[str] = []  # the live process of the island this join replaces, if any
         island = state.join(request.hostname or context.peer(), request.island_id, request.island_key, owner, request.ranks,
-                            assigned=following)
+                            assigned=following, instance=instance_from(context.invocation_metadata()), peer=context.peer(),
+                            replaced=replaced)
         self.audit.record("join", island=island.island_id, ranks=island.ranks, hostname=island.hostname, **self._who(context))
         return pb.JoinResponse(
             island_id=island.island_id,
@@ -206,6 +212,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             fragment_rounds=[f.round for f in state.fragments],
             data_digest=state.data_digest,
             data_epoch_size=state.ledger.epoch_size if state.ledger is not None else 0,
+            replaced=replaced[0] if replaced else "",
             **self._shard_map_for(island, owner),
         )
 
@@ -348,6 +355,9 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                     if message.end.chunks != n or next(request_iterator, None) is not None:
                         raise Refused(Reason.BAD_REQUEST, f"PushEnd counts {message.end.chunks} chunks, the stream carried {n} "
                                       "(or went on after it)")
+                    # Whole: kept only if its process is still the island's (a join replacing it waits for this one).
+                    self.state.members.begin_attach(h.island_id, instance)
+                    attaching.append(h.island_id)
                     return
                 if kind != "chunk":
                     raise Refused(Reason.BAD_REQUEST, "only chunks and then a PushEnd may follow the PushHeader")
@@ -358,12 +368,16 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                           "nothing of it was kept: push again")
 
         self._caller(context, first.header.island_id)
-        h = first.header
+        h, instance, attaching = first.header, instance_from(context.invocation_metadata()), []
         with self.limits.stream("push", h.island_id, self._ranks(h.island_id)):
             try:
                 with self.state.push_slots.slot(h.island_id, lambda: context.is_active() and not self.stop.is_set()):
                     context.send_initial_metadata(PUSH_ADMITTED)  # the island sends its chunks from now on
-                    response = self.state.receive(h, chunks())
+                    try:
+                        response = self.state.receive(h, chunks())
+                    finally:
+                        for island_id in attaching:
+                            self.state.members.end_attach(island_id)
             except Abandoned as e:  # as when the coordinator stops mid-push: the island pushes again to its restart
                 context.abort(grpc.StatusCode.CANCELLED, str(e))
         self.audit.record("push", island=h.island_id, round=h.round, fragment=h.fragment, tokens=h.tokens, elements=response.elements,
@@ -373,6 +387,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
     @_refusals
     def PullRoundResult(self, request: pb.PullRequest, context) -> Iterator[pb.ResultMessage]:
         credential = self._caller(context, request.island_id)
+        instance = instance_from(context.invocation_metadata())
         self.state.touch(request.island_id)
         ranges = self._ranges(request.ranges, request.fragment)
         if not 0 <= request.timeout_s < math.inf:  # NaN too: a wait that never ends, or ends at once for ever
@@ -381,8 +396,10 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         with self.limits.stream("result", request.island_id, self._ranks(request.island_id)), \
                 self.streams.open("pull", credential, context.cancel) as ticket:
             held = self.state.wait_for_result(request.island_id, request.round, min(request.timeout_s or 600.0, 3600.0),
-                                              request.fragment, ranges, lambda: ticket.revoked)
+                                              request.fragment, ranges,
+                                              lambda: ticket.revoked or self.state.members.superseded(request.island_id, instance))
             ticket.check()
+            self.state.members.check_instance(request.island_id, instance)  # replaced while it waited
             yield from self._result(
                 request.island_id, request.round if request.accept_delta else None, ranges, request.fragment, request.want_mean, held,
                 context, ticket,

@@ -31,7 +31,7 @@ from coordinator.ledger import DataLedger, account_dict
 from coordinator.limits import PushSlots
 from coordinator.loglines import round_closed_line, run_summary_line
 from coordinator.links import LinkAdvisor
-from coordinator.membership import Events, Island, Membership, canonical_order
+from coordinator.membership import Events, Island, Membership
 from coordinator.memory import FreedMemory, MemoryPeaks, state_memory
 from coordinator.publish import Reading
 from coordinator.rounds import Closed, Closing, FragmentContext, FragmentRounds, Phase
@@ -95,7 +95,7 @@ class CoordinatorState:
         r = cfg.rounds
         self.members = Membership(r.max_islands, cfg.data.shards, r.lease_s, self.cond, clock, on_leave=self._drop_pending,
                                   revoked=revoked, record=record, idle_rounds=cfg.limits.idle_rounds * cfg.streaming.fragments,
-                                  departed_kept=cfg.limits.departed_kept)
+                                  departed_kept=cfg.limits.departed_kept, on_replace=self._drop_replaced)
         self.summaries: list[pb.RoundSummary] = []
         self.followers = followers
         self._wave = _Wave()
@@ -136,9 +136,15 @@ class CoordinatorState:
         if self.ledger is not None:  # one whose lease ran out may come back as itself: it keeps the lease it is on
             self.ledger.release(island_id, keep_current=island_id in self.members.expired)
 
+    def _drop_replaced(self, island_id: str) -> None:
+        """Another process became the island (caller holds cond): what the old one half-pushed goes; its leases stay,
+        for the new one to go on with (a resumed island asks for them again)."""
+        for f in self.fragments:
+            f.drop_pending(island_id)
+
     def canonical_members(self) -> list[str]:
         with self.cond:
-            return canonical_order(self.members.islands)
+            return self.members.order(self.members.islands)
 
     # --- membership (coordinator/membership.py) ----------------------------------------------
 
@@ -155,10 +161,11 @@ class CoordinatorState:
         return self.members.events
 
     def join(self, hostname: str, island_id: str = "", key: str = "", owner: str | None = None, ranks: int = 1,
-             assigned: bool = False) -> Island:
-        """Admits an island into the current round; a known island_id rejoins as itself (assigned: see Membership.join)."""
+             assigned: bool = False, instance: str = "", peer: str = "", replaced: list[str] | None = None) -> Island:
+        """Admits an island into the current round; a known island_id rejoins as itself (assigned, instance, peer,
+        replaced: see Membership.join)."""
         return self.members.join(hostname, island_id, key, run_finished=self.finished, round_=self.round, owner=owner,
-                                 ranks=ranks, assigned=assigned)
+                                 ranks=ranks, assigned=assigned, instance=instance, peer=peer, replaced=replaced)
 
     def touch(self, island_id: str) -> Island:
         return self.members.touch(island_id)

@@ -146,8 +146,10 @@ def _join(parser: ArgumentParser, args, argv: list[str] | None, cfg, tls: TlsFil
     import torch
 
     from diloco.checkpoint import CheckpointError
-    from islands.client import CoordinatorUnreachable
+    from diloco.wire.refusal import Reason, reason_of
+    from islands.client import CoordinatorUnreachable, LocalRefusal
     from islands.launch import LaunchError, launch, replica_spec, run_island
+    from islands.outcome import REPLACED_EXIT
     from islands.world import IslandWorld
 
     sharded = (
@@ -166,7 +168,7 @@ def _join(parser: ArgumentParser, args, argv: list[str] | None, cfg, tls: TlsFil
         try:
             raise SystemExit(launch(argv, _launch_options(args)))
         except LaunchError as e:
-            fail(parser.prog, str(e))
+            fail(parser.prog, str(e), e.status)
     try:
         spec = replica_spec(args)
     except LaunchError as e:
@@ -195,7 +197,11 @@ def _join(parser: ArgumentParser, args, argv: list[str] | None, cfg, tls: TlsFil
         )
     except CoordinatorUnreachable as e:
         _final(parser.prog, str(e), launched)
+    except LocalRefusal as e:  # found on our side (the shards disagreeing), not the coordinator's refusal
+        _final(parser.prog, e.details(), launched)
     except grpc.RpcError as e:
+        if reason_of(e) == Reason.REPLACED:  # another process joined as this island: the coordinator's words say so
+            _final(parser.prog, e.details(), launched, REPLACED_EXIT)
         _final(parser.prog, f"coordinator refused: {e.code().name}: {e.details()}", launched)
     except (ConfigError, ValueError, CheckpointError, LaunchError) as e:
         _final(parser.prog, str(e), launched)
@@ -213,13 +219,13 @@ def _join(parser: ArgumentParser, args, argv: list[str] | None, cfg, tls: TlsFil
         os._exit(0)
 
 
-def _final(prog: str, message: str, launched: bool) -> NoReturn:
+def _final(prog: str, message: str, launched: bool, status: int = 2) -> NoReturn:
     """An error no restart mends: one line, for every island kind (a rank under our launcher has it print the line)."""
     if launched:
         from islands.launch import hand_to_launcher
 
-        hand_to_launcher(message)
-    fail(prog, message)
+        hand_to_launcher(message, status=status)
+    fail(prog, message, status)
 
 
 def _tls_files(prog: str, args) -> TlsFiles | None:

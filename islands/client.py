@@ -20,7 +20,15 @@ from diloco.params import checksum, ranges_checksum
 from diloco.progress import WORTH_SHOWING, Progress, human_bytes
 from diloco.wire.refusal import Reason, is_transport_failure, refusal_of, status_of
 from diloco.v1 import diloco_pb2 as pb
-from diloco.wire.messages import PROTOCOL_VERSION, FlatRange, Manifest, apply_chunks, framed_size, ranges_to_proto
+from diloco.wire.messages import (
+    INSTANCE_KEY,
+    PROTOCOL_VERSION,
+    FlatRange,
+    Manifest,
+    apply_chunks,
+    framed_size,
+    ranges_to_proto,
+)
 from islands.handshake import CoordinatorUnreachable, await_coordinator
 
 log = logging.getLogger(__name__)
@@ -151,7 +159,7 @@ def told_wait(wait: Wait, enabled: bool = True, after_s: float = WAIT_NOTICE_S) 
         teller.join()
 
 
-def admitted_push(stub, frames: Iterator[bytes], timeout_s: float) -> pb.PushResponse:
+def admitted_push(stub, frames: Iterator[bytes], timeout_s: float, metadata=None) -> pb.PushResponse:
     """One push stream: its header, then its chunks once the coordinator has admitted it to one of its push slots
     (its initial metadata, coordinator/limits.py PushSlots). Until then the chunks wait here, not in the
     coordinator's receive buffers."""
@@ -164,7 +172,7 @@ def admitted_push(stub, frames: Iterator[bytes], timeout_s: float) -> pb.PushRes
             admitted.wait(timeout_s)
         yield from frames
 
-    call = stub.PushPseudoGradient.future(gated(), timeout=timeout_s)
+    call = stub.PushPseudoGradient.future(gated(), timeout=timeout_s, metadata=metadata)
     try:
         call.initial_metadata()  # admitted, or the call ended (refused, failed, timed out)
     except BaseException:
@@ -177,9 +185,15 @@ def admitted_push(stub, frames: Iterator[bytes], timeout_s: float) -> pb.PushRes
 
 class CoordinatorClient:
     def __init__(self, address: str, connect_timeout_s: float = 30.0, reconnect_s: float = 120.0, receive_window_bytes: int = 0,
-                 tls: TlsFiles | None = None):
-        """tls: this island's certificate, key and the run's CA (mutual TLS); None: plaintext."""
+                 tls: TlsFiles | None = None, instance: str = ""):
+        """tls: this island's certificate, key and the run's CA (mutual TLS); None: plaintext. instance: the island
+        process every call names (INSTANCE_KEY; islands/launch.py process_instance); "": none."""
         self.address = address
+        self.instance = instance
+        self.metadata = ((INSTANCE_KEY, instance),) if instance else None
+        # Set by the heartbeat when the coordinator says another process joined as this island (REPLACED): the
+        # island stops at its next step (islands/island.py), one line (islands/cli.py).
+        self.replaced: grpc.RpcError | None = None
         self.reconnect_s = reconnect_s
         options = channel_options(receive_window_bytes)
         deadline = time.monotonic() + connect_timeout_s
@@ -261,7 +275,7 @@ class CoordinatorClient:
             config_digest=config_digest, hostname=socket.gethostname(), protocol_version=PROTOCOL_VERSION,
             codec=codec, island_id=island_id, island_key=island_key, ranks=ranks, shard_ticket=shard_ticket,
         )
-        return self._retry("join", lambda: self.stub.Join(request, timeout=60))
+        return self._retry("join", lambda: self.stub.Join(request, timeout=60, metadata=self.metadata))
 
     def _observed(self, kind: str, fragment: int | None, round_: int, call: Callable[[list[int]], object],
                   tally: list[int] | None = None):
@@ -283,9 +297,12 @@ class CoordinatorClient:
             while not self._heartbeat_stop.wait(interval_s):
                 try:
                     request = pb.HeartbeatRequest(island_id=island_id(), round=round_of(), **(report() if report else {}))
-                    self.stub.Heartbeat(request, timeout=max(interval_s, 5))
+                    self.stub.Heartbeat(request, timeout=max(interval_s, 5), metadata=self.metadata)
                     failing = False
                 except grpc.RpcError as e:
+                    if refusal_of(e).reason == Reason.REPLACED:  # said once, by the island as it stops
+                        self.replaced = e
+                        return
                     if not failing:
                         log.warning("heartbeat failed: %s %s", e.code().name, e.details())
                     failing = True
@@ -378,8 +395,8 @@ class CoordinatorClient:
               Progress("fetching parameters", size, enabled=self.progress and size >= WORTH_SHOWING) as progress):
             def attempt(tally: list[int]) -> pb.ResultHeader:
                 progress.set(0)
-                return self._receive(self.stub.FetchParameters(request), targets, manifest, "", ranges, tally=tally,
-                                     progress=progress)
+                return self._receive(self.stub.FetchParameters(request, metadata=self.metadata), targets, manifest, "", ranges,
+                                     tally=tally, progress=progress)
 
             return self._observed("fetch", fragment, -1, lambda tally: self._retry("fetch", lambda: attempt(tally)))
 
@@ -407,7 +424,8 @@ class CoordinatorClient:
         with told_wait(self._round_wait(fragment, round_), self.progress):
             result = self._observed("pull", fragment, round_, lambda tally: self._retry(
                 "pull",
-                lambda: self._receive(self.stub.PullRoundResult(request, timeout=timeout_s + 60), targets, manifest, held,
+                lambda: self._receive(self.stub.PullRoundResult(request, timeout=timeout_s + 60, metadata=self.metadata), targets,
+                                      manifest, held,
                                       ranges, mean, tally),
                 retry_local=False,
             ))
@@ -439,7 +457,8 @@ class CoordinatorClient:
         def attempt() -> pb.PushResponse:
             nonlocal start
             try:
-                return admitted_push(self.stub, push_frames(header, counted(chunks.iter_from(start))), timeout_s=600)
+                return admitted_push(self.stub, push_frames(header, counted(chunks.iter_from(start))), timeout_s=600,
+                                     metadata=self.metadata)
             except grpc.RpcError as e:
                 refusal = refusal_of(e)
                 if refusal.reason == Reason.CORRUPT_CHUNK:
@@ -451,7 +470,7 @@ class CoordinatorClient:
     def lease(self, island_id: str, index: int, samples: int) -> pb.LeaseResponse:
         """The island's lease number `index` of the corpus's sample positions (the same answer every time)."""
         request = pb.LeaseRequest(island_id=island_id, index=index, samples=samples)
-        return self._retry("lease", lambda: self.stub.Lease(request, timeout=60))
+        return self._retry("lease", lambda: self.stub.Lease(request, timeout=60, metadata=self.metadata))
 
     def leave(self, island_id: str, params_checksum: str, round_: int, stats: Mapping[str, float] | None = None,
               fragment_checksums: list[str] | None = None, untrained: list[tuple[int, int]] = ()) -> pb.LeaveResponse:
@@ -464,7 +483,7 @@ class CoordinatorClient:
             request = pb.LeaveRequest(island_id=island_id, checksum=params_checksum, round=round_,
                                       fragment_checksums=fragment_checksums or [], **dict(stats or {}),
                                       untrained=[pb.SampleRange(start=a, stop=b) for a, b in untrained])
-            return self.stub.Leave(request, timeout=30)
+            return self.stub.Leave(request, timeout=30, metadata=self.metadata)
         except grpc.RpcError as e:
             log.warning("leave failed: %s %s", e.code().name, e.details())
             return pb.LeaveResponse(checksum_matches=False)

@@ -307,6 +307,9 @@ class Island:
         assemble_until = time.monotonic() + self.spec.ft.startup_wait_s
         try:
             while True:
+                replaced = getattr(self.client, "replaced", None)
+                if replaced is not None:  # another process joined as this island (its heartbeat was refused REPLACED)
+                    raise replaced
                 healed = self.replicas.start_step()
                 self.record_step(healed)
                 if self.replicas.participants() < self.spec.groups and time.monotonic() < assemble_until and not healed:

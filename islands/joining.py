@@ -54,7 +54,8 @@ def join_run(
         raise JoinRefused(f"coordinator refused the join: {message}")
     joined = pb.JoinResponse.FromString(reply)
     if world.is_leader:
-        log.info("joined %s as %s at round %d%s", getattr(client, "address", "the coordinator"), joined.island_id, joined.round,
+        log.info("joined %s as %s%s at round %d%s", getattr(client, "address", "the coordinator"), joined.island_id,
+                 f" (replacing a live process from {joined.replaced})" if joined.replaced else "", joined.round,
                  "" if cfg is not None else f", adopting its config {joined.config_digest} (no --config)")
     return joined, cfg if cfg is not None else config_from_toml(joined.config_toml)
 

@@ -57,6 +57,7 @@ from islands.world import IslandWorld
 log = logging.getLogger(__name__)
 
 GROUP_ENV, GROUPS_ENV, KEY_ENV = "DILOCO_REPLICA_GROUP", "DILOCO_REPLICA_GROUPS", "DILOCO_ISLAND_KEY"
+INSTANCE_ENV = "DILOCO_ISLAND_INSTANCE"  # set by the launcher: the token every rank of this island process names
 LAUNCHER_ENV = "DILOCO_LAUNCHER_PID"  # set by the launcher for its torchruns' ranks
 FINAL_ENV = "DILOCO_FINAL_ERROR"  # a file the launcher names to its ranks: an error of theirs that no restart mends
 _FINAL_WAIT_S = 120.0  # how long a rank that handed its error over waits for the launcher to stop it
@@ -64,7 +65,11 @@ LOCK_NAME = "island.lock"
 
 
 class LaunchError(ValueError):
-    """A launch that cannot work; the message says what to set."""
+    """A launch that cannot work; the message says what to set. status: the exit status it ends the launch with."""
+
+    def __init__(self, message: str, status: int = 2):
+        super().__init__(message)
+        self.status = status
 
 
 def adopt_slurm_env(env: dict[str, str] = os.environ) -> bool:
@@ -134,15 +139,16 @@ def die_with_parent(env: dict[str, str] = os.environ) -> None:
 # own one line, as a one-rank island does.
 
 
-def hand_to_launcher(message: str, env: dict[str, str] = os.environ) -> None:
-    """In a rank under our launcher: gives it `message` (the first rank's wins) and waits to be stopped. Returns at
-    once without a launcher, and after _FINAL_WAIT_S if the launcher never stops us (the caller then fails as usual)."""
+def hand_to_launcher(message: str, env: dict[str, str] = os.environ, status: int = 2) -> None:
+    """In a rank under our launcher: gives it `message` and the exit status to end with (the first rank's win) and
+    waits to be stopped. Returns at once without a launcher, and after _FINAL_WAIT_S if the launcher never stops us
+    (the caller then fails as usual)."""
     path = env.get(FINAL_ENV, "")
     if not path:
         return
     staged = f"{path}.{os.getpid()}"
     try:
-        Path(staged).write_text(message)
+        Path(staged).write_text(f"{status}\n{message}")
         os.link(staged, path)  # whole or not at all; an existing file is another rank's error, told first
     except OSError:
         pass
@@ -155,7 +161,8 @@ def _wait_for_groups(procs: list[subprocess.Popen], final: Path) -> list[int]:
     """Every group's exit status; raises LaunchError with a rank's handed-over error as soon as there is one."""
     while True:
         if final.exists():
-            raise LaunchError(final.read_text().strip())
+            status, _, message = final.read_text().strip().partition("\n")
+            raise LaunchError(message.strip(), int(status) if status.isdigit() else 2)
         codes = [p.poll() for p in procs]
         if all(c is not None for c in codes):
             return codes
@@ -288,6 +295,7 @@ def launch(worker_argv: list[str], opts: LaunchOptions) -> int:
     placement = gpu_placement(opts, dict(os.environ), torch.cuda.device_count())
     preexec = child_dies_with(os.getpid())
     key = opts.island_key or os.environ.get(KEY_ENV) or f"{socket.gethostname()}-{uuid.uuid4().hex[:8]}"
+    instance = os.environ.get(INSTANCE_ENV) or uuid.uuid4().hex  # one for all its groups, kept by their restarts
     lighthouse, server = opts.lighthouse or os.environ.get(LIGHTHOUSE_ENV, ""), None
     os.environ.setdefault("RUST_LOG", "warn")  # torchft's lighthouse and managers log every quorum at info
     if opts.replica_groups > 1 and not lighthouse:
@@ -309,7 +317,7 @@ def launch(worker_argv: list[str], opts: LaunchOptions) -> int:
     try:
         for g in range(opts.replica_groups):
             env = dict(os.environ, **{GROUP_ENV: str(g), GROUPS_ENV: str(opts.replica_groups), KEY_ENV: key, FT_HOST_ENV: host,
-                                      LAUNCHER_ENV: str(os.getpid()), FINAL_ENV: str(final)})
+                                      LAUNCHER_ENV: str(os.getpid()), FINAL_ENV: str(final), INSTANCE_ENV: instance})
             if lighthouse:
                 env[LIGHTHOUSE_ENV] = lighthouse
             if placement is not None:
@@ -362,6 +370,19 @@ def replica_spec(args, env: dict[str, str] = os.environ) -> ReplicaSpec:
                        cpu_threads=getattr(args, "threads", 0))
 
 
+def process_instance(spec: ReplicaSpec, world: IslandWorld, env: dict[str, str] = os.environ) -> str:
+    """The token that names this island process in every call (diloco/wire/messages.py INSTANCE_KEY): a join naming
+    another token than the island's replaces the process it was, whose calls are then refused REPLACED. Every rank
+    and replica group of one island process names the same one: the launcher's (INSTANCE_ENV, kept through a
+    group's restarts); without it, replica groups started otherwise (srun, a torchrun of your own) derive theirs from
+    the key they share, and one group's ranks take their rank 0's, drawn at start."""
+    if env.get(INSTANCE_ENV):
+        return env[INSTANCE_ENV]
+    if spec.groups > 1 and spec.key:
+        return hashlib.sha256(f"diloco-instance:{spec.key}".encode()).hexdigest()[:32]
+    return world.broadcast_object(uuid.uuid4().hex if world.is_leader else None)
+
+
 def run_island(
     address: str, cfg: RunConfig | None, world: IslandWorld, spec: ReplicaSpec, max_rounds: int | None = None,
     connect_timeout_s: float = 60.0, checkpoint_url: str = "", checkpoint_every: int = 1, resume: bool = False,
@@ -380,11 +401,13 @@ def run_island(
         raise ValueError("--resume needs --checkpoint URL")
     ckpt = IslandCheckpoint(checkpoint_url, checkpoint_every, world) if checkpoint_url else None
     previous = ckpt.choose() if ckpt is not None and resume else None
+    instance = process_instance(spec, world)
     island_telemetry = IslandTelemetry(telemetry, world.is_leader, spec.group, spec.groups)
     cores = None
 
     def connect(address: str) -> CoordinatorClient:
-        return CoordinatorClient(address, connect_timeout_s, receive_window_bytes=spec.receive_window_bytes, tls=tls)
+        return CoordinatorClient(address, connect_timeout_s, receive_window_bytes=spec.receive_window_bytes, tls=tls,
+                                 instance=instance)
 
     try:
         # A sharded coordinator's leader names the other shards at join (islands/sharded.py); else this is the one.

@@ -63,8 +63,15 @@ _NEXT: dict[int, Next] = {
     Reason.STREAM_IDLE: Next.RESYNC,  # our push stalled past limits.push_idle_s: that round is lost
     Reason.RATE_LIMITED: Next.RESYNC,  # never an honest island's (joins or heartbeats far too often)
     Reason.SPOOL_FULL: Next.RESYNC,  # the coordinator's disk is full: this round is lost, the next may fit
+    Reason.REPLACED: Next.FAIL,  # another process joined as this island: this one stops (REPLACED_EXIT)
 }
 assert set(_NEXT) == set(Reason.values()), "every refusal reason needs an island decision"
+
+
+# The exit status of an island process that stops because another process joined as the island (REPLACED): not 0
+# (it did not finish the run), and not 2 (diloco/cli/common.py fail: bad input, a refusal no restart mends), so that
+# a supervisor can tell "replaced, do not restart me" from a failure.
+REPLACED_EXIT = 3
 
 
 def next_step(error: grpc.RpcError) -> Next:

@@ -80,6 +80,7 @@ from diloco.pace import lr_position, max_round_steps, paced
 from diloco.streaming import EagerState, eager_gradient, mix_, swap_estimate_
 from diloco.v1 import diloco_pb2 as pb
 from diloco.wire.messages import FlatRange, Manifest, chunk_spans
+from diloco.wire.refusal import Reason, reason_of
 from islands.client import CoordinatorClient, MeanBuffer, RegeneratingChunks
 from islands.evidence import Evidence, digest, fault_due, maybe_fault
 from islands.outcome import Next, next_step, reason_name
@@ -303,7 +304,8 @@ def push(shard: FragmentShard, ex: Exchange, wire: Wire) -> Next:
     except grpc.RpcError as e:
         status = next_step(e)
         fatal = status in (Next.FAIL, Next.WAIT)  # a push is never told to wait
-        if status is not Next.DELIVERED:  # every refusal is in the island's own log, with its reason
+        # Every refusal is in the island's own log, with its reason; REPLACED in the one line the island stops with.
+        if status is not Next.DELIVERED and reason_of(e) != Reason.REPLACED:
             log.log(logging.ERROR if fatal else logging.WARNING, "%s: push of %sround %d refused: %s: %s",
                     header.island_id, _label(shard), ex.round, reason_name(e), e.details())
         if fatal:
@@ -638,6 +640,8 @@ class IslandRound:
         if ex.pusher:  # tests: the pushing group dying with the exchange in flight
             maybe_fault("die-before-land", self.spec.group, self.world.rank, ex.round, f)
         ex.pushed.wait()
+        if isinstance(ex.outcome, grpc.RpcError) and reason_of(ex.outcome) == Reason.REPLACED:
+            raise ex.outcome  # another process joined as this island: this one stops (islands/cli.py)
         # The pushing group's ranks report their push, every other rank NOBODY (0): the worst report within the
         # group, summed across the groups (one group pushes), is the outcome every rank of every group lands on.
         (status,) = self.group_reduce([ex.status if ex.pusher and ex.status is not None else Next.NOBODY], dist.ReduceOp.MAX)
@@ -665,7 +669,9 @@ class IslandRound:
                 self._pull_now(shard, ex)  # blocking exchanges, and a group that healed meanwhile
             wait_exchange(ex)
             if isinstance(ex.outcome, grpc.RpcError):
-                log.warning("%s rank %d: pull of fragment %d round %d failed: %s", s.island_id, self.world.rank, f, ex.round, ex.outcome)
+                if reason_of(ex.outcome) != Reason.REPLACED:  # that one is the line the island stops with
+                    log.warning("%s rank %d: pull of fragment %d round %d failed: %s", s.island_id, self.world.rank, f, ex.round,
+                                ex.outcome)
                 trouble = next_step(ex.outcome)
                 if trouble in (Next.DELIVERED, Next.FAIL):  # nothing a resync mends
                     raise ex.outcome

@@ -80,6 +80,11 @@ class ShardedClient:
             c.on_call = observer
 
     @property
+    def replaced(self):
+        """A shard's REPLACED refusal of a heartbeat (another process joined as this island), or None."""
+        return next((c.replaced for c in self.clients if c.replaced is not None), None)
+
+    @property
     def progress(self) -> bool:
         return self.leader.progress
 

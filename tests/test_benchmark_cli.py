@@ -98,8 +98,8 @@ def test_attack_benchmark_shows_each_attack_of_issue_15_refused():
     assert run.returncode == 0, run.stderr[-2000:]
     imposter, off, on, flood, idle, public = run.stdout.strip().splitlines()
     assert imposter.endswith("plaintext: accepted; mutual TLS: refused (PERMISSION_DENIED NOT_YOURS)")
-    assert "30 joined as island-0, 32 refused RESOURCE_EXHAUSTED RATE_LIMITED; islands in the run after it: 1" in flood
-    assert flood.endswith("joined as ['island-1', 'island-2']")
+    assert "30 joined as mallory, 32 refused RESOURCE_EXHAUSTED RATE_LIMITED; islands in the run after it: 1" in flood
+    assert flood.endswith("joined as ['east', 'west']")
     held = [float(s) for s in idle.split("seconds per round ")[1].split(";")[0].split()]
     assert len(held) == 7 and all(s >= 2.0 for s in held[:4]) and "removed idle: 1" in idle  # after: tests/test_limits.py
     assert public.startswith("plaintext on 0.0.0.0: refused")

@@ -249,9 +249,9 @@ def test_a_credential_holds_one_island_and_joins_at_a_bounded_rate(run_ca, tmp_p
     channel = grpc.secure_channel(f"127.0.0.1:{coordinator.port}", grpc.ssl_channel_credentials(ca, key, cert))
     try:
         stub = pb_grpc.CoordinatorStub(channel)
-        # Fresh ids, as in the join flood of issue 15: one credential, one island.
+        # Fresh ids, as in the join flood of issue 15: one credential, one island, named as its certificate is.
         ids = {_join(stub, island_id=f"flood-{i}") for i in range(4)}
-        assert ids == {"island-0"} and list(coordinator.state.islands) == ["island-0"]
+        assert ids == {"east"} and list(coordinator.state.islands) == ["east"]
         error = _refused(lambda: _join(stub, island_id="flood-4"))  # the 5th within a minute
         assert reason_of(error) == Reason.RATE_LIMITED and error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     finally:

@@ -28,9 +28,9 @@ class ArgumentParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
 
 
-def fail(prog: str, message: str) -> NoReturn:
+def fail(prog: str, message: str, status: int = 2) -> NoReturn:
     sys.stderr.write(f"{prog}: error: {message}\n")
-    raise SystemExit(2)
+    raise SystemExit(status)
 
 
 def add_config_flags(parser: argparse.ArgumentParser, required: bool = False) -> None:

@@ -36,6 +36,7 @@ class Refusal(_message.Message):
         STREAM_IDLE: _ClassVar[Refusal.Reason]
         RATE_LIMITED: _ClassVar[Refusal.Reason]
         SPOOL_FULL: _ClassVar[Refusal.Reason]
+        REPLACED: _ClassVar[Refusal.Reason]
     REASON_UNSPECIFIED: Refusal.Reason
     PROTOCOL_MISMATCH: Refusal.Reason
     CONFIG_MISMATCH: Refusal.Reason
@@ -61,6 +62,7 @@ class Refusal(_message.Message):
     STREAM_IDLE: Refusal.Reason
     RATE_LIMITED: Refusal.Reason
     SPOOL_FULL: Refusal.Reason
+    REPLACED: Refusal.Reason
     REASON_FIELD_NUMBER: _ClassVar[int]
     RESEND_FROM_CHUNK_FIELD_NUMBER: _ClassVar[int]
     CURRENT_ROUND_FIELD_NUMBER: _ClassVar[int]
@@ -120,7 +122,7 @@ class FragmentState(_message.Message):
     def __init__(self, index: _Optional[int] = ..., round: _Optional[int] = ..., checksum: _Optional[str] = ...) -> None: ...
 
 class JoinResponse(_message.Message):
-    __slots__ = ("island_id", "config_digest", "config_toml", "round", "parameters", "codec", "max_chunk_bytes", "heartbeat_interval_s", "shard_index", "total_rounds", "downlink_codec", "fragments", "fragment_rounds", "data_digest", "data_epoch_size", "shard_addresses", "shard_ticket")
+    __slots__ = ("island_id", "config_digest", "config_toml", "round", "parameters", "codec", "max_chunk_bytes", "heartbeat_interval_s", "shard_index", "total_rounds", "downlink_codec", "fragments", "fragment_rounds", "data_digest", "data_epoch_size", "shard_addresses", "shard_ticket", "replaced")
     ISLAND_ID_FIELD_NUMBER: _ClassVar[int]
     CONFIG_DIGEST_FIELD_NUMBER: _ClassVar[int]
     CONFIG_TOML_FIELD_NUMBER: _ClassVar[int]
@@ -138,6 +140,7 @@ class JoinResponse(_message.Message):
     DATA_EPOCH_SIZE_FIELD_NUMBER: _ClassVar[int]
     SHARD_ADDRESSES_FIELD_NUMBER: _ClassVar[int]
     SHARD_TICKET_FIELD_NUMBER: _ClassVar[int]
+    REPLACED_FIELD_NUMBER: _ClassVar[int]
     island_id: str
     config_digest: str
     config_toml: str
@@ -155,7 +158,8 @@ class JoinResponse(_message.Message):
     data_epoch_size: int
     shard_addresses: _containers.RepeatedScalarFieldContainer[str]
     shard_ticket: str
-    def __init__(self, island_id: _Optional[str] = ..., config_digest: _Optional[str] = ..., config_toml: _Optional[str] = ..., round: _Optional[int] = ..., parameters: _Optional[_Iterable[_Union[ParameterSpec, _Mapping]]] = ..., codec: _Optional[str] = ..., max_chunk_bytes: _Optional[int] = ..., heartbeat_interval_s: _Optional[float] = ..., shard_index: _Optional[int] = ..., total_rounds: _Optional[int] = ..., downlink_codec: _Optional[str] = ..., fragments: _Optional[_Iterable[_Union[FragmentSpec, _Mapping]]] = ..., fragment_rounds: _Optional[_Iterable[int]] = ..., data_digest: _Optional[str] = ..., data_epoch_size: _Optional[int] = ..., shard_addresses: _Optional[_Iterable[str]] = ..., shard_ticket: _Optional[str] = ...) -> None: ...
+    replaced: str
+    def __init__(self, island_id: _Optional[str] = ..., config_digest: _Optional[str] = ..., config_toml: _Optional[str] = ..., round: _Optional[int] = ..., parameters: _Optional[_Iterable[_Union[ParameterSpec, _Mapping]]] = ..., codec: _Optional[str] = ..., max_chunk_bytes: _Optional[int] = ..., heartbeat_interval_s: _Optional[float] = ..., shard_index: _Optional[int] = ..., total_rounds: _Optional[int] = ..., downlink_codec: _Optional[str] = ..., fragments: _Optional[_Iterable[_Union[FragmentSpec, _Mapping]]] = ..., fragment_rounds: _Optional[_Iterable[int]] = ..., data_digest: _Optional[str] = ..., data_epoch_size: _Optional[int] = ..., shard_addresses: _Optional[_Iterable[str]] = ..., shard_ticket: _Optional[str] = ..., replaced: _Optional[str] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
     __slots__ = ("island_id", "round", "utilization", "tokens_per_s", "train_loss")

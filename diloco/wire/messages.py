@@ -30,10 +30,26 @@ from diloco.v1 import diloco_pb2 as pb
 # 11: a sharded coordinator (shard addresses and tickets at join, Judge, shard proofs).
 # 12: a push sends its header, then waits for the coordinator's initial metadata (PUSH_ADMITTED) before its chunks:
 #     the coordinator reads at most limits.push_slots pushes at once (coordinator/limits.py PushSlots).
-PROTOCOL_VERSION = 12
+# 13: every call of an island names its process (INSTANCE_KEY metadata): a process that joins as an island another live
+#     process is replaces it, whose calls are then refused REPLACED; JoinResponse.replaced.
+PROTOCOL_VERSION = 13
 
 # The initial metadata by which the coordinator admits a push to one of its slots.
 PUSH_ADMITTED = (("diloco-push", "admitted"),)
+
+# The call metadata naming the island process that makes the call: a token it draws at start, shared by its ranks
+# and replica groups (islands/launch.py process_instance). A join with another one replaces the process the island was.
+INSTANCE_KEY = "diloco-instance"
+INSTANCE_MAX = 64  # characters kept of one (ours are 32)
+
+
+def instance_from(metadata) -> str:
+    """The process an island's call names (INSTANCE_KEY in its invocation metadata); "" when it names none."""
+    for key, value in metadata or ():
+        if key == INSTANCE_KEY:
+            text = value.decode("ascii", "replace") if isinstance(value, bytes) else str(value)
+            return text[:INSTANCE_MAX]
+    return ""
 
 
 class ChunkError(ValueError):

@@ -43,6 +43,7 @@ STATUS: dict[int, grpc.StatusCode] = {
     Reason.STREAM_IDLE: _C.DEADLINE_EXCEEDED,
     Reason.RATE_LIMITED: _C.RESOURCE_EXHAUSTED,
     Reason.SPOOL_FULL: _C.RESOURCE_EXHAUSTED,
+    Reason.REPLACED: _C.FAILED_PRECONDITION,
 }
 assert set(STATUS) == set(Reason.values()) - {Reason.REASON_UNSPECIFIED}, "every reason needs its status code"
 

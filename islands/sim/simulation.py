@@ -154,13 +154,14 @@ class Simulation:
         self.metrics_ports: dict[int, int] = {}  # each island's /metrics
         self.starts = 0
         # Mutual TLS as across data centres: a run CA, the coordinator's certificate, one per island
-        # (site-i) and one for watching the rounds from here.
+        # (island-i: the name it is known by in the run, as its log and checkpoint are) and one for watching the
+        # rounds from here.
         self.tls_dir = workdir / "tls" if tls else None
         if self.tls_dir is not None and not (self.tls_dir / "ca.pem").exists():
             credentials.create_ca(self.tls_dir, run_name=cfg.name)
             credentials.issue_coordinator(self.tls_dir, ["127.0.0.1", "localhost"])
             for i in range(islands):  # each for the ranks its `islands join` flags give it, as an operator would
-                credentials.issue_island(self.tls_dir, f"site-{i}", ranks=island_ranks(self.island_args.get(i, ())))
+                credentials.issue_island(self.tls_dir, f"island-{i}", ranks=island_ranks(self.island_args.get(i, ())))
             credentials.issue_island(self.tls_dir, "sim-watch")
 
     def _spawn(self, args: list[str], log_name: str) -> subprocess.Popen:
@@ -215,7 +216,7 @@ class Simulation:
         if self.checkpoints:
             args += ["--checkpoint", str(self.workdir / "ckpt" / f"island-{i}"), "--checkpoint-every", "1"]
         if self.tls_dir is not None:
-            args += ["--tls", str(self.tls_dir), "--tls-name", f"site-{i}"]
+            args += ["--tls", str(self.tls_dir), "--tls-name", f"island-{i}"]
         if i not in self.metrics_ports:  # chosen once: a restarted island serves where it did
             self.metrics_ports[i] = free_port(self.metrics_ports.values())
         args += ["--log-url", str(self.workdir / "logs"), "--metrics-port", str(self.metrics_ports[i])]

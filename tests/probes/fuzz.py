@@ -40,7 +40,7 @@ from diloco.v1 import diloco_pb2 as pb  # noqa: E402
 from diloco.v1 import diloco_pb2_grpc as pb_grpc  # noqa: E402
 from tests.probes.fuzz_client import SERVICE, TIMEOUT_S, Fuzzer  # noqa: E402
 
-LEGIT = ("east", "west")  # the legitimate islands' credentials; they join in this order: island-0, island-1
+LEGIT = ("east", "west")  # the legitimate islands' credentials, and their ids in the run (their certificates' names)
 TINY = ["model.d_model=32", "model.n_layers=1", "model.n_heads=2", "model.d_ff=64", "model.max_seq_len=32",
         "data.seq_len=32", "inner.batch_size=4", "inner.steps_per_round=2", "eval.batches=0", "wire.chunk_bytes=4096"]
 # Rounds wait for every live member until the deadline, and the fuzzer is one that never completes (until
@@ -125,7 +125,7 @@ def one_run(cfg: RunConfig, ca: Path, spool: Path, fuzzer_args: dict | None) -> 
         legit = LegitRun(cfg, address, ca)
         legit.join()
         if fuzzer_args is not None:
-            legit_ids = [f"island-{i}" for i in range(len(LEGIT))]
+            legit_ids = list(LEGIT)
             fuzzer = Fuzzer(address, credentials.island_files(ca, "fuzzer"), cfg, legit_ids,
                             lambda i: i in coordinator.state.islands, **fuzzer_args)
             fuzzer.join()
@@ -159,7 +159,7 @@ def _stop(coordinator, timeout_s: float = 60.0) -> bool:
 
 
 def _check_run(cfg: RunConfig, coordinator, legit: LegitRun, out: RunOutcome) -> None:
-    ids = sorted(f"island-{i}" for i in range(len(LEGIT)))
+    ids = sorted(LEGIT)
     results = [legit.results.get(n) for n in LEGIT]
     departed = coordinator.report()["islands"]
     out.checks["each island ends on the coordinator's parameters"] = all(
