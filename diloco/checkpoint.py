@@ -90,12 +90,20 @@ class CheckpointStore:
             with self.fs.open(f"{where}/meta.json", "w") as f:
                 f.write(json.dumps(meta, indent=1, default=str))
             marker = {"step": step, "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
-            with self.fs.open(f"{where}/{MARKER}", "w") as f:
-                f.write(json.dumps(marker))
+            self._commit(where, marker)
         except OSError as e:
             raise CheckpointError(f"could not write checkpoint {step} to {self.url}: {e}") from e
         self._prune(step)
         return f"{self.url}/step-{step:010d}"
+
+    def _commit(self, where: str, marker: dict[str, Any]) -> None:
+        """Writes the step's commit marker so that it is whole whenever it exists: under another name, then moved
+        (a rename on a local disk; an object appears whole on S3). A process killed while writing it leaves the step
+        uncommitted; before, the marker could exist empty, and a coordinator resuming from it failed to parse it."""
+        writing = f"{where}/{MARKER}.writing"
+        with self.fs.open(writing, "w") as f:
+            f.write(json.dumps(marker))
+        self.fs.mv(writing, f"{where}/{MARKER}")
 
     def load(self, step: int | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
         """(tensors, meta) of a committed step; by default the newest one that verifies.
@@ -136,7 +144,7 @@ class CheckpointStore:
                 data = _read_whole(f, marker["bytes"], p)
             with self.fs.open(f"{where}/meta.json", "r") as f:
                 meta = json.loads(f.read())
-        except FileNotFoundError as e:
+        except (FileNotFoundError, ValueError, KeyError) as e:  # ValueError: a marker or meta that is not whole JSON
             raise CheckpointError(f"checkpoint {step} under {self.url} is not committed or incomplete: {e}") from e
         if len(data) != marker["bytes"] or hashlib.sha256(data).hexdigest() != marker["sha256"]:
             raise CheckpointError(f"checkpoint {step} under {self.url} does not match its commit marker (corrupt)")
@@ -170,9 +178,7 @@ class CheckpointStore:
         try:
             with self.fs.open(f"{where}/meta.json", "w") as f:
                 f.write(json.dumps(meta, indent=1, default=str))
-            files = self._files(step)
-            with self.fs.open(f"{where}/{MARKER}", "w") as f:
-                f.write(json.dumps({"step": step, "files": files}))
+            self._commit(where, {"step": step, "files": self._files(step)})
         except OSError as e:
             raise CheckpointError(f"could not commit checkpoint {step} at {self.url}: {e}") from e
         self._prune(step)
@@ -199,7 +205,7 @@ class CheckpointStore:
                 marker = json.loads(f.read())
             with self.fs.open(f"{where}/meta.json", "r") as f:
                 meta = json.loads(f.read())
-        except FileNotFoundError as e:
+        except (FileNotFoundError, ValueError) as e:  # ValueError: a marker or meta that is not whole JSON
             raise CheckpointError(f"checkpoint {step} under {self.url} is not committed or incomplete: {e}") from e
         if "files" not in marker:
             raise CheckpointError(f"checkpoint {step} under {self.url} is a single-file checkpoint, not a folder one")
