@@ -29,6 +29,7 @@ from diloco.params import checksum
 from diloco.shardmap import ShardMap, join_checksums, ticket
 from diloco.wire.refusal import Reason, refusal_of
 from islands.client import CoordinatorClient
+from islands.sim.simulation import children_of, shard_index
 from islands.state import ReplicaSpec
 
 pytestmark = pytest.mark.integration
@@ -322,20 +323,6 @@ def test_the_demo_with_a_sharded_coordinator_over_mutual_tls_ends_with_every_isl
     assert len((tmp_path / "port.shards").read_text().split()) == 2
 
 
-def children_of(pid: int) -> list[int]:
-    """The processes whose parent is pid (Linux /proc)."""
-    found = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
-                        found.append(int(entry))
-            except (OSError, ValueError, IndexError):
-                pass  # gone meanwhile
-    return found
-
-
 def running(pid: int) -> bool:
     """Whether pid is a live process (a zombie waiting to be reaped has ended)."""
     try:
@@ -392,31 +379,21 @@ def test_a_shard_killed_under_serve_shards_k_with_checkpoints_is_started_again_w
     """With --checkpoint, a shard SIGKILLed (the OOM killer, a crash) is started again with --resume and the others
     keep serving, as torchrun restarts a rank; without a checkpoint to resume from, a killed shard stops the rest."""
     with serving_shards(tiny_config(), tmp_path, 2, "--checkpoint", str(tmp_path / "ckpt")) as (launcher, log_path):
-        before = {shard_of(p): p for p in children_of(launcher.pid)}
+        before = {shard_index(p): p for p in children_of(launcher.pid)}
         os.kill(before[1], signal.SIGKILL)
         deadline = time.monotonic() + 120
         while "coordinator shard 1 of 2 serving" not in log_path.read_text().partition("was killed")[2]:
             assert launcher.poll() is None and time.monotonic() < deadline, log_path.read_text()
             time.sleep(0.1)
-        after = {shard_of(p): p for p in children_of(launcher.pid)}
+        after = {shard_index(p): p for p in children_of(launcher.pid)}
         assert after[0] == before[0] and after[1] != before[1] and all(map(running, after.values()))
         assert "--resume" in open(f"/proc/{after[1]}/cmdline").read().split("\0")
         assert "coordinator shard 1 was killed (signal 9); starting it again with --resume" in log_path.read_text()
     (tmp_path / "plain").mkdir()
     with serving_shards(tiny_config(), tmp_path / "plain", 2) as (launcher, log_path):
-        os.kill({shard_of(p): p for p in children_of(launcher.pid)}[1], signal.SIGKILL)
+        os.kill({shard_index(p): p for p in children_of(launcher.pid)}[1], signal.SIGKILL)
         assert launcher.wait(120) != 0, log_path.read_text()
         assert "starting it again" not in log_path.read_text()
-
-
-def shard_of(pid: int) -> int | None:
-    """The --shard I a shard process runs as (the last one given: argparse takes it); None for another process."""
-    try:
-        args = open(f"/proc/{pid}/cmdline").read().split("\0")
-    except OSError:
-        return None
-    at = [k for k, a in enumerate(args) if a == "--shard"]
-    return int(args[at[-1] + 1]) if at else None
 
 
 def test_each_shard_of_serve_shards_k_names_itself_in_its_log_lines(tmp_path):

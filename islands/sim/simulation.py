@@ -265,7 +265,7 @@ class Simulation:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"coordinator shard {shard} did not commit step {after_step} within {timeout_s:.0f}s")
             time.sleep(0.01)
-        (pid,) = [p for p in _children(self.coordinator.pid) if _shard_index(p) == shard]
+        (pid,) = [p for p in children_of(self.coordinator.pid) if shard_index(p) == shard]
         os.kill(pid, signal.SIGKILL)
 
     def watch(self, timeout_s: float) -> Iterator[pb.RoundSummary]:
@@ -346,7 +346,7 @@ class Simulation:
             link.stop()
 
 
-def _children(pid: int) -> list[int]:
+def children_of(pid: int) -> list[int]:
     """The processes whose parent is pid (Linux /proc)."""
     found = []
     for entry in filter(str.isdigit, os.listdir("/proc")):
@@ -359,7 +359,7 @@ def _children(pid: int) -> list[int]:
     return found
 
 
-def _shard_index(pid: int) -> int | None:
+def shard_index(pid: int) -> int | None:
     """The --shard I a coordinator shard process was started with (its last one: argparse takes the last)."""
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as f:
