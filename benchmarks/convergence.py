@@ -22,8 +22,9 @@ eval split, and the vocabulary is its manifest's.
 - diloco: M islands, each with its own persistent AdamW state (never reset),
   train H inner steps of batch B/M from theta_global; the pseudo-gradients
   theta_global - theta_local (fp32, `diloco.outer.pseudo_gradient`) are
-  token-weighted-averaged (`PseudoGradientAccumulator`) and applied to the fp32
-  global parameters by `OuterOptimizer` (SGD, Nesterov, lr 0.7, momentum 0.9);
+  judged by the norm guard, token-weighted-averaged and applied to the fp32
+  global parameters by the outer optimizer (SGD, Nesterov, lr 0.7, momentum 0.9),
+  all by `diloco.aggregate`, the functions the coordinator's rounds call;
   the islands then adopt the new global parameters. T/H rounds.
 - fedavg: the same loop with outer lr 1 and momentum 0, i.e. plain averaging.
 - single: one island alone: batch B/M on shard 0 of M for T steps, so it sees
@@ -58,8 +59,7 @@ from diloco.config import ConfigError, RunConfig, load_config
 from diloco.data.sources import Batch, eval_batches
 from diloco.inner import build_inner_optimizer, evaluate, inner_lr, train_step
 from diloco.models.llama import Transformer
-from diloco.outer import OuterOptimizer, PseudoGradientAccumulator, pseudo_gradient
-from diloco.robust import NormGuard
+from diloco.outer import pseudo_gradient
 from diloco.params import fp32_copy
 from diloco.data.shards import DataError
 
@@ -212,21 +212,18 @@ def run_outer(
     per_island = setup.batch // setup.islands
     tokens_per_round = h * per_island * cfg.data.seq_len
     start = new_model(cfg)
-    outer_params = fp32_copy(start)
-    outer = OuterOptimizer(outer_params, cfg.outer)
-    wire = Wire(cfg, outer_params, setup.islands)
+    wire = Wire(cfg, fp32_copy(start), setup.islands)  # the coordinator's side: guard, fold, outer step, publication
     global_params = wire.publication.params  # what the islands hold
-    accumulator = PseudoGradientAccumulator({n: tuple(t.shape) for n, t in outer_params.items()})
     models = [new_model(cfg) for _ in range(setup.islands)]
     optimizers = [build_inner_optimizer(m, cfg.inner) for m in models]
     streams = island_streams(cfg, setup.islands)
     round_losses: list[float] = []
     rounds = setup.steps // h
-    guard, clipped = NormGuard(cfg.robust), 0  # the coordinator's robust aggregation (robust.enabled, on by default)
+    clipped = 0
     for round_ in range(rounds):
-        accumulator.reset()
         round_losses = []
         pushed = []
+        lr_sum = sum(inner_lr(round_ * h + i, setup.steps, cfg.inner) for i in range(h))  # the guard judges norm / lr_sum
         for island, (model, optimizer, stream) in enumerate(zip(models, optimizers, streams)):
             feedback = wire.feedback[island]
             load_params(model, global_params)  # theta_local <- theta_global; AdamW state kept
@@ -236,11 +233,9 @@ def run_outer(
                 step = round_ * h + i
                 lr = inner_lr(step, setup.steps, cfg.inner)
                 round_losses.append(train_step(model, optimizer, stream.next_batch(per_island), lr, cfg.inner.grad_clip))
-            pushed.append(wire.push(island, pseudo_gradient(global_params, dict(model.named_parameters()))))
-        lr_sum = sum(inner_lr(round_ * h + i, setup.steps, cfg.inner) for i in range(h))
-        clipped += wire.fold_round(accumulator, pushed, tokens_per_round, guard, lr_sum)
-        outer.step(accumulator.mean())
-        global_params = wire.publish(setup.islands)
+            pushed.append(wire.push(island, pseudo_gradient(global_params, dict(model.named_parameters())), tokens_per_round, lr_sum))
+        clipped += wire.round(pushed, setup.islands)
+        global_params = wire.publication.params
         load_params(start, global_params)  # evaluate what the islands hold
         evaluate_at((round_ + 1) * h, start)
     per = rounds * setup.islands

@@ -6,26 +6,58 @@ Split from benchmarks/convergence.py (which runs the jobs) to keep each file sho
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 from coordinator.publish import Publication  # the coordinator's own downlink arithmetic
-from diloco.wire.codec import get_codec
+from diloco import aggregate
+from diloco.wire.codec import Codec, get_codec
 from diloco.config import ConfigError, RunConfig
 from diloco.wire.feedback import ErrorFeedback
-from diloco.outer import PseudoGradientAccumulator
-from diloco.robust import NormGuard, Sketcher, cosines
+from diloco.outer import OuterOptimizer, PseudoGradientAccumulator
+from diloco.robust import NormGuard, Sketcher, add_exact, cosines
 from diloco.v1 import diloco_pb2 as pb
-from diloco.wire.messages import Manifest, decode_chunk, downlink_codec, tensor_chunks, uplink_codec
+from diloco.wire.messages import Manifest, downlink_codec, tensor_chunks, uplink_codec, verify_and_decode
+
+
+@dataclass
+class Push:
+    """An island's pseudo-gradient as the coordinator holds it at the close (a diloco.aggregate.Contribution): its
+    chunks as sent, and their sum of squares and sketch, made as they arrived."""
+
+    tokens: int
+    lr_sum: float
+    chunks_sent: list[pb.TensorChunk] = field(default_factory=list)
+    sumsq_parts: list[float] = field(default_factory=list)
+    sketch: np.ndarray | None = None
+    sketched: bool = True
+    staleness: int = 0  # the benchmark's islands are never late
+    origin: int = 0
+
+    @property
+    def sumsq(self) -> float:
+        return math.fsum(self.sumsq_parts)
+
+    @property
+    def weight(self) -> int:
+        return self.tokens
+
+    def chunks(self, codec: Codec) -> list[aggregate.ChunkToFold]:
+        return [aggregate.ChunkToFold(chunk, codec, stable=True) for chunk in self.chunks_sent]
+
+    def release(self) -> None:
+        self.chunks_sent = []
 
 
 class Wire:
     """The coordinator's and islands' arithmetic for one round trip through the codecs.
 
     Uplink: each island's pseudo-gradient goes through `tensor_chunks` (with the
-    island's error feedback where the config asks for it), and the decoded chunks
-    are folded into the accumulator exactly as the coordinator folds them.
+    island's error feedback where the config asks for it) and is taken in as the
+    coordinator takes a push in (each chunk's sum of squares and sketch). The round:
+    diloco.aggregate's judge, fold and outer step, the coordinator's own.
     Downlink: `coordinator.publish.Publication` compresses the update and keeps
     its error feedback; islands hold its published parameters. With fp32 both
     ways this is bit for bit the uncompressed arithmetic.
@@ -38,51 +70,47 @@ class Wire:
         shapes = self.manifest.shapes
         self.feedback = [ErrorFeedback(shapes, cfg.wire.decay, cfg.wire.feedback_in_model) if cfg.wire.uses_error_feedback else None
                          for _ in range(islands)]
+        self.outer = OuterOptimizer(outer_params, cfg.outer)
+        self.accumulator = PseudoGradientAccumulator(shapes)
+        self.guard = NormGuard(cfg.robust)  # the coordinator's robust aggregation (robust.enabled, on by default)
         self.publication = Publication(outer_params, downlink_codec(cfg.wire), cfg.wire.chunk_bytes)
         self.bytes_up = self.bytes_down = 0
         self.sketcher = Sketcher(b"convergence")  # the guard's direction check, as the coordinator sketches at intake
         self.least_cosine = math.inf  # the lowest cosine between two islands' pushes of a round, over the run
 
-    def push(self, island: int, pg: dict[str, torch.Tensor]) -> tuple[list, float, np.ndarray]:
-        """The island's pseudo-gradient as the coordinator receives it: (chunk, decoded values) pairs, the sum of
-        squares of the values and their sketch (what the guard judges)."""
-        received, sumsq, sketch = [], 0.0, self.sketcher.empty()
+    def push(self, island: int, pg: dict[str, torch.Tensor], tokens: int, lr_sum: float) -> Push:
+        """The island's pseudo-gradient, trained on `tokens` with inner lrs summing to lr_sum, as the coordinator
+        receives it (FragmentRounds.receive): each chunk's sum of squares (add_exact) and sketch."""
+        pushed = Push(tokens, lr_sum, sketch=self.sketcher.empty())
         for chunk in tensor_chunks(pg, self.codec, self.cfg.wire.chunk_bytes, feedback=self.feedback[island]):
             self.bytes_up += pb.PushMessage(chunk=chunk).ByteSize()
-            values = decode_chunk(chunk, self.manifest, self.codec)
-            received.append((chunk, values))
-            sumsq += float(torch.dot(values.double(), values.double()))
-            self.sketcher.add(sketch, chunk.name, chunk.offset, values.numpy())
-        return received, sumsq, sketch
+            sumsq, values = verify_and_decode(chunk, self.manifest, self.codec, chunk.payload)
+            add_exact(pushed.sumsq_parts, sumsq)
+            self.sketcher.add(pushed.sketch, chunk.name, chunk.offset, values.numpy())
+            pushed.chunks_sent.append(chunk)
+        return pushed
 
-    def fold_round(self, accumulator: PseudoGradientAccumulator, pushed: list[tuple[list, float, np.ndarray]], tokens: int,
-                   guard: NormGuard, lr_sum: float) -> int:
-        """As coordinator/rounds.py folds a round: the guard judges every push's norm per unit of inner lr and its
-        direction, then each is folded in island order with its token weight times its factor. Returns how many were
-        clipped or dropped."""
-        verdict = guard.judge({str(i): math.sqrt(sumsq) / lr_sum for i, (_, sumsq, _) in enumerate(pushed)}, "",
-                              {str(i): sketch for i, (_, _, sketch) in enumerate(pushed)})
-        self.least_cosine = min([self.least_cosine, *cosines({str(i): sketch for i, (_, _, sketch) in enumerate(pushed)}).values()])
-        for i, (received, _, _) in enumerate(pushed):
-            factor = verdict.factors[str(i)]
-            if factor == 0.0:
-                continue
-            scale = accumulator.scale_for(tokens) * factor
-            for chunk, values in received:
-                accumulator.add_chunk(chunk.name, chunk.offset, values, scale)
-            accumulator.commit(tokens)
-        if not accumulator.contributions:  # every contribution dropped: a zero mean
-            accumulator.commit(0)
+    def round(self, pushes: list[Push], islands: int) -> int:
+        """As coordinator/rounds.py applies a round (FragmentRounds.apply): the guard's verdict, the fold in island
+        order, the outer step and the publication. Returns how many contributions were clipped or dropped."""
+        keyed = [(str(i), p) for i, p in enumerate(pushes)]
+        self.least_cosine = min([self.least_cosine, *cosines({k: p.sketch for k, p in keyed if p.sketch is not None}).values()])
+        verdict = aggregate.judge(self.guard, keyed)
+        aggregate.fold(self.accumulator, self.codec, keyed, verdict, self.manifest.total_numel())
+        if aggregate.takes_step(aggregate.kept(keyed, verdict)):
+            aggregate.outer_step(self.outer, self.accumulator)
+            self.publication.publish()
+        else:
+            self.publication.unchanged()
+        self.accumulator.reset()
+        self.bytes_down += islands * self._sent_down()
         return len(verdict.clipped) + len(verdict.dropped)
 
-    def publish(self, islands: int) -> dict[str, torch.Tensor]:
-        """After the outer step: what every island now holds as theta_global."""
-        self.publication.publish()
-        per_island = sum(pb.ResultMessage(chunk=c).ByteSize() for c in self.publication.delta_chunks) or sum(
+    def _sent_down(self) -> int:
+        """What one island pulls: the update's chunks (a lossy downlink), else the values."""
+        return sum(pb.ResultMessage(chunk=c).ByteSize() for c in self.publication.delta_chunks) or sum(
             pb.ResultMessage(chunk=c).ByteSize() for c in tensor_chunks(self.publication.params, self.publication.codec, self.cfg.wire.chunk_bytes)
         )
-        self.bytes_down += islands * per_island
-        return self.publication.params
 
 
 CODEC_FLAGS = (

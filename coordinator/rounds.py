@@ -17,9 +17,9 @@ In this file, in the order a round goes:
    for the norm guard, contributions made whole), reading (wait_for_result,
    reading: taken under the parameters' read lock, sent without it), closing
    (close_reason, close, fold_ahead, apply: judge, fold, outer step, publish,
-   next round), and its checkpoint (state_dict).
-3. Folding: judge (the norm guard, diloco/robust.py), fold in canonical order,
-   and FoldAhead.
+   next round), and its checkpoint (state_dict). The judge, the fold and the
+   outer step are diloco/aggregate.py's, which the convergence benchmark calls too.
+3. Folding ahead: FoldAhead.
 4. RoundDriver: one thread per fragment that closes and applies its rounds and
    hands each closed round to the process around it (run log, checkpoint,
    health).
@@ -53,7 +53,7 @@ Folding, through the norm guard (diloco/robust.py): each contribution's norm is 
 (Codec.sumsq, with the finiteness check), so at the close the guard judges
 the whole round before anything is folded, and every contribution is decoded once: folded in canonical island
 order with its token weight (discounted when late) times the guard's factor (1
-kept, < 1 clipped); a dropped one is not folded at all. With split_late
+kept, < 1 clipped); a dropped one is not folded at all (diloco/aggregate.py). With split_late
 (rounds.late_mode = "delayed_nesterov") the late ones go to the accumulator's late
 part, over the same total weight (diloco/outer.py: delayed Nesterov).
 
@@ -61,7 +61,7 @@ Folding ahead (FoldAhead): while a round is still open, the round driver folds
 each complete contribution that comes next in canonical order among the islands
 that may still contribute on time, so a round whose islands finish pushing at
 different times closes with one fold on its critical path instead of one per
-island. These are exactly the operations fold() would do at the close, in the
+island. These are exactly the operations aggregate.fold would do at the close, in the
 same order, so the close keeps them when its contributions start with the same
 ones, on time and kept whole by the guard; otherwise it resets the accumulator
 and folds everything from the spools, which stay until the close.
@@ -77,7 +77,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
-from concurrent.futures import Executor, wait
+from concurrent.futures import Executor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -88,8 +88,10 @@ from coordinator.ledger import DataLedger, ranges_of
 from coordinator.links import LinkAdvisor
 from coordinator.membership import Membership, canonical_order
 from coordinator.publish import DeltaStream, Publication, Reading, step_and_publish
-from coordinator.spool import Spool, SpoolCorrupt, SpooledChunk, Spools
+from coordinator.spool import Spool, SpoolCorrupt, Spools
 from coordinator.stragglers import PushPace
+from diloco import aggregate
+from diloco.aggregate import ChunkToFold, fold_key
 from diloco.wire.codec import Codec
 from diloco.config import RunConfig
 from diloco.inner import inner_lr
@@ -145,10 +147,18 @@ class Contribution:
         rounds keep exactly the arithmetic they had)."""
         return self.tokens if not self.staleness else self.tokens * self.discount
 
+    def chunks(self, codec: Codec) -> Iterator[ChunkToFold]:
+        """Its chunks as the fold reads them (diloco/aggregate.py): each push stream's in the codec it came in, else
+        codec; verified on arrival, and the spool checks its own digests."""
+        for k, spool in enumerate(self.spools):
+            decoder = self.codecs[k] if k < len(self.codecs) else codec
+            for chunk in spool.read():
+                yield ChunkToFold(chunk, decoder, chunk.stable)
 
-def fold_key(island_id: str, contribution: Contribution) -> str:
-    """Names a contribution in a closing round: an island may have an on-time and a late one in the same round."""
-    return island_id if not contribution.staleness else f"{island_id} (late from round {contribution.origin})"
+    def release(self) -> None:
+        """Folded or dropped: its spools go."""
+        for spool in self.spools:
+            spool.discard()
 
 
 @dataclass
@@ -783,8 +793,9 @@ class FragmentRounds:
 
     def apply(self, closing: Closing) -> pb.RoundSummary:
         """Folds, takes the outer step, publishes the result and opens the next round; returns the round's summary."""
-        verdict = self.ctx.judge(self, closing) if self.ctx.judge is not None else judge(self.guard, closing.contributions, self.label)
-        kept = [(i, c) for i, c in closing.contributions if fold_key(i, c) not in verdict.dropped]
+        verdict = (self.ctx.judge(self, closing) if self.ctx.judge is not None
+                   else aggregate.judge(self.guard, closing.contributions, self.label))
+        kept = aggregate.kept(closing.contributions, verdict)
         summary = round_summary(self.round, self.index, kept, self.manifest.total_numel(), self.cfg)
         summary.clipped.extend(verdict.clipped)
         self.dropped.update(verdict.dropped)
@@ -793,16 +804,15 @@ class FragmentRounds:
         delayed = self.cfg.rounds.late_mode == "delayed_nesterov"  # late ones apart (diloco/outer.py)
         ahead = self.ahead.take(self.accumulator, closing.contributions, verdict)  # folded while the round was open
         for _, contribution in closing.contributions[:ahead]:
-            for spool in contribution.spools:
-                spool.discard()
-        folded = fold(self.accumulator, self.codec, closing.contributions[ahead:], verdict, self.manifest.total_numel(), delayed,
-                      self.ctx.pool)
+            contribution.release()
+        folded = aggregate.fold(self.accumulator, self.codec, closing.contributions[ahead:], verdict, self.manifest.total_numel(),
+                                delayed, self.ctx.pool)
         folded += ahead * self.manifest.total_numel()
         summary.fold_s, summary.folded_ahead = time.perf_counter() - started, ahead
         # A round that folds no weight (every contribution trained on 0 tokens, or dropped) takes no outer step: a step
         # on momentum alone would move the parameters with no data behind it. The parameters, momentum and checksum
         # stay; the round moves on.
-        skipped = not any(c.weight for _, c in kept)
+        skipped = not aggregate.takes_step(kept)
         if skipped:
             log.warning("%sround %d folds no tokens (%d contribution(s), none with weight): no outer step", self.label,
                         self.round, len(closing.contributions))
@@ -839,11 +849,7 @@ class FragmentRounds:
                     raise
                 summary.publish_s += eager_s
             else:
-                mean, late = self.accumulator.parts()
-                if delayed:
-                    self.outer.step_delayed(mean, late)
-                else:
-                    self.outer.step(mean, consume=True)
+                aggregate.outer_step(self.outer, self.accumulator, delayed)
                 summary.step_s, started = time.perf_counter() - started - eager_s, time.perf_counter() - eager_s
                 self.publication.publish()
                 summary.publish_s = time.perf_counter() - started
@@ -918,67 +924,7 @@ class FragmentRounds:
             self.last_islands, self.last_tokens = state["last"]
 
 
-# === 3. Folding ==============================================================================================
-
-
-def judge(guard: NormGuard, contributions: list[tuple[str, Contribution]], label: str) -> Verdict:
-    """The guard's verdict on norms per unit of inner learning rate (comparable across warmup and a
-    fragment's shorter first round) and on directions (the sketches made at intake); contributions trained on no
-    tokens (zero weight) are not judged."""
-    judged = [(fold_key(island, c), c) for island, c in contributions if c.tokens]
-    return guard.judge({key: math.sqrt(c.sumsq) / c.lr_sum for key, c in judged}, label,
-                       {key: c.sketch for key, c in judged if c.sketched and c.sketch is not None})
-
-
-def fold(accumulator: PseudoGradientAccumulator, codec: Codec, contributions: list[tuple[str, Contribution]],
-         verdict: Verdict, numel: int, split_late: bool = False, pool: Executor | None = None) -> int:
-    """Folds the kept contributions in the given (canonical) order; returns the elements folded. split_late: late
-    contributions go to the accumulator's late part (PseudoGradientAccumulator.parts()). pool: threads that decode
-    and add a contribution's chunks at once (each element still gets the contributions in canonical order)."""
-    folded = 0
-    for island, contribution in contributions:
-        late = split_late and contribution.staleness > 0
-        factor = verdict.factors.get(fold_key(island, contribution), 1.0)
-        if factor == 0.0:
-            for spool in contribution.spools:
-                spool.discard()
-            continue
-        _fold_one(accumulator, codec, contribution, factor, numel, late, pool)
-        for spool in contribution.spools:
-            spool.discard()
-        folded += numel
-    if not accumulator.contributions:  # every contribution dropped: the round's mean is zero
-        accumulator.commit(0)
-    return folded
-
-
-def _fold_one(accumulator: PseudoGradientAccumulator, codec: Codec, contribution: Contribution, factor: float, numel: int,
-              late: bool, pool: Executor | None = None) -> None:
-    # Token-weighted; a late contribution's weight carries its staleness discount (Contribution.weight).
-    scale = accumulator.scale_for(contribution.weight) * factor
-    accumulator.part(late)  # allocated here, not by one of the threads
-    elements, pending = 0, []
-
-    def add(chunk: SpooledChunk, decoder: Codec) -> None:
-        accumulator.add_encoded(chunk.name, chunk.offset, chunk.numel, chunk.payload, decoder, scale, late)
-
-    try:
-        for k, spool in enumerate(contribution.spools):
-            # Each push stream in the codec it came in (compression per link), else the run's.
-            decoder = contribution.codecs[k] if k < len(contribution.codecs) else codec
-            for chunk in spool.read():  # verified on arrival; the spool checks its own digests
-                if pool is not None and chunk.stable:  # the codecs' kernels and torch's add release the GIL
-                    pending.append(pool.submit(add, chunk, decoder))
-                else:  # read from disk into a buffer the next chunk reuses
-                    add(chunk, decoder)
-                elements += chunk.numel
-    finally:
-        wait(pending)  # every chunk of this contribution is in before the next contribution's
-    for done in pending:
-        done.result()
-    # Coverage proved exactly-once already; this is the invariant the summary reports.
-    assert elements == numel, (elements, numel)
-    accumulator.commit(contribution.weight, late)
+# === 3. Folding ahead ========================================================================================
 
 
 class FoldAhead:
@@ -1009,9 +955,10 @@ class FoldAhead:
 
     def fold(self, accumulator: PseudoGradientAccumulator, codec: Codec, island: str, contribution: Contribution,
              numel: int, pool: Executor | None = None) -> None:
-        """Folds one contribution as fold() would (factor 1, on time); its spools stay for a close that starts over."""
+        """Folds one contribution as aggregate.fold would (factor 1, on time); its spools stay for a close that starts
+        over."""
         try:
-            _fold_one(accumulator, codec, contribution, 1.0, numel, False, pool)
+            aggregate.fold_one(accumulator, codec, contribution, 1.0, numel, False, pool)
         except (OSError, SpoolCorrupt) as e:  # dropped meanwhile (spool gone), or the disk: the close decides
             log.warning("folding %s ahead of the close failed (%s); the close folds the round from the spools", island, e)
             self.broken = True
@@ -1019,8 +966,8 @@ class FoldAhead:
         self.done.append((island, contribution))
 
     def take(self, accumulator: PseudoGradientAccumulator, contributions: list[tuple[str, Contribution]], verdict: Verdict) -> int:
-        """How many of the closing round's first contributions the accumulator holds, folded exactly as fold() would
-        fold them; when it holds anything else, resets it and returns 0."""
+        """How many of the closing round's first contributions the accumulator holds, folded exactly as aggregate.fold
+        would fold them; when it holds anything else, resets it and returns 0."""
         n = len(self.done)
         kept = not self.broken and n <= len(contributions) and all(
             island == contributions[k][0] and contribution is contributions[k][1] and not contribution.staleness
