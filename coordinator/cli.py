@@ -11,6 +11,7 @@ from pathlib import Path
 from diloco.cli.common import ArgumentParser, add_config_flags, config_from_args, fail, setup_logging  # isort: skip
 
 from diloco.security.credentials import RevocationList, coordinator_files
+from coordinator.rollback import ROLL_BACK_EXIT, RolledBack
 
 # torch, gRPC and the server are imported once the arguments are checked (main): `--help` and a bad flag answer
 # in a fraction of a second instead of after seconds of imports.
@@ -129,6 +130,8 @@ def main(argv: list[str] | None = None) -> None:
         fail(parser.prog, str(e))
     except KeyboardInterrupt:
         pass
+    except RolledBack:  # logged where decided; the launcher starts this shard again with --resume
+        raise SystemExit(ROLL_BACK_EXIT)
 
 
 def stop_on_sigterm() -> None:

@@ -118,8 +118,12 @@ class FollowerRounds:
     so that the leader's summary of each round is the run's: every shard's bytes and traffic added, the slowest
     shard's seconds, the shards' checksums joined; and a row per shard for the dashboard and /metrics."""
 
-    def __init__(self, addresses: tuple[str, ...], secret: bytes, tls: TlsFiles | None, wait_s: float = 10.0):
+    def __init__(self, addresses: tuple[str, ...], secret: bytes, tls: TlsFiles | None, wait_s: float = 10.0,
+                 decided: Callable[[int, int], bool] = lambda f, r: True, apart: Callable[[str], None] = lambda why: None):
+        """decided(f, r): whether the leader closed (or is closing) fragment f's round r; apart(why): the shards no
+        longer hold one run (coordinator/rollback.py)."""
         self.addresses, self.wait_s = addresses, wait_s
+        self.secret, self.decided, self.apart = secret, decided, apart
         self.cond = threading.Condition()
         self.got: dict[tuple[int, int], dict[int, pb.RoundSummary]] = {}  # (fragment, round) -> shard -> summary
         self.rounds: dict[int, dict[int, int]] = {}  # each follower's fragments' rounds now (the last closed + 1)
@@ -128,17 +132,27 @@ class FollowerRounds:
         self.channels = [shard_channel(a, tls) for a in addresses[1:]]
         self.threads = [threading.Thread(target=self._watch, args=(shard, channel, secret), name=f"watch-shard-{shard}",
                                          daemon=True) for shard, channel in enumerate(self.channels, start=1)]
+
+    def start(self) -> FollowerRounds:
+        """Watches the followers; once the leader's state is restored (decided reads its rounds)."""
         for t in self.threads:
             t.start()
+        return self
 
     def _watch(self, shard: int, channel: grpc.Channel, secret: bytes) -> None:
-        stub, seen = pb_grpc.CoordinatorStub(channel), set()
+        stub, seen, again = pb_grpc.CoordinatorStub(channel), set(), False
         while not self.stop.is_set():  # a follower restarting: watch again (a fresh proof), skipping what came already
             try:
+                if again:
+                    self._came_back(shard, stub)
+                again = True
                 for s in stub.WatchRounds(leader_reads(secret, shard, pb.WatchRequest(from_round=0)), wait_for_ready=True):
                     if (s.fragment, s.round) in seen:
                         continue
                     seen.add((s.fragment, s.round))
+                    if not self.decided(s.fragment, s.round):
+                        self.apart(f"coordinator shard {shard} closed fragment {s.fragment}'s round {s.round}, which this "
+                                   "leading shard has not (it resumed from an older checkpoint)")
                     with self.cond:
                         self.got.setdefault((s.fragment, s.round), {})[shard] = s
                         self.rounds.setdefault(shard, {})[s.fragment] = s.round + 1
@@ -150,6 +164,22 @@ class FollowerRounds:
                         return
             except grpc.RpcError:
                 self.stop.wait(1.0)
+
+    def _came_back(self, shard: int, stub) -> None:
+        """A follower reached again (it may have restarted): if it is now behind a round it had closed, it lost a round
+        the islands hold (killed between that close and its checkpoint)."""
+        stream = stub.FetchParameters(leader_reads(self.secret, shard, pb.FetchRequest()), timeout=30.0, wait_for_ready=True)
+        try:
+            header = next(stream).header
+        finally:
+            stream.cancel()  # the rounds are in the header; the values are not needed
+        now = {f.index: f.round for f in header.fragments} or {0: header.round}
+        with self.cond:
+            closed = dict(self.rounds.get(shard, {}))
+        lost = {f: r for f, r in closed.items() if now.get(f, r) < r}
+        if lost:
+            self.apart(f"coordinator shard {shard} came back at fragment rounds {now}, behind rounds it had closed and the "
+                       f"islands hold ({closed})")
 
     def merge(self, summary: pb.RoundSummary) -> None:
         """Adds the other shards' part of the round to the leader's summary (waiting up to wait_s for them)."""
@@ -202,7 +232,9 @@ class FollowerRounds:
 def shard_channel(address: str, tls: TlsFiles | None) -> grpc.Channel:
     """A shard's channel to another: mutual TLS with the coordinator's own certificate (it allows client use), or
     plaintext where the shards serve plaintext."""
+    # A shard restarting is reached again within 2 s of its return (gRPC's own backoff grows to 120 s).
+    options = [("grpc.initial_reconnect_backoff_ms", 1000), ("grpc.max_reconnect_backoff_ms", 2000)]
     if tls is None:
-        return grpc.insecure_channel(address)
+        return grpc.insecure_channel(address, options=options)
     ca, cert, key = tls.read()
-    return grpc.secure_channel(address, grpc.ssl_channel_credentials(ca, key, cert))
+    return grpc.secure_channel(address, grpc.ssl_channel_credentials(ca, key, cert), options=options)

@@ -258,8 +258,14 @@ class CloseNotices:
         self.secret, self.wait_s = secret, wait_s
         self.channels = [shard_channel(a, tls) for a in addresses[1:]]
         self.stubs = [pb_grpc.CoordinatorStub(c) for c in self.channels]
+        self.last_sent: dict[int, int] = {}  # fragment -> the newest round this process sent a close of
+
+    def sent(self, fragment: int, round_: int) -> bool:
+        """Whether this process told the followers it closed fragment's round_ (or a later one)."""
+        return round_ <= self.last_sent.get(fragment, -1)
 
     def send(self, fragment: int, round_: int, islands: list[str], settled: Callable[[], bool]) -> None:
+        self.last_sent[fragment] = max(round_, self.last_sent.get(fragment, -1))
         for shard, stub in enumerate(self.stubs, start=1):
             request = pb.CloseRoundRequest(fragment=fragment, round=round_, islands=islands)
             threading.Thread(target=self._send, args=(stub, shard, request, settled), daemon=True,
@@ -280,6 +286,17 @@ class CloseNotices:
                     return
                 time.sleep(delay)
                 delay = min(2 * delay, 5.0)
+
+    def roll_back(self, reason: str, timeout_s: float = 10.0) -> None:
+        """Tells every follower to stop and resume from the shards' newest common checkpoint (coordinator/rollback.py);
+        one that cannot be reached now is behind or down, and comes back through its own restart."""
+        for shard, stub in enumerate(self.stubs, start=1):
+            request = pb.CloseRoundRequest(roll_back=True, roll_back_reason=reason)
+            request.proof = close_proof(self.secret, shard, request)
+            try:
+                stub.CloseRound(request, timeout=timeout_s, wait_for_ready=True)
+            except grpc.RpcError as e:
+                log.warning("shard %d did not take the roll-back (%s: %s)", shard, e.code().name, e.details())
 
     def close(self) -> None:
         for c in self.channels:

@@ -9,9 +9,11 @@ shards share in its environment. Across machines the launcher is the field's
 
 With --checkpoint, a shard killed by a signal (the OOM killer, a crash, an
 operator's SIGKILL) is started again with --resume, at most MAX_RESTARTS times
-in a run, as torchrun restarts a rank: the others keep serving and it resumes at
-the round they are in. A shard that exits with an error of its own stops the
-rest (a restart would meet the same error), and so does the launcher's own stop.
+per shard in a run, as torchrun restarts a rank: the others keep serving and it resumes at
+the round they are in. So is a shard that stopped with ROLL_BACK_EXIT to resume
+with the others from their common checkpoint (coordinator/rollback.py). A shard
+that exits with an error of its own stops the rest (a restart would meet the
+same error), and so does the launcher's own stop.
 """
 
 from __future__ import annotations
@@ -30,13 +32,14 @@ import time
 from collections.abc import Mapping
 from pathlib import Path
 
+from coordinator.rollback import ROLL_BACK_EXIT
 from diloco.config import ConfigError
 from diloco.cli.lifetime import child_dies_with
 
 log = logging.getLogger(__name__)
 
 SECRET_ENV = "DILOCO_SHARD_SECRET"  # hex; made by `serve --shards K`, handed to remote shards by their launcher
-MAX_RESTARTS = 3  # restarts of killed shards in one run, all shards together
+MAX_RESTARTS = 3  # restarts of each shard in one run, killed or rolled back (a roll-back restarts every shard)
 
 _WILDCARD = ("", "0.0.0.0", "::")
 
@@ -152,14 +155,16 @@ def write_run_report(path: str, count: int) -> None:
 def _wait(children: list[subprocess.Popen], scratch: Path, port_file: str | None, count: int, addresses: str,
           restart=None, stopping: list[int] = ()) -> int:
     """Waits for every shard; restart(i): shard i started again with --resume (None: a killed shard stops the rest)."""
-    told, restarts = False, MAX_RESTARTS
+    told, restarts = False, [MAX_RESTARTS] * len(children)
     while True:
         codes = [c.poll() for c in children]
         for i, c in enumerate(codes):
-            if c is not None and c < 0 and restart is not None and restarts and not stopping:
-                restarts -= 1
-                log.warning("coordinator shard %d was killed (signal %d); starting it again with --resume (%d restart(s) "
-                            "left)", i, -c, restarts)
+            if (c is not None and (c < 0 or c == ROLL_BACK_EXIT) and restart is not None and restarts[i]
+                    and not stopping):
+                restarts[i] -= 1
+                why = f"was killed (signal {-c})" if c < 0 else "stopped to resume with the others"
+                log.warning("coordinator shard %d %s; starting it again with --resume (%d restart(s) left)", i, why,
+                            restarts[i])
                 children[i] = restart(i)
                 codes[i] = None
         failed = [c for c in codes if c not in (None, 0)]

@@ -316,13 +316,16 @@ def start_coordinator(
         step = shard.common_step(cfg.checkpoint.url, cfg.checkpoint.keep_last) if not whole else None
         if not durable.restore(state, store, step):
             log.warning("no committed checkpoint under %s; starting the run from scratch", url)
+    if services is not None:
+        services.restored()
     log.info("global parameters: %d tensors, %.2fM elements; initial eval loss %s", len(state.params),
              state.manifest.total_numel() / 1e6, initial_eval_text(state.initial_eval_loss, shard))
     # Before the port opens: a log location that cannot be written is an error at start, not mid-run.
     runlog = RunLog(observe.log_url, observe.tensorboard, cfg) if observe.log_url or observe.tensorboard else None
     stop = threading.Event()
     service = CoordinatorService(state, stop, mutual_tls=tls is not None, audit=audit, shard=shard,
-                                 judges=services.judging.leader if services is not None else None)
+                                 judges=services.judging.leader if services is not None else None,
+                                 rollback=services.rollback if services is not None else None)
     server, bound, health_servicer = start_grpc(cfg, service, host, port, credentials)
 
     saving = threading.Lock()
@@ -342,7 +345,8 @@ def start_coordinator(
     def after_close(closed: Closed) -> None:
         if runlog is not None:
             runlog.record(closed.summary)
-        if store is not None and (closed.run_finished or closed.total_rounds % save_every == 0):
+        rolling_back = services is not None and services.rollback.requested.is_set()
+        if store is not None and not rolling_back and (closed.run_finished or closed.total_rounds % save_every == 0):
             with saving:
                 save(state, store, checkpoints)
         if closed.run_finished:
@@ -378,9 +382,11 @@ def serve(
         Path(http_port_file).write_text(str(coordinator.web.port))
     if port_file:  # last: whoever waits for it finds the HTTP port written already
         Path(port_file).write_text(str(coordinator.port))
+    rollback = coordinator.shard_services.rollback if coordinator.shard_services is not None else None
     try:
         while not coordinator.wait(1.0):
-            pass
+            if rollback is not None:
+                rollback.check()  # raises RolledBack: stop, to resume with the other shards
         deadline = time.monotonic() + linger_s
         with coordinator.state.cond:
             coordinator.state.cond.wait_for(lambda: not coordinator.state.islands, max(0.0, deadline - time.monotonic()))

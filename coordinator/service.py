@@ -17,6 +17,7 @@ from coordinator.judging import MAX_PIECES, LeaderJudge, close_refusal, verdict_
 from coordinator.ledger import lease_bound, ranges_of
 from coordinator.limits import Abandoned, Limits, idle_bounded
 from coordinator.publish import Reading
+from coordinator.rollback import RollBack
 from coordinator.sharding import ShardRole
 from coordinator.state import CoordinatorState
 from coordinator.streams import OpenStreams, Ticket
@@ -90,8 +91,9 @@ def _refuse_overlaps(ranges: list[FlatRange], total: int) -> None:
 
 class CoordinatorService(pb_grpc.CoordinatorServicer):
     def __init__(self, state: CoordinatorState, stop: threading.Event, mutual_tls: bool = False, audit=None,
-                 shard: ShardRole | None = None, judges: LeaderJudge | None = None):
+                 shard: ShardRole | None = None, judges: LeaderJudge | None = None, rollback: RollBack | None = None):
         self.state = state
+        self.rollback = rollback  # a shard of several: the leader's word that every shard resumes from their checkpoint
         self.shard = shard  # this process's place among the coordinator's shards (None: the only one)
         self.judges = judges  # the leading shard of several: the rounds' verdicts (coordinator/judging.py)
         self.stop = stop
@@ -456,7 +458,10 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         if why is not None:
             raise Refused(Reason.NOT_YOURS, f"only the coordinator's leading shard may close a following shard's round "
                           f"(signed with DILOCO_SHARD_SECRET): {why}")
-        self.state.fragment(request.fragment).leader_closed(request.round, list(request.islands))
+        if request.roll_back:
+            self.rollback.request(f"the leading shard rolls the shards back: {request.roll_back_reason}")
+        else:
+            self.state.fragment(request.fragment).leader_closed(request.round, list(request.islands))
         return pb.CloseRoundResponse()
 
     @_refusals

@@ -11,11 +11,12 @@ StatefulSet pod's ordinal at the end of its hostname); `diloco-coordinator serve
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from coordinator.gather import FollowerRounds, WholeModel
 from coordinator.judging import ShardJudging
 from coordinator.limits import max_message_bytes
+from coordinator.rollback import RollBack
 from diloco.config import RunConfig
 from diloco.fragments import layout_for
 from diloco.models.llama import initial_parameters, parameter_shapes
@@ -80,6 +81,7 @@ class ShardServices:
     judging: ShardJudging
     followers: FollowerRounds | None = None
     gathering: WholeModel | None = None
+    rollback: RollBack = field(default_factory=RollBack)  # every shard back to their common checkpoint (coordinator/rollback.py)
 
     @staticmethod
     def start(shard: ShardRole, cfg: RunConfig, tls: TlsFiles | None, manifests: list[Manifest], fragments) -> ShardServices:
@@ -87,9 +89,23 @@ class ShardServices:
         services = ShardServices(ShardJudging(shard.index, shard.addresses, shard.secret, tls, cfg.rounds.deadline_s, fragments,
                                                 max_message_bytes(cfg)))
         if shard.leads:
-            services.followers = FollowerRounds(shard.addresses, shard.secret, tls)
+            notices = services.judging.notices
+
+            def decided(f: int, r: int) -> bool:
+                return r < fragments()[f].round or notices.sent(f, r)
+
+            def apart(why: str) -> None:
+                notices.roll_back(why)
+                services.rollback.request(why)
+
+            services.followers = FollowerRounds(shard.addresses, shard.secret, tls, decided=decided, apart=apart)
             services.gathering = WholeModel(shard.addresses, shard.secret, tls, manifests[1:])
         return services
+
+    def restored(self) -> None:
+        """The state is restored: the leader watches its followers from now (it compares their rounds with its own)."""
+        if self.followers is not None:
+            self.followers.start()
 
     def state_args(self) -> dict:
         """CoordinatorState's arguments for a shard: the round machines' judge and sketch keys, the leader's followers,

@@ -112,10 +112,17 @@ def channel_options(receive_window_bytes: int = 0) -> list[tuple[str, int]]:
     by chunk; a slow (CPU-starved) receiver otherwise lets it grow to the
     size of the whole stream. Throughput per stream is about window / RTT, so
     size it near bandwidth x RTT.
+
+    Reconnecting is tried at least every RECONNECT_MAX_S: gRPC's own backoff grows to 120 s, so after a coordinator
+    restart of half a minute an island kept failing on a server up again for seconds, until its lease there ran out.
     """
+    reconnect = [("grpc.initial_reconnect_backoff_ms", 1000), ("grpc.max_reconnect_backoff_ms", int(RECONNECT_MAX_S * 1000))]
     if receive_window_bytes <= 0:
-        return []
-    return [("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", receive_window_bytes)]
+        return reconnect
+    return reconnect + [("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", receive_window_bytes)]
+
+
+RECONNECT_MAX_S = 2.0  # a connection to a coordinator that went away is tried again at least this often
 
 
 SLOT_NOTICE_S = 10.0  # a push that waits this long for a slot says so

@@ -510,6 +510,55 @@ def test_a_follower_and_then_the_leader_sigkilled_mid_round_resume_while_the_oth
     assert "did not stop cleanly" in (tmp_path / "shard-1.log").read_text()
 
 
+@pytest.mark.timeout(500)
+@pytest.mark.parametrize("killed, seen", [
+    (1, "coordinator shard 1 came back at fragment rounds {0: 2}, behind rounds it had closed"),
+    pytest.param(0, "coordinator shard 1 closed fragment 0's round 2, which this leading shard has not",
+                 marks=pytest.mark.slow),  # the same path from the leader's side
+])
+def test_a_shard_killed_after_a_close_its_checkpoint_missed_rolls_every_shard_back_and_the_run_ends_whole(
+        killed, seen, tmp_path):
+    """A shard SIGKILLed after publishing a round no checkpoint of it holds (checkpoints every 2 rounds; the same
+    window is open between any close and its checkpoint) comes back a round behind the islands and the other shard.
+    The leader sees it, tells the shards to resume together (exit 75, as torchrun or a StatefulSet would restart them),
+    and the islands go back with them: the run ends with every shard, island and report on one checksum."""
+    cfg = tiny_config("rounds.rounds=6", "rounds.min_islands=2", "data.shards=2", "inner.steps_per_round=40",
+                      "checkpoint.every_rounds=2", "rounds.heartbeat_s=0.5")
+    run = ShardProcesses(cfg, 2, tmp_path)
+    try:
+        for i in range(2):
+            run.start_shard(i)
+        for i in range(2):
+            run.start_island(i)
+        deadline = time.monotonic() + 200
+        # Rounds 0-1 are in step 2; round 2 in none. Both shards closed it (the follower closes after the leader).
+        while "round 2 closed" not in (tmp_path / "shard-1.log").read_text():
+            assert time.monotonic() < deadline, f"shard 1 never closed round 2{run.tails()}"
+            time.sleep(0.01)
+        run.procs[f"shard-{killed}"].send_signal(signal.SIGKILL)
+        run.procs[f"shard-{killed}"].wait(30)
+        assert not run.committed(killed, 3) and not run.committed(killed, 4)
+        run.start_shard(killed, resume=True)
+        # Both stop to be resumed together; the test restarts them as their launcher would.
+        for i in (0, 1):
+            code = run.procs[f"shard-{i}"].wait(120)
+            assert code == 75, f"shard {i} exited {code}, not to roll back{run.tails()}"
+        for i in (0, 1):
+            run.start_shard(i, resume=True)
+        codes = run.wait_all(300)
+    finally:
+        run.close()
+    assert codes == {"shard-0": 0, "shard-1": 0, "island-0": 0, "island-1": 0}, f"see {tmp_path}{run.tails()}"
+    reports = [json.loads((tmp_path / f"report-{i}.json").read_text()) for i in range(2)]
+    for i, report in enumerate(reports):
+        assert report["final_round"] == 6, f"shard {i} ended at round {report['final_round']}{run.tails()}"
+        assert len(report["islands"]) == 2 and set(report["islands"].values()) == {report["checksum"]}
+    for i in range(2):
+        assert "matches the coordinator's" in (tmp_path / f"island-{i}.log").read_text()
+    assert seen in (tmp_path / "shard-0.log").read_text(), run.tails()
+    assert "the leading shard rolls the shards back" in (tmp_path / "shard-1.log").read_text()
+
+
 def test_only_the_shards_own_signed_statistics_reach_the_leaders_judge(tmp_path):
     """A member (or anyone on the port) cannot feed the leader statistics that would clip or drop other islands:
     Judge takes only calls signed with the shards' secret, and a one-process coordinator takes none."""

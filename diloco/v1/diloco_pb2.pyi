@@ -586,16 +586,20 @@ class JudgeResponse(_message.Message):
     def __init__(self, factors: _Optional[_Mapping[str, float]] = ..., clipped: _Optional[_Iterable[str]] = ..., dropped: _Optional[_Iterable[str]] = ..., reference: _Optional[float] = ...) -> None: ...
 
 class CloseRoundRequest(_message.Message):
-    __slots__ = ("fragment", "round", "islands", "proof")
+    __slots__ = ("fragment", "round", "islands", "proof", "roll_back", "roll_back_reason")
     FRAGMENT_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     ISLANDS_FIELD_NUMBER: _ClassVar[int]
     PROOF_FIELD_NUMBER: _ClassVar[int]
+    ROLL_BACK_FIELD_NUMBER: _ClassVar[int]
+    ROLL_BACK_REASON_FIELD_NUMBER: _ClassVar[int]
     fragment: int
     round: int
     islands: _containers.RepeatedScalarFieldContainer[str]
     proof: str
-    def __init__(self, fragment: _Optional[int] = ..., round: _Optional[int] = ..., islands: _Optional[_Iterable[str]] = ..., proof: _Optional[str] = ...) -> None: ...
+    roll_back: bool
+    roll_back_reason: str
+    def __init__(self, fragment: _Optional[int] = ..., round: _Optional[int] = ..., islands: _Optional[_Iterable[str]] = ..., proof: _Optional[str] = ..., roll_back: _Optional[bool] = ..., roll_back_reason: _Optional[str] = ...) -> None: ...
 
 class CloseRoundResponse(_message.Message):
     __slots__ = ()
