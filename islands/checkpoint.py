@@ -42,7 +42,7 @@ from torch.distributed.tensor import DTensor
 
 from diloco.checkpoint import CheckpointError, CheckpointStore, rng_state, set_rng_state
 from diloco.progress import WORTH_SHOWING, Progress
-from islands.evidence import maybe_fault
+from islands.context import IslandContext
 
 log = logging.getLogger(__name__)
 
@@ -73,11 +73,11 @@ def _copy_back(flat: dict[str, torch.Tensor], loaded: dict[str, torch.Tensor]) -
                 flat[name].view(-1).copy_(local.reshape(-1))
 
 
-def _eager_tensors(island, present: list[list[str]] | None = None) -> dict[str, dict[str, torch.Tensor]]:
+def _eager_tensors(ctx: IslandContext, present: list[list[str]] | None = None) -> dict[str, dict[str, torch.Tensor]]:
     """Each fragment's eager memory as {key: {name: shard}}; present (from a checkpoint's meta) names what to allocate."""
     out = {}
-    for f, e in enumerate(island.eager or []):
-        shard = island.fragments[f]
+    for f, e in enumerate(ctx.eager or []):
+        shard = ctx.fragments[f]
         have = {"momentum": e.replica.buffers, "prev_mean": e.prev_mean, "prev_own": e.prev_own}
         for key, tensors in have.items():
             if present is not None:
@@ -113,60 +113,60 @@ class IslandCheckpoint:
             raise CheckpointError(error)
         return result
 
-    def _progress(self, island, label: str, saving: bool) -> Progress:
+    def _progress(self, ctx: IslandContext, label: str, saving: bool) -> Progress:
         """Elapsed time, then the size, on a terminal: on the saving group's rank 0, or group 0's on a restore."""
-        large = 4 * self.world.world_size * sum(t.numel() for t in island.global_shard.values()) >= WORTH_SHOWING
-        return Progress(label, enabled=large and self.world.is_leader and (saving or island.spec.group == 0))
+        large = 4 * self.world.world_size * sum(t.numel() for t in ctx.global_shard.values()) >= WORTH_SHOWING
+        return Progress(label, enabled=large and self.world.is_leader and (saving or ctx.spec.group == 0))
 
-    def _state(self, island, with_optimizer: bool, rng_ranks: int, eager: dict) -> dict:
-        state = {"model": get_model_state_dict(island.model), "global": _as_dtensors(island.model, island.global_shard)}
+    def _state(self, ctx: IslandContext, with_optimizer: bool, rng_ranks: int, eager: dict) -> dict:
+        state = {"model": get_model_state_dict(ctx.model), "global": _as_dtensors(ctx.model, ctx.global_shard)}
         if with_optimizer:
-            state["optimizer"] = get_optimizer_state_dict(island.model, island.optimizer)
-        if island.feedback is not None:
-            state["feedback"] = _as_dtensors(island.model, island.feedback.buffers)
+            state["optimizer"] = get_optimizer_state_dict(ctx.model, ctx.optimizer)
+        if ctx.feedback is not None:
+            state["feedback"] = _as_dtensors(ctx.model, ctx.feedback.buffers)
         for key, tensors in eager.items():
-            state[key] = _as_dtensors(island.model, tensors)
+            state[key] = _as_dtensors(ctx.model, tensors)
         if self.world.rank < rng_ranks:
             state[f"rng-rank{self.world.rank}"] = rng_state()
         return state
 
     # --- saving ------------------------------------------------------------------------
 
-    def maybe_save(self, island) -> None:
+    def maybe_save(self, ctx: IslandContext) -> None:
         """Called at the top of a step with nothing in flight: saves if due and this group is the saver."""
-        s = island.state
+        s = ctx.state
         step = sum(s.rounds)
         if self.last is None:
             self.last = step  # nothing trained here yet
         if step == self.last or step % (self.every * len(s.rounds)) or s.done():
             return
-        if island.replicas.participating_rank() != 0:
+        if ctx.replicas.participating_rank() != 0:
             return
-        self.save(island)
+        self.save(ctx)
 
-    def save(self, island) -> str:
-        s, started = island.state, time.monotonic()
+    def save(self, ctx: IslandContext) -> str:
+        s, started = ctx.state, time.monotonic()
         step = sum(s.rounds)
         url = self._on_leader(lambda: self.store.begin_files(step))
         # get_optimizer_state_dict would initialise an empty optimizer (a fresh one after a divergence) by stepping it.
-        with_optimizer = bool(island.optimizer.state)
-        eager = _eager_tensors(island)
-        progress = self._progress(island, f"writing checkpoint {step}", saving=True)
+        with_optimizer = bool(ctx.optimizer.state)
+        eager = _eager_tensors(ctx)
+        progress = self._progress(ctx, f"writing checkpoint {step}", saving=True)
         try:  # DCP raises on every rank when any rank failed
             with progress.ticking():
-                dcp.save(self._state(island, with_optimizer, self.world.world_size, eager),
+                dcp.save(self._state(ctx, with_optimizer, self.world.world_size, eager),
                          storage_writer=FsspecWriter(url, sync_files=self.local))
         except CheckpointException as e:
             progress.close("failed")
             raise CheckpointError(f"could not write checkpoint {step} to {url}: {e}") from e
         meta = {
-            "island_id": s.island_id, "island_key": island.spec.key, "round": s.round, "position": s.state_dict(),
-            "config_digest": island.cfg.digest(), "format": "torch.distributed.checkpoint", "optimizer": with_optimizer,
-            "world_size": self.world.world_size, "saved_by_group": island.spec.group, "replica_groups": island.spec.groups,
-            "eager": [[k.split(".", 1)[1] for k in eager if k.startswith(f"eager{f}.")] for f in range(len(island.eager or []))],
-            "eager_share": [e.share for e in island.eager or []], "wall_time": time.time(),
+            "island_id": s.island_id, "island_key": ctx.spec.key, "round": s.round, "position": s.state_dict(),
+            "config_digest": ctx.cfg.digest(), "format": "torch.distributed.checkpoint", "optimizer": with_optimizer,
+            "world_size": self.world.world_size, "saved_by_group": ctx.spec.group, "replica_groups": ctx.spec.groups,
+            "eager": [[k.split(".", 1)[1] for k in eager if k.startswith(f"eager{f}.")] for f in range(len(ctx.eager or []))],
+            "eager_share": [e.share for e in ctx.eager or []], "wall_time": time.time(),
         }
-        maybe_fault("die-before-commit", island.spec.group, self.world.rank, s.round)  # tests: a torn save
+        ctx.faults.hit("die-before-commit", s.round)  # tests: a torn save
         try:
             where = self._on_leader(lambda: self.store.commit_files(step, meta))
             if progress.shown:
@@ -176,7 +176,7 @@ class IslandCheckpoint:
         self.last = step
         if self.world.is_leader:
             log.info("%s group %d: checkpoint of fragment rounds %s written to %s in %.2fs",
-                     s.island_id, island.spec.group, s.rounds, where, time.monotonic() - started)
+                     s.island_id, ctx.spec.group, s.rounds, where, time.monotonic() - started)
         return where
 
     # --- resuming ------------------------------------------------------------------------
@@ -194,8 +194,8 @@ class IslandCheckpoint:
             return self.store.load_files()
         return self._on_leader(pick)
 
-    def restore(self, island, prefer_step: int | None = None) -> int | None:
-        """Loads a checkpoint into island (every rank of the group); returns its step, None if there is none.
+    def restore(self, ctx: IslandContext, prefer_step: int | None = None) -> int | None:
+        """Loads a checkpoint into the island's parts (every rank of the group); returns its step, None if there is none.
 
         Taking the coordinator's step, not simply the newest, matters after a
         crash that caught the island a round ahead of the coordinator's last
@@ -207,11 +207,11 @@ class IslandCheckpoint:
             log.warning("no committed checkpoint under %s; starting this island afresh", self.store.url)
             return None
         step, meta = chosen
-        if meta["config_digest"] != island.cfg.digest():
+        if meta["config_digest"] != ctx.cfg.digest():
             raise ValueError(f"island checkpoint at {self.store.url} is for another config ({meta['config_digest']})")
-        eager = _eager_tensors(island, meta.get("eager") or [[] for _ in island.eager or []])
-        state = self._state(island, meta["optimizer"], meta["world_size"], eager)
-        progress = self._progress(island, f"reading checkpoint {step}", saving=False)
+        eager = _eager_tensors(ctx, meta.get("eager") or [[] for _ in ctx.eager or []])
+        state = self._state(ctx, meta["optimizer"], meta["world_size"], eager)
+        progress = self._progress(ctx, f"reading checkpoint {step}", saving=False)
         try:
             with progress.ticking():
                 dcp.load(state, storage_reader=FsspecReader(self.store.step_url(step)))
@@ -221,25 +221,25 @@ class IslandCheckpoint:
             raise CheckpointError(f"could not read checkpoint {step} under {self.store.url}: {e}") from e
         finally:
             progress.close()
-        set_model_state_dict(island.model, state["model"])
+        set_model_state_dict(ctx.model, state["model"])
         if "optimizer" in state:
-            set_optimizer_state_dict(island.model, island.optimizer, state["optimizer"])
-        _copy_back(island.global_shard, state["global"])
-        if island.feedback is not None and "feedback" in state:
-            _copy_back(island.feedback.buffers, state["feedback"])
+            set_optimizer_state_dict(ctx.model, ctx.optimizer, state["optimizer"])
+        _copy_back(ctx.global_shard, state["global"])
+        if ctx.feedback is not None and "feedback" in state:
+            _copy_back(ctx.feedback.buffers, state["feedback"])
         for key, tensors in eager.items():
             _copy_back(tensors, state[key])
-        for f, e in enumerate(island.eager or []):
+        for f, e in enumerate(ctx.eager or []):
             loaded = {k.split(".", 1)[1]: v for k, v in eager.items() if k.startswith(f"eager{f}.")}
             e.load_state_dict({"momentum": loaded.get("momentum", {}), "prev_mean": loaded.get("prev_mean"),
                                "prev_own": loaded.get("prev_own"), "share": meta["eager_share"][f]})
         if f"rng-rank{self.world.rank}" in state:
             set_rng_state(state[f"rng-rank{self.world.rank}"])
-        island.state.load_state_dict(meta["position"])
-        island.restored = True
+        ctx.state.load_state_dict(meta["position"])
+        ctx.restored = True
         self.last = step
         if prefer_step is not None and step != prefer_step:
-            log.warning("%s: resumed from step %d while the coordinator is at step %d; not an exact resume", island.island_id, step, prefer_step)
-        log.info("%s group %d rank %d resumed from %s (step %d)", island.island_id, island.spec.group, self.world.rank,
+            log.warning("%s: resumed from step %d while the coordinator is at step %d; not an exact resume", ctx.island_id, step, prefer_step)
+        log.info("%s group %d rank %d resumed from %s (step %d)", ctx.island_id, ctx.spec.group, self.world.rank,
                  self.store.step_url(step), step)
         return step

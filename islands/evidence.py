@@ -12,7 +12,8 @@ SIGKILLs it (tests kill the pushing group exactly mid-push; `die-before-commit`:
 checkpoint's files are written, its marker is not), `hold-before-push:...,delay=S`
 makes it push S seconds late, `die-before-land:...,fragment=F` SIGKILLs a pushing rank
 at the landing, before it reported its push (an exchange in flight), `perturb-before-pull:...` adds 0.5 to its copy of
-theta_global before the pull, as if memory had gone bad. Nothing else reads it.
+theta_global before the pull, as if memory had gone bad. Nothing else reads it: a rank reads
+it once, as its `Faults`, which the round and the checkpoint are handed.
 """
 
 from __future__ import annotations
@@ -34,27 +35,39 @@ def attempt() -> int:
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 
 
-def fault_due(point: str, group: int, rank: int, round_: int, fragment: int = 0) -> dict[str, str] | None:
-    """The arguments of the DILOCO_FAULT entry naming this point for this rank and round (first attempt only)."""
-    if attempt() != 0:
+class Faults:
+    """One rank's fault-injection points (DILOCO_FAULT), read once, when the rank starts: what the round and the
+    checkpoint call at each named point instead of reading the environment there. NO_FAULTS, the default, does
+    nothing (unit tests, a library caller)."""
+
+    def __init__(self, group: int = 0, rank: int = 0, spec: str = "", attempt_: int = 0):
+        self.group, self.rank = group, rank
+        self.entries = [] if attempt_ != 0 else [e.partition(":")[::2] for e in filter(None, spec.split(";"))]
+
+    @classmethod
+    def from_env(cls, group: int, rank: int) -> "Faults":
+        return cls(group, rank, os.environ.get(FAULT_ENV, ""), attempt())
+
+    def due(self, point: str, round_: int, fragment: int = 0) -> dict[str, str] | None:
+        """The arguments of the entry naming this point for this rank, round and fragment (first attempt only)."""
+        mine = (self.group, self.rank, round_, fragment)
+        for name, args in self.entries:
+            want = dict(kv.split("=") for kv in args.split(",") if kv)
+            if name == point and tuple(int(want.get(k, v)) for k, v in zip(("group", "rank", "round", "fragment"), mine)) == mine:
+                return want
         return None
-    for spec in filter(None, os.environ.get(FAULT_ENV, "").split(";")):
-        name, _, args = spec.partition(":")
-        want = dict(kv.split("=") for kv in args.split(",") if kv)
-        mine = (group, rank, round_, fragment)
-        if name == point and tuple(int(want.get(k, v)) for k, v in zip(("group", "rank", "round", "fragment"), mine)) == mine:
-            return want
-    return None
+
+    def hit(self, point: str, round_: int, fragment: int = 0) -> None:
+        """SIGKILLs this process if an entry names this point (a "hold-" point sleeps for its delay instead)."""
+        want = self.due(point, round_, fragment)
+        if want is None:
+            return
+        time.sleep(float(want.get("delay", 0)))  # lets the other ranks of the group get their part done first
+        if not point.startswith("hold-"):
+            os.kill(os.getpid(), signal.SIGKILL)
 
 
-def maybe_fault(point: str, group: int, rank: int, round_: int, fragment: int = 0) -> None:
-    """SIGKILLs this process if DILOCO_FAULT names this point (a "hold-" point sleeps for its delay instead)."""
-    want = fault_due(point, group, rank, round_, fragment)
-    if want is None:
-        return
-    time.sleep(float(want.get("delay", 0)))  # lets the other ranks of the group get their part done first
-    if not point.startswith("hold-"):
-        os.kill(os.getpid(), signal.SIGKILL)
+NO_FAULTS = Faults()
 
 
 def digest(tensors: Iterable[torch.Tensor]) -> str:

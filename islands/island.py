@@ -19,9 +19,15 @@ Fragments (diloco/fragments.py) split the model; without streaming there is one,
 which syncs every H inner steps. The island's position (IslandState) is what a
 checkpoint writes and a healing group receives, with the model shard, inner
 optimizer state, theta_global shard, error feedback, eager state and the
-exchanges in flight. The island's side of the round (when one ends, the
-exchange, the landing, a resync, the finish) is one object it owns, `self.sync`:
-islands/round.py's IslandRound; the loop below is the schedule that calls it.
+exchanges in flight. What the loop, the round, the checkpoint and the
+telemetry share is one object, `self.ctx` (islands/context.py IslandContext;
+`island.ctx.model` is the model). The island's side of the round (when
+one ends, the exchange, the landing, a resync, the finish) is one object built
+on it, `self.sync` (islands/round.py IslandRound); the loop below is the
+schedule that calls it, top to bottom:
+
+    if not rounds.boundary():
+        rounds.after_step(*inner_step())   # inner_step calls rounds.step_begins() and rounds.reduce_gradients
 """
 
 from __future__ import annotations
@@ -30,29 +36,26 @@ import dataclasses
 import logging
 import math
 import time
-import zlib
-from contextlib import nullcontext
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
-import torch.distributed as dist
 
-from diloco.wire.feedback import ErrorFeedback
 from diloco.config import RunConfig
 from diloco.inner import build_inner_optimizer, inner_lr, train_step
 from diloco.shardmap import model_checksum
 from diloco.streaming import EagerState
 from diloco.v1 import diloco_pb2 as pb
+from diloco.wire.feedback import ErrorFeedback
 from diloco.wire.messages import Manifest, downlink_codec, link_codecs, uplink_codec
 from islands.client import CoordinatorClient
-from islands.evidence import Evidence, digest
+from islands.context import FragmentShard, IslandContext
+from islands.evidence import Evidence, Faults, digest
 from islands.feed import make_feed
 from islands.fsdp import ShardLayout, build_island_model, local_views
 from islands.joining import check_join_reply
-from islands.memwatch import PeakRss
-from islands.outcome import Next
-from islands.replicas import Replicas, Solo
-from islands.round import FragmentShard, IslandRound, Wire
+from islands.replicas import ReplicaGroups, Replicas
+from islands.round import IslandRound, Wire
 from islands.state import IslandState, ReplicaSpec
 from islands.telemetry import IslandTelemetry
 from islands.world import IslandWorld
@@ -81,270 +84,169 @@ class IslandResult:
         return self.compute_s / self.wall_s if self.wall_s else math.nan
 
 
+class Stepped(NamedTuple):
+    """One inner step, as the round counts it (IslandRound.after_step) and the telemetry records it."""
+
+    loss: float | None  # None: the step did not commit (it is redone)
+    tokens: int = 0  # the island's tokens of the step (every participating group's ranks)
+    samples: int = 0  # the samples it read of a token corpus
+    seconds: float = 0.0
+
+
 class Island:
+    """One rank's island: it builds the parts (the context), then runs the loop; the round is `self.sync`."""
+
     def __init__(self, cfg: RunConfig, world: IslandWorld, client: CoordinatorClient, joined: pb.JoinResponse,
                  spec: ReplicaSpec | None = None, compile_model: bool = False):
-        self.cfg, self.world, self.client = cfg, world, client
-        self.spec = spec or ReplicaSpec()
-        self.codec, self.down = uplink_codec(cfg.wire), downlink_codec(cfg.wire)
-        client.codecs[self.down.name] = self.down
-        self.manifest = Manifest.from_proto(joined.parameters)
-        self.total_rounds = joined.total_rounds
-        self.model = build_island_model(cfg.model, world.device, world.world_size, compile_model)
-        self.layout = check_join_reply(joined, cfg, Manifest.of(dict(self.model.named_parameters())))
-        self.shard = ShardLayout.of(self.model)
+        spec = spec or ReplicaSpec()
+        codec, down = uplink_codec(cfg.wire), downlink_codec(cfg.wire)
+        client.codecs[down.name] = down
+        manifest = Manifest.from_proto(joined.parameters)
+        model = build_island_model(cfg.model, world.device, world.world_size, compile_model)
+        layout = check_join_reply(joined, cfg, Manifest.of(dict(model.named_parameters())))
+        self.shard = ShardLayout.of(model)
         self.whole = world.world_size == 1  # the rank holds the whole model
-        self.local = local_views(self.model)
+        local = local_views(model)
         # theta_global stays in fp32 on the CPU: the outer step never needs it on the GPU.
-        self.global_shard = ({n: torch.zeros(s, dtype=torch.float32) for n, s in self.manifest.shapes.items()}
-                             if self.whole else self.shard.zeros())
-        self.optimizer = build_inner_optimizer(self.model, cfg.inner)
-        self.feedback = (ErrorFeedback({r.name: r.numel for r in self.shard.ranges}, cfg.wire.decay, cfg.wire.feedback_in_model)
-                         if cfg.wire.uses_error_feedback else None)
-        self.fragments = [self._fragment_shard(f.index, f.names) for f in self.layout]
-        p = len(self.fragments)
-        self.state = IslandState(joined.island_id, list(joined.fragment_rounds) or [joined.round] * p, joined.total_rounds)
-        self.feed = make_feed(cfg, joined, world, self.spec, client, lambda: self.state.island_id)
-        self.eager = [EagerState(cfg.outer) for _ in range(p)] if cfg.streaming.eager else None
-        self.replicas: Solo | Replicas = Solo()
-        wire = Wire(client, self.codec, joined.max_chunk_bytes, self.feedback, cfg.rounds.deadline_s + 60,
-                    lambda: self.state.island_id, link_codecs(cfg.wire))  # compression per link: what it may push with
-        self.restored = False
+        global_shard = ({n: torch.zeros(s, dtype=torch.float32) for n, s in manifest.shapes.items()}
+                        if self.whole else self.shard.zeros())
+        optimizer = build_inner_optimizer(model, cfg.inner)
+        feedback = (ErrorFeedback({r.name: r.numel for r in self.shard.ranges}, cfg.wire.decay, cfg.wire.feedback_in_model)
+                    if cfg.wire.uses_error_feedback else None)
+        params = FragmentShard(-1, manifest, self.shard.ranges, self.whole, local, global_shard)
+        fragments = [params.part(f.index, f.names) for f in layout]
+        p = len(fragments)
+        state = IslandState(joined.island_id, list(joined.fragment_rounds) or [joined.round] * p, joined.total_rounds)
+        self.feed = make_feed(cfg, joined, world, spec, client, lambda: state.island_id)
+        # What the loop, the round, the checkpoint and the telemetry share.
+        self.ctx = IslandContext(
+            cfg, spec, world, client, state, layout, joined.total_rounds, model, optimizer, params, fragments,
+            replicas=ReplicaGroups(world, spec.groups), feedback=feedback,
+            eager=[EagerState(cfg.outer) for _ in range(p)] if cfg.streaming.eager else None, leased=self.feed.leased,
+            evidence=Evidence(spec.report_dir, spec.group, world.rank), faults=Faults.from_env(spec.group, world.rank),
+        )
+        wire = Wire(client, codec, joined.max_chunk_bytes, feedback, cfg.rounds.deadline_s + 60, lambda: state.island_id,
+                    link_codecs(cfg.wire), down)  # compression per link: what it may push with
         self.checkpoint = None  # islands.checkpoint.IslandCheckpoint with --checkpoint
-        self.cores = None  # islands.cores.CoreShare: on the CPU without --threads, re-shared every round
-        # Inner steps; blocked waiting for results (of which: for other islands' pushes); everything.
-        self.timing = {"compute_s": 0.0, "wait_s": 0.0, "straggler_s": 0.0, "wall_s": 0.0}
-        self.losses: list[float] = []  # mean inner loss of each H steps
-        self.exchanges: list[dict] = []  # one record per landed exchange
         self.step_spans: list[tuple[float, float]] | None = None  # set to [] to record each inner step's span
-        self.memory: list[dict] = []
-        self.evidence = Evidence(self.spec.report_dir, self.spec.group, world.rank)
         self.telemetry = IslandTelemetry()  # what it writes: islands/launch.py's run_island (--metrics-port, --log-url)
         # The island's side of the round: when one ends, the exchange, the landing, a resync, the finish.
-        self.sync = IslandRound(
-            cfg, self.spec, world, client, self.state, self.layout, self.total_rounds,
-            params=FragmentShard(-1, self.manifest, self.shard.ranges, self.whole, self.local, self.global_shard),
-            fragments=self.fragments, wire=wire, down=self.down, feedback=self.feedback, eager=self.eager,
-            replicas=self.replicas, group_reduce=self.group_reduce, reset_training=self.reset_training,
-            leased=self.feed.leased, evidence=self.evidence, timing=self.timing, records=self.exchanges,
-        )
-
-    def _fragment_shard(self, index: int, names: tuple[str, ...]) -> FragmentShard:
-        return FragmentShard(
-            index, Manifest({n: self.manifest.shapes[n] for n in names}), [r for r in self.shard.ranges if r.name in names],
-            self.whole, {n: self.local[n] for n in names}, {n: self.global_shard[n] for n in names},
-        )
+        self.sync = IslandRound(self.ctx, wire)
 
     @property
     def island_id(self) -> str:
-        return self.state.island_id
+        return self.ctx.island_id
 
     @property
     def round(self) -> int:
-        return self.state.round
+        return self.ctx.state.round
 
     @property
     def global_params(self) -> dict[str, torch.Tensor]:
-        return self.global_shard
+        return self.ctx.global_shard
 
-    # --- inside the island: its group's ranks, and the replica groups -------------------------
-
-    def group_reduce(self, values: list[float], op=dist.ReduceOp.SUM) -> list[float]:
-        t = torch.tensor(values, dtype=torch.float64, device=self.world.device)
-        if self.world.world_size > 1:
-            dist.all_reduce(t, op=op)
-        return t.tolist()
-
-    def _rounds_tag(self) -> float:
-        """The fragments' rounds as one small whole number (below 4093, so its square is exact in fp32):
-        groups that disagree on any of them are caught (up to a 1-in-4093 collision of the tags)."""
-        return float(zlib.crc32(repr(self.state.rounds).encode()) % 4093)
-
-    def _reduce_gradients(self, model: torch.nn.Module, loss: float) -> float | None:
-        """Averages the local gradient shards (and the loss) across the groups; None if the step did not commit.
-
-        The rounds ride along: if the groups disagree on them, in every group
-        mean(r) != r or mean(r^2) != r^2, nobody commits, and each resyncs.
-        """
-        disagree = False
-        if self.spec.groups > 1:
-            from islands.fsdp import local_grads
-
-            grads = list(local_grads(model))
-            r = self._rounds_tag()
-            clock = self.sync.clock_extra()  # time-boxed rounds: the groups agree on the round's clock
-            extra = torch.tensor([loss, r, r * r, *clock], dtype=grads[0].dtype, device=grads[0].device)
-            expected = extra[1:3].tolist()  # as the collective's dtype holds them
-            flat = torch.cat(grads + [extra])
-            self.replicas.allreduce_(flat)
-            loss, mean_r, mean_r2, *clock = flat[-extra.numel():].tolist()
-            disagree = [mean_r, mean_r2] != expected
-            if disagree:
-                self.replicas.report_error(RuntimeError("replica groups are in different rounds"))
-            offset = 0
-            for g in grads:
-                g.copy_(flat[offset : offset + g.numel()])
-                offset += g.numel()
-        self._participants = self.replicas.participants()
-        if not self.replicas.commit():
-            log.warning("group %d: inner step %d did not commit; redoing it", self.spec.group, self.state.step)
-            if disagree:
-                for f in range(len(self.fragments)):
-                    self.sync.resync(f, Next.RESYNC)
-            return None
-        if self.spec.groups > 1:
-            self.sync.agree_clock(clock)
-        return loss
-
-    def reset_training(self) -> None:
-        """Our training diverged (a push refused as not finite): a fresh inner optimizer and error feedback."""
-        self.optimizer = build_inner_optimizer(self.model, self.cfg.inner)
-        if self.feedback is not None:
-            self.feedback.reset()
+    @property
+    def losses(self) -> list[float]:
+        """The mean inner loss of each round's steps."""
+        return self.sync.losses
 
     # --- one inner step ---------------------------------------------------------------------------
 
-    def _inner_step(self) -> None:
-        cfg, s = self.cfg.inner, self.state
-        total_steps = self.total_rounds * cfg.steps_per_round
-        batch = self.feed.batch(s, self.replicas.participating_rank(), self.replicas.participants())
-        if self.world.device.type == "cuda":
+    def _inner_step(self) -> Stepped:
+        """Trains one inner step: its loss (None if it did not commit: redo it), the island's tokens, the samples read."""
+        ctx, cfg, s = self.ctx, self.ctx.cfg.inner, self.ctx.state
+        batch = self.feed.batch(s, ctx.replicas.participating_rank(), ctx.replicas.participants())
+        if ctx.world.device.type == "cuda":
             # Charge this step only, not GPU work queued before it (a landing's copies into the model).
-            torch.cuda.synchronize(self.world.device)
+            torch.cuda.synchronize(ctx.world.device)
         t0 = time.monotonic()
-        for f in range(len(self.fragments)):
-            if s.step == s.last_sync[f]:
-                self.sync.round_begins(f)  # the time box counts from the round's first inner step
-        loss = train_step(self.model, self.optimizer, batch, inner_lr(self.sync.lr_step(), total_steps, cfg), cfg.grad_clip,
-                          self._reduce_gradients, self.world.device, autocast=self.whole)
-        if self.spec.throttle_s:
-            time.sleep(self.spec.throttle_s)  # a slower device, emulated: counted as compute
+        lr = inner_lr(self.sync.step_begins(), ctx.total_rounds * cfg.steps_per_round, cfg)
+        loss = train_step(ctx.model, ctx.optimizer, batch, lr, cfg.grad_clip, self.sync.reduce_gradients, ctx.world.device,
+                          autocast=self.whole)
+        if ctx.spec.throttle_s:
+            time.sleep(ctx.spec.throttle_s)  # a slower device, emulated: counted as compute
         t1 = time.monotonic()
         if loss is None:
-            return
-        self.timing["compute_s"] += t1 - t0
+            return Stepped(None)
+        ctx.timing["compute_s"] += t1 - t0
         if self.step_spans is not None:
             self.step_spans.append((t0, t1))
-        tokens = self._participants * self.world.world_size * cfg.batch_size * self.cfg.data.seq_len
-        for f in range(len(self.fragments)):
-            s.loss[f][0] += loss
-            s.loss[f][1] += 1
-            s.tokens[f] += tokens
-        s.step += 1
-        s.consume(self.feed.samples_per_step(self._participants))
-        self.telemetry.inner_step(loss, tokens, t1 - t0)
-        self._window.append(loss)
-        if not self.sync.pace.custom and s.step % cfg.steps_per_round == 0:
-            self._close_window()
-
-    def _close_window(self) -> None:
-        """The mean inner loss of the round's steps (every H steps; at each sync with a pace of the island's own)."""
-        if not self._window:
-            return
-        s = self.state
-        self.losses.append(sum(self._window) / len(self._window))
-        self._window = []
-        if self.cores is not None:  # islands that started or ended on this machine since move our share
-            self.cores.apply()
-        log.info("%s step %d: train loss %.4f, fragment rounds %s; %.1fs in inner steps, %.1fs waiting so far",
-                 s.island_id, s.step, self.losses[-1], s.rounds, self.timing["compute_s"], self.timing["wait_s"])
-
-    # --- a boundary step: the schedule of the fragments' exchanges -----------------------------------
-
-    def _boundary(self) -> bool:
-        """Lands an exchange that is due, or begins the syncs that are due. True when this step's commit was used.
-        Time-boxed with fragments, a due push goes first: it never waits behind a landing."""
-        s, sync = self.state, self.sync
-        sync_first = sync.pace.time_boxed and len(self.fragments) > 1
-        if not sync_first and sync.land_due():
-            return True
-        for f in range(len(self.fragments)):
-            if f in sync.inflight or s.rounds[f] >= s.stop_round or s.finished:
-                continue
-            if sync.round_over(f):
-                meter = PeakRss() if self.spec.measure_memory else nullcontext()
-                with meter:
-                    round_ = s.rounds[f]
-                    if sync.pace.custom:
-                        self._close_window()
-                    sync.begin(f)
-                    if sync.inflight[f].due > s.step:
-                        return False
-                    sync.land(f)
-                if isinstance(meter, PeakRss) and meter.peak_bytes is not None:
-                    self.memory.append({"round": round_, "fragment": f, "peak_rss_bytes": meter.peak_bytes, "phases": meter.phases})
-                return True
-        return sync_first and sync.land_due()
+        participants = ctx.replicas.participants()
+        tokens = participants * ctx.world.world_size * cfg.batch_size * ctx.cfg.data.seq_len
+        return Stepped(loss, tokens, self.feed.samples_per_step(participants), t1 - t0)
 
     def _close_timing(self, marks: dict, started: float) -> None:
-        self.timing["wall_s"] = time.monotonic() - started
+        timing = self.ctx.timing
+        timing["wall_s"] = time.monotonic() - started
         if marks and all(marks.values()):
-            h = self.cfg.inner.steps_per_round
-            (c0, t0), (c1, t1) = marks[h], marks[self.total_rounds * h - h]
-            self.timing["steady_compute_s"], self.timing["steady_wall_s"] = c1 - c0, t1 - t0
+            h = self.ctx.cfg.inner.steps_per_round
+            (c0, t0), (c1, t1) = marks[h], marks[self.ctx.total_rounds * h - h]
+            timing["steady_compute_s"], timing["steady_wall_s"] = c1 - c0, t1 - t0
 
     # --- the loop ----------------------------------------------------------------------------------
 
     def run(self, max_rounds: int | None = None) -> IslandResult:
         started = time.monotonic()
-        self.telemetry.attach(self)
-        self.sync.start(self.restored)
-        s, h = self.state, self.cfg.inner.steps_per_round
+        ctx, rounds, s, h = self.ctx, self.sync, self.ctx.state, self.ctx.cfg.inner.steps_per_round
+        self.telemetry.attach(ctx)
+        rounds.start()
         if max_rounds is not None:
             s.stop_round = min(s.stop_round, min(s.rounds) + max_rounds)
-        if self.spec.groups > 1:
-            self.replicas = Replicas(
-                self.spec.ft, self.spec.group, self.world.rank, self.world.world_size, self.world.device,
-                f"{self.spec.key}.group{self.spec.group}", self.heal_state_dict, self.load_heal_state_dict,
-            )
-            self.sync.use_replicas(self.replicas)
-        self._participants, self._window = 1, []
-        total_steps = self.total_rounds * h
+        if ctx.spec.groups > 1:
+            ctx.replicas.use(Replicas(
+                ctx.spec.ft, ctx.spec.group, ctx.world.rank, ctx.world.world_size, ctx.world.device,
+                f"{ctx.spec.key}.group{ctx.spec.group}", self.heal_state_dict, self.load_heal_state_dict,
+            ))
+        total_steps = ctx.total_rounds * h
         # Steady state (LeaveRequest): between fixed steps of the fixed schedule; none with a pace of the island's own.
-        marks = {h: None, total_steps - h: None} if self.total_rounds >= 3 and not self.sync.pace.custom else {}
-        self.evidence.event("up", round=s.round)
+        marks = {h: None, total_steps - h: None} if ctx.total_rounds >= 3 and rounds.schedule.fixed else {}
+        ctx.evidence.event("up", round=s.round)
         matches, finishing = None, 0
-        assemble_until = time.monotonic() + self.spec.ft.startup_wait_s
+        assemble_until = time.monotonic() + ctx.spec.ft.startup_wait_s
         try:
             while True:
-                replaced = getattr(self.client, "replaced", None)
+                replaced = getattr(ctx.client, "replaced", None)
                 if replaced is not None:  # another process joined as this island (its heartbeat was refused REPLACED)
                     raise replaced
-                healed = self.replicas.start_step()
+                healed = ctx.replicas.start_step()
                 self.record_step(healed)
-                if self.replicas.participants() < self.spec.groups and time.monotonic() < assemble_until and not healed:
+                if ctx.replicas.participants() < ctx.spec.groups and time.monotonic() < assemble_until and not healed:
                     # Starting together: wait (bounded) for every group, so that all of them train
                     # from the first step instead of the late ones healing in later.
-                    self.replicas.commit()
+                    ctx.replicas.commit()
                     time.sleep(0.1)
                     continue
                 assemble_until = 0.0
-                if self.checkpoint is not None and not self.sync.inflight:
-                    self.checkpoint.maybe_save(self)
-                if s.done() and not self.sync.inflight:
+                if self.checkpoint is not None and not rounds.inflight:
+                    self.checkpoint.maybe_save(ctx)
+                if rounds.done():
                     self._close_timing(marks, started)
                     finishing += 1
-                    matches = self.sync.finish(last_try=finishing >= 5)
+                    matches = rounds.finish(last_try=finishing >= 5)
                     if matches is not None:
                         break
                     continue
-                if self._boundary():
-                    self.telemetry.landed(self)
+                if rounds.boundary():
+                    self.telemetry.landed(ctx)
                     continue
                 if s.step in marks and marks[s.step] is None:
-                    marks[s.step] = (self.timing["compute_s"], time.monotonic())
-                self._inner_step()
+                    marks[s.step] = (ctx.timing["compute_s"], time.monotonic())
+                step = self._inner_step()
+                rounds.after_step(step.loss, step.tokens, step.samples)
+                if step.loss is not None:
+                    self.telemetry.inner_step(step.loss, step.tokens, step.seconds)
         finally:
             self.telemetry.finish()
             self.write_evidence()
-            self.replicas.shutdown()
+            ctx.replicas.shutdown()
         # The run's checksum (diloco/shardmap.py join_checksums), the same on every rank: a rank holding the whole model
         # computes it (a sharded coordinator's parts joined), the others take the one the coordinator confirmed at leave.
-        whole = (model_checksum(dict(self.model.named_parameters()), getattr(self.client, "map", None)) if self.whole
-                 else self.world.broadcast_object(self.sync.final_checksum))
+        whole = (model_checksum(dict(ctx.model.named_parameters()), getattr(ctx.client, "map", None)) if self.whole
+                 else ctx.world.broadcast_object(rounds.final_checksum))
+        t = ctx.timing
         return IslandResult(
-            s.island_id, s.rounds_done, s.round, whole, bool(matches), self.losses, self.timing["compute_s"],
-            self.timing["wait_s"], self.timing["wall_s"], s.step, self.timing["straggler_s"], self.sync.late_folds,
+            s.island_id, s.rounds_done, s.round, whole, bool(matches), rounds.losses, t["compute_s"],
+            t["wait_s"], t["wall_s"], s.step, t["straggler_s"], rounds.late_folds,
         )
 
     # --- healing: what a restarted group receives from a live peer -----------------------------------
@@ -352,13 +254,14 @@ class Island:
     def heal_state_dict(self) -> dict:
         from islands.fsdp import optimizer_state_to_local
 
+        ctx = self.ctx
         return {
-            "model": {n: t.detach() for n, t in self.local.items()},
-            "optimizer": optimizer_state_to_local(self.optimizer),
-            "global": self.global_shard,
-            "feedback": self.feedback.state_dict() if self.feedback is not None else {},
-            "eager": [e.state_dict() for e in self.eager] if self.eager is not None else [],
-            "position": self.state.state_dict(),
+            "model": {n: t.detach() for n, t in ctx.local.items()},
+            "optimizer": optimizer_state_to_local(ctx.optimizer),
+            "global": ctx.global_shard,
+            "feedback": ctx.feedback.state_dict() if ctx.feedback is not None else {},
+            "eager": [e.state_dict() for e in ctx.eager] if ctx.eager is not None else [],
+            "position": ctx.state.state_dict(),
             **self.sync.heal_state_dict(),  # the exchanges in flight and the round's clock
         }
 
@@ -366,41 +269,44 @@ class Island:
     def load_heal_state_dict(self, sd: dict) -> None:
         from islands.fsdp import optimizer_state_from_local
 
+        ctx = self.ctx
         for name, t in sd["model"].items():
-            self.local[name].copy_(t)
+            ctx.local[name].copy_(t)
         for name, t in sd["global"].items():
-            self.global_shard[name].copy_(t)
-        if self.feedback is not None:
-            self.feedback.load_state_dict(sd["feedback"])
-        for e, saved in zip(self.eager or [], sd["eager"]):
+            ctx.global_shard[name].copy_(t)
+        if ctx.feedback is not None:
+            ctx.feedback.load_state_dict(sd["feedback"])
+        for e, saved in zip(ctx.eager or [], sd["eager"]):
             e.load_state_dict(saved)
-        optimizer_state_from_local(self.optimizer, sd["optimizer"])
-        self.state.load_state_dict(sd["position"])
+        optimizer_state_from_local(ctx.optimizer, sd["optimizer"])
+        ctx.state.load_state_dict(sd["position"])
         self.sync.load_heal_state_dict(sd)
-        self.evidence.event("healed", round=self.state.round, step=self.state.step)
-        log.info("group %d rank %d healed from a peer: fragment rounds %s, inner step %d", self.spec.group, self.world.rank,
-                 self.state.rounds, self.state.step)
+        ctx.evidence.event("healed", round=ctx.state.round, step=ctx.state.step)
+        log.info("group %d rank %d healed from a peer: fragment rounds %s, inner step %d", ctx.spec.group, ctx.world.rank,
+                 ctx.state.rounds, ctx.state.step)
 
     # --- evidence for tests and debugging (only with a report dir) ----------------------------------
 
     def record_step(self, healed: bool) -> None:
-        if not self.evidence.enabled:
+        ctx = self.ctx
+        if not ctx.evidence.enabled:
             return
-        s = self.state
-        opt = [v.to_local() if hasattr(v, "to_local") else v for st in self.optimizer.state.values() for k, v in sorted(st.items()) if k != "step"]
+        s = ctx.state
+        opt = [v.to_local() if hasattr(v, "to_local") else v for st in ctx.optimizer.state.values() for k, v in sorted(st.items()) if k != "step"]
         # An event, not just the summary: a SIGKILLed rank leaves its events behind.
-        self.evidence.event(
-            "step", step=self.replicas.step(), round=s.round, pos=s.step, healed=healed,
-            model=digest(self.local.values()), globals=digest(self.global_shard.values()), optimizer=digest(opt),
+        ctx.evidence.event(
+            "step", step=ctx.replicas.step(), round=s.round, pos=s.step, healed=healed,
+            model=digest(ctx.local.values()), globals=digest(ctx.global_shard.values()), optimizer=digest(opt),
         )
 
     def write_evidence(self) -> None:
+        ctx = self.ctx
         summary = {
-            "group": self.spec.group, "rank": self.world.rank, "world_size": self.world.world_size,
-            "state": dataclasses.asdict(self.state), "healed_steps": self.replicas.healed_steps, "takeovers": self.sync.takeovers,
-            "ranges": [dataclasses.astuple(r) for r in self.shard.ranges], "full_model_fp32_bytes": 4 * self.manifest.total_numel(),
-            "shard_fp32_bytes": 4 * self.shard.numel(), "memory": self.memory, "losses": [x for x in self.losses if math.isfinite(x)],
+            "group": ctx.spec.group, "rank": ctx.world.rank, "world_size": ctx.world.world_size,
+            "state": dataclasses.asdict(ctx.state), "healed_steps": ctx.replicas.healed_steps, "takeovers": self.sync.takeovers,
+            "ranges": [dataclasses.astuple(r) for r in self.shard.ranges], "full_model_fp32_bytes": 4 * ctx.manifest.total_numel(),
+            "shard_fp32_bytes": 4 * self.shard.numel(), "memory": self.sync.memory, "losses": [x for x in self.sync.losses if math.isfinite(x)],
         }
-        tensors = {"model": {n: t.detach().cpu().clone() for n, t in self.local.items()},
-                   "global": {n: t.view(-1) for n, t in self.global_shard.items()}}
-        self.evidence.write(summary, tensors)
+        tensors = {"model": {n: t.detach().cpu().clone() for n, t in ctx.local.items()},
+                   "global": {n: t.view(-1) for n, t in ctx.global_shard.items()}}
+        ctx.evidence.write(summary, tensors)

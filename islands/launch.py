@@ -429,12 +429,12 @@ def run_island(
         island = Island(run_cfg, world, client, joined, spec, compile_model)
         island.telemetry = island_telemetry
         if world.is_leader:
-            client.start_heartbeat(lambda: island.state.island_id, joined.heartbeat_interval_s, lambda: island.state.round,
+            client.start_heartbeat(lambda: island.island_id, joined.heartbeat_interval_s, lambda: island.round,
                                    island_telemetry.heartbeat_report)
         if previous is not None:
-            ckpt.restore(island, prefer_step=sum(joined.fragment_rounds) if joined.fragment_rounds else joined.round)
+            ckpt.restore(island.ctx, prefer_step=sum(joined.fragment_rounds) if joined.fragment_rounds else joined.round)
         island.checkpoint = ckpt
-        island.cores = cores
+        island.ctx.cores = cores
         return island.run(max_rounds)
     finally:
         client.close()

@@ -10,6 +10,12 @@ lighthouse's heartbeat timeout; the others go on.
 
 With one replica group there is nothing to keep in step: Solo stands in with
 the same interface and no torchft at all.
+
+What the ranks agree on sits here too, in `ReplicaGroups`: within a group over
+its torch.distributed world, across the groups through torchft (the gradients
+with the rounds and the round clock riding along, a push's outcome at a
+landing, whether every shard holds theta_global at the finish), and who takes
+a push over when the pushing group died: the quorum's rank-0 group.
 """
 
 from __future__ import annotations
@@ -19,12 +25,14 @@ import os
 import re
 import socket
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 from torch.distributed import ReduceOp
+
+from islands.world import IslandWorld
 
 log = logging.getLogger(__name__)
 
@@ -214,3 +222,112 @@ class Replicas:
 
     def shutdown(self) -> None:
         self.manager.shutdown(wait=False)
+
+
+# --- what the ranks agree on -----------------------------------------------------------------------------
+
+
+@dataclass
+class Averaged:
+    """An inner step's gradients averaged across the groups, and what rode along with them."""
+
+    committed: bool  # the step commits (the optimizer steps); False: redo it
+    loss: float  # the groups' mean loss (this group's own with one group)
+    clock: list[float] = field(default_factory=list)  # the groups' mean round clocks (time mode, several groups)
+    disagreed: bool = False  # the groups are in different rounds: each resyncs
+
+
+class ReplicaGroups:
+    """This rank's replica groups (Solo until the island starts torchft's: `use`) and what its ranks agree on.
+
+    Every method that agrees runs on every rank of every group at the same step.
+    """
+
+    def __init__(self, world: IslandWorld, groups: int = 1, ft: "Solo | Replicas | None" = None):
+        self.world, self.groups = world, groups
+        self.ft: Solo | Replicas = ft or Solo()
+
+    def use(self, ft: "Replicas") -> None:
+        """From now on the groups are torchft's (started as the island began to run)."""
+        self.ft = ft
+
+    # the replica groups' own calls, as Solo and Replicas answer them
+    def start_step(self) -> bool:
+        return self.ft.start_step()
+
+    def participating_rank(self) -> int:
+        return self.ft.participating_rank()
+
+    def participants(self) -> int:
+        return self.ft.participants()
+
+    def allreduce_(self, t: torch.Tensor, op: ReduceOp = ReduceOp.AVG) -> None:
+        self.ft.allreduce_(t, op)
+
+    def commit(self) -> bool:
+        return self.ft.commit()
+
+    def step(self) -> int:
+        return self.ft.step()
+
+    def shutdown(self) -> None:
+        self.ft.shutdown()
+
+    @property
+    def healed_steps(self) -> list[int]:
+        return self.ft.healed_steps
+
+    def leads(self) -> bool:
+        """This group is rank 0 of the step's quorum: it pushes, takes over a push nobody reported, leaves, saves."""
+        return self.ft.participating_rank() == 0
+
+    # within the group
+    def reduce(self, values: list[float], op=ReduceOp.SUM) -> list[float]:
+        """A few numbers reduced over this group's ranks."""
+        return self.world.reduce(values, op)
+
+    # across the groups
+    def average_gradients(self, model: torch.nn.Module, loss: float, tag: float, clock: list[float]) -> Averaged:
+        """Averages the local gradient shards (and the loss) across the groups, then asks whether the step commits.
+
+        tag: the fragments' rounds as one small whole number (below 4093, so its square is exact in fp32); if the
+        groups disagree on it, in every group mean(r) != r or mean(r^2) != r^2, nobody commits, and each resyncs.
+        clock: this rank's round clocks (time mode): the groups' mean comes back.
+        """
+        if self.groups == 1:
+            return Averaged(self.ft.commit(), loss)
+        from islands.fsdp import local_grads
+
+        grads = list(local_grads(model))
+        extra = torch.tensor([loss, tag, tag * tag, *clock], dtype=grads[0].dtype, device=grads[0].device)
+        expected = extra[1:3].tolist()  # as the collective's dtype holds them
+        flat = torch.cat(grads + [extra])
+        self.ft.allreduce_(flat)
+        loss, mean_r, mean_r2, *clock = flat[-extra.numel():].tolist()
+        disagreed = [mean_r, mean_r2] != expected
+        if disagreed:
+            self.ft.report_error(RuntimeError("replica groups are in different rounds"))
+        offset = 0
+        for g in grads:
+            g.copy_(flat[offset : offset + g.numel()])
+            offset += g.numel()
+        return Averaged(self.ft.commit(), loss, clock, disagreed)
+
+    def agree_report(self, report: int) -> int | None:
+        """A push's outcome at its landing: the worst report within the group (MAX), summed across the groups (one
+        group reports, the others add 0); None when the step did not commit (the landing is redone)."""
+        (worst,) = self.world.reduce([report], ReduceOp.MAX)
+        flag = torch.tensor([worst], dtype=torch.float32, device=self.world.device)
+        self.ft.allreduce_(flag, ReduceOp.SUM)
+        if not self.ft.commit():
+            return None
+        return int(flag.item())
+
+    def agree_all(self, holds: bool, last_try: bool = False) -> bool | None:
+        """Whether `holds` on every rank of every group; None when the step did not commit (unless last_try)."""
+        (bad,) = self.world.reduce([float(not holds)])
+        flag = torch.tensor([float(bad == 0), 1.0], dtype=torch.float32, device=self.world.device)
+        self.ft.allreduce_(flag, ReduceOp.SUM)
+        if not self.ft.commit() and not last_try:
+            return None
+        return flag[0].item() == flag[1].item()

@@ -1,11 +1,14 @@
 """The island's side of an outer round, read top to bottom: when a round ends, the exchange, the landing.
 
-One object, `IslandRound`, owned by the island (islands/island.py), does it
-for every island kind; its collaborators are passed in and named in its
-__init__. The island's loop asks it whether a fragment's round is over, begins
-the fragment's exchange, and lands it; the rest happens here:
+One object, `IslandRound`, does it for every island kind. It is handed the
+island's parts (islands/context.py IslandContext: model, optimizer, position,
+replica groups, fault points) and a `Wire`, and is driven once a step by any
+loop (islands/island.py's, or a user's own): `boundary()` between steps (a
+landing, or a sync), `step_begins()` before one, `reduce_gradients` inside it,
+`after_step()` after the optimizer stepped; then `finish()`. The rest happens
+here:
 
-- When a round ends (`RoundPace`): the run's fixed schedule (the default:
+- When a round ends (`RoundPace`, and `RoundSchedule` over it): the run's fixed schedule (the default:
   fragment f pushes round r after a fixed number of inner steps counted across
   the run, diloco/fragments.py); the island's own H (`diloco-island join
   --steps-per-round N`, P = 1 only); or time-boxed (`rounds.mode = "time"`):
@@ -32,12 +35,15 @@ the fragment's exchange, and lands it; the rest happens here:
   (tau > 0): the pseudo-gradient is snapshotted, and push and pull run on a
   thread of their own while inner steps go on; the pull writes into a staging
   copy, so what a checkpoint or a healing peer reads of theta_global is never
-  half-written. The landing comes tau steps later.
+  half-written. The landing comes tau steps later. Which of them (and eager
+  updates over an overlapped one) is one object chosen at the start
+  (`exchange_mode`: `Blocking`, `Overlapped`, `Eager`).
 - The landing (`land`), a resync (`resync`), a rewind (`_rewind`) and the
   finish (`finish`): every one runs on every rank of every replica group at
   the same step, so the agreements (within a group with torch.distributed,
-  across the groups through torchft) line up. The outcome every rank agrees on
-  is islands/outcome.py's `Next`, MAX-reduced.
+  across the groups through torchft: islands/replicas.py `ReplicaGroups`) line
+  up. The outcome every rank agrees on is islands/outcome.py's `Next`,
+  MAX-reduced.
 
 What a replica group that dies or heals while a fragment's exchange is in flight does:
 
@@ -64,29 +70,29 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import zlib
 from collections.abc import Callable, Collection, Iterator
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import grpc
 import torch
 import torch.distributed as dist
 
-from diloco.wire.codec import Codec
 from diloco.config import RunConfig
-from diloco.wire.feedback import ErrorFeedback
-from diloco.fragments import FragmentLayout
-from diloco.wire.frames import Chunk, chunk_of, fp32_payload
 from diloco.pace import lr_position, max_round_steps, paced
 from diloco.streaming import EagerState, eager_gradient, mix_, swap_estimate_
 from diloco.v1 import diloco_pb2 as pb
-from diloco.wire.messages import FlatRange, Manifest, chunk_spans
+from diloco.wire.codec import Codec
+from diloco.wire.feedback import ErrorFeedback
+from diloco.wire.frames import Chunk, chunk_of, fp32_payload
+from diloco.wire.messages import chunk_spans
 from diloco.wire.refusal import Reason, reason_of
 from islands.client import CoordinatorClient, MeanBuffer, RegeneratingChunks
-from islands.evidence import Evidence, digest, fault_due, maybe_fault
+from islands.context import FragmentShard, IslandContext
+from islands.evidence import digest
+from islands.memwatch import PeakRss
 from islands.outcome import Next, next_step, reason_name
-from islands.replicas import Replicas, Solo
-from islands.state import IslandState, ReplicaSpec
-from islands.world import IslandWorld
 
 log = logging.getLogger(__name__)
 
@@ -165,33 +171,6 @@ class RoundPace:
 
 
 @dataclass
-class FragmentShard:
-    """This rank's part of one fragment (or of the whole model): its ranges, and views of theta_local and theta_global there."""
-
-    index: int
-    manifest: Manifest  # the fragment's parameters, full shapes
-    ranges: list[FlatRange]  # this rank's ranges of them
-    whole: bool  # the rank holds all of it (a one-rank island): results come without ranges
-    local: dict[str, torch.Tensor]  # flat views of the model's parameters (writes go to the model)
-    global_: dict[str, torch.Tensor]  # theta_global: shaped like the parameters when whole, flat otherwise
-
-    @property
-    def wire_ranges(self) -> list[FlatRange] | None:
-        return None if self.whole else self.ranges
-
-    def numel(self) -> int:
-        return sum(r.numel for r in self.ranges)
-
-    def flat_global(self, name: str) -> torch.Tensor:
-        return self.global_[name].view(-1)
-
-    @property
-    def flat(self) -> dict[str, torch.Tensor]:
-        """theta_global as flat views, shaped like the local views."""
-        return {n: t.view(-1) for n, t in self.global_.items()}
-
-
-@dataclass
 class Wire:
     """How this rank talks to the coordinator."""
 
@@ -202,6 +181,7 @@ class Wire:
     pull_timeout_s: float
     island_id: Callable[[], str]
     codecs: dict[str, Codec] = field(default_factory=dict)  # what it may push with, by name (wire.link_codecs)
+    down: Codec | None = None  # the downlink's codec: eager updates' mean pseudo-gradient arrives in it
 
     def codec_for(self, ex: "Exchange") -> Codec:
         """The codec of this exchange's push: the one advised for its fragment when it started, else the run's."""
@@ -392,145 +372,159 @@ def wait_exchange(ex: Exchange) -> None:
         ex.thread = None
 
 
+def finish_pull(shard: FragmentShard, ex: Exchange, wire: Wire) -> None:
+    """At the landing of a push that went through: a blocking exchange (or one a healing group received) pulls now,
+    an overlapped one's thread is joined. The result, or the pull's error, is in ex.outcome."""
+    if ex.thread is None and not isinstance(ex.outcome, (pb.ResultHeader, BaseException)):
+        try:
+            ex.outcome = pull(shard, ex, wire)
+        except grpc.RpcError as e:
+            ex.outcome = e
+        ex.finished_at = time.monotonic()
+    wait_exchange(ex)
+
+
 def _label(shard: FragmentShard) -> str:
     return f"fragment {shard.index} "
 
 
-# --- the island's side of the round -----------------------------------------------------------------------
+# --- how an exchange overlaps training: one seam, chosen once from streaming.tau and streaming.eager --------
 
 
-class IslandRound:
-    """The island's side of every fragment's rounds: when one ends, its exchange, its landing, a resync, the finish.
+class Blocking:
+    """tau = 0 (plain DiLoCo): the push runs inline at the sync, the pull at the landing, in the same step."""
 
-    Every method runs on every rank of every replica group at the same step.
-    """
+    def __init__(self, alpha: float, feedback: ErrorFeedback | None):
+        self.alpha, self.feedback = alpha, feedback
 
-    def __init__(
-        self, cfg: RunConfig, spec: ReplicaSpec, world: IslandWorld, client: CoordinatorClient, state: IslandState,
-        layout: FragmentLayout, total_rounds: int, params: FragmentShard, fragments: list[FragmentShard], wire: Wire,
-        down: Codec, feedback: ErrorFeedback | None, eager: list[EagerState] | None, replicas: Solo | Replicas,
-        group_reduce: Callable[..., list[float]], reset_training: Callable[[], None], leased: bool, evidence: Evidence,
-        timing: dict[str, float], records: list[dict],
-    ):
-        self.cfg, self.spec, self.world = cfg, spec, world
-        self.client = client
-        self.state = state  # the island's position: what it advances, a checkpoint writes and a healing group receives
-        self.layout, self.total_rounds = layout, total_rounds  # the fragments' fixed schedule
-        self.params = params  # this rank's part of the whole model: the initial fetch, a rewind, the finish
-        self.fragments = fragments  # this rank's part of each fragment: its exchange, landing and resync
-        self.wire, self.down = wire, down  # the uplink (push, pull), the downlink's codec (eager's mean)
-        self.feedback, self.eager = feedback, eager  # error feedback; eager updates' memory per fragment
-        self.replicas = replicas  # the replica groups: Solo until the island starts torchft's (use_replicas)
-        self.group_reduce = group_reduce  # an all-reduce over the group's ranks
-        self.reset_training = reset_training  # a fresh inner optimizer and error feedback (our training diverged)
-        self.leased = leased  # the island trains on leased samples: it hands back those it did not train at leave
-        self.evidence = evidence
-        self.timing = timing  # the island's seconds by kind: a landing adds the time blocked on it
-        self.records = records  # one record per landed exchange
-        self.tau, self.alpha = cfg.streaming.overlap, cfg.streaming.alpha
-        # When a round ends; a time box does not count the time blocked on a result.
-        self.pace = RoundPace(cfg, spec.steps_per_round, blocked=lambda: timing["wait_s"])
-        self.agreed_clock: tuple[int, list[float]] = (-1, [])  # (step, fragment clocks) every rank and group agreed on
-        self.inflight: dict[int, Exchange] = {}
-        # Fragments whose round starts later than where the island trains from (_defer_starts): step -> its start.
-        self.deferred: dict[int, int] = {}
-        self.late_folds = 0  # pushes the coordinator folded into a later round (rounds.late_rounds)
-        self.takeovers = 0
-        self.final_checksum = ""  # what the coordinator said of our parameters at leave
+    def prepare(self, ex: Exchange, shard: FragmentShard, last: bool) -> None:
+        """At the sync, before the push starts: what the exchange needs to run beside training (nothing here)."""
 
-    def use_replicas(self, replicas: Replicas) -> None:
-        """From now on the replica groups are torchft's, which the island started as it began to run."""
-        self.replicas = replicas
+    def adopt(self, ex: Exchange, shard: FragmentShard, final: bool) -> float:
+        """The round's result is in shard.global_: mixes it into theta_local (pure adoption when the island stops
+        here). Returns the residual kept in the local shard (sum of magnitudes; 0 unless wire.feedback_in_model)."""
+        mix_(shard.local, shard.flat, 0.0 if final else self.alpha)
+        if final or self.feedback is None or not self.feedback.in_model:
+            return 0.0
+        # What the codec did not send stays in this island's parameters.
+        self.feedback.keep_residual_(shard.local, 1.0 - self.alpha)
+        return sum(self.feedback.buffers[n].abs().sum().item() for n in shard.local)
 
-    # --- start: fetch theta_global; a resumed island keeps the fragments it has right ----------------
+    def forget(self, f: int) -> None:
+        """Fragment f resynced or rewound: nothing provisional to forget."""
 
-    @torch.no_grad()
-    def start(self, restored: bool) -> None:
-        s = self.state
-        into = self.params.global_ if not restored else {n: torch.empty_like(t) for n, t in self.params.global_.items()}
-        header = self._fetch_all(into)
-        rounds = [f.round for f in header.fragments] or [header.round]
-        sums = [f.checksum for f in header.fragments] or [header.checksum]
-        adopt = [not restored or (r, c) != (mine, own) for r, c, mine, own in zip(rounds, sums, s.rounds, s.checksums)]
-        if restored and any(adopt):
-            log.warning("%s: checkpoint is at fragment rounds %s, the coordinator at %s; resyncing %s",
-                        s.island_id, s.rounds, rounds, [f for f, a in enumerate(adopt) if a])
-        for f in (f for f, a in enumerate(adopt) if a):
-            for name, t in self.fragments[f].global_.items():
-                if restored:
-                    t.copy_(into[name])
-            s.rounds[f], s.checksums[f] = rounds[f], sums[f]
-        if any(adopt):
-            s.step = self.layout.start_step(s.rounds, self.total_rounds)
-            for f in range(len(self.fragments)):
-                s.restart_fragment(f)
-        for f in (f for f, a in enumerate(adopt) if a):
-            mix_(self.fragments[f].local, self.fragments[f].flat, 0.0)  # theta_local <- theta_global
-        if any(adopt):
-            self._defer_starts()
-        s.finished = s.finished or header.run_finished
 
-    def _defer_starts(self) -> None:
-        """After the island moved to the earliest of its fragments' round starts (start_step): a fragment whose own
-        round starts a whole round or more later begins it there, as its landing would have begun it, not now. That
-        happens when a restarted coordinator's fragments are out of their schedule's order (one closed a round the
-        other lost): counted from now, that fragment's round would claim more inner steps than a round holds, and be
-        refused. The steps before its start train it for nothing; at its start its local values go back to the
-        global ones (round_begins)."""
-        s, h = self.state, self.cfg.inner.steps_per_round
-        self.deferred = {}
-        if self.pace.custom:
+class Overlapped(Blocking):
+    """tau > 0 (Streaming DiLoCo): the pseudo-gradient snapshotted, push and pull on a thread of their own while
+    inner steps go on, the landing tau steps later; the pull writes into a staging copy. The run's last round
+    blocks (nothing is left to train meanwhile)."""
+
+    def __init__(self, alpha: float, feedback: ErrorFeedback | None, tau: int):
+        super().__init__(alpha, feedback)
+        self.tau = tau
+
+    def prepare(self, ex: Exchange, shard: FragmentShard, last: bool) -> None:
+        if last:
             return
-        for f in range(len(self.fragments)):
-            begin = self.layout.round_start(f, s.rounds[f], self.total_rounds)
-            if s.rounds[f] < self.total_rounds and begin - s.step >= h:
-                s.last_sync[f] = self.deferred[f] = begin
+        ex.due = ex.pushed_step + self.tau
+        ex.pg = {r.name: shard.flat_global(r.name) - shard.local[r.name].to("cpu", torch.float32) for r in shard.ranges}
+        ex.staging = {n: g.clone() for n, g in shard.global_.items()}
 
-    def round_begins(self, f: int) -> None:
-        """Fragment f's round takes its first inner step now: its time box starts, and a start put off by
-        _defer_starts begins the round afresh from the global values, as a landing does."""
-        self.pace.begin_round(f)
-        if self.deferred.pop(f, None) is not None:
-            mix_(self.fragments[f].local, self.fragments[f].flat, 0.0)
-            self.state.restart_fragment(f)
 
-    def _fetch_all(self, into: dict[str, torch.Tensor]) -> pb.ResultHeader:
-        """Every fragment's global parameters (this rank's ranges), the same round on every rank of the group."""
-        for _ in range(5):
-            header = self.client.fetch(self.state.island_id, into, self.params.manifest, self.params.wire_ranges)
-            lo, hi = self.group_reduce([-header.round, header.round], dist.ReduceOp.MAX)
-            if -lo == hi:
-                return header
-            log.warning("ranks fetched different rounds (%d..%d); fetching again", -lo, hi)
-        raise RuntimeError("the group's ranks could not fetch the same round of global parameters; is the coordinator restarting?")
+class Eager(Overlapped):
+    """Overlapped, and meanwhile the island trains from an estimate of the round's result (diloco/streaming.py):
+    the last round's mean pseudo-gradient with its own fresh one in place of its stale one, stepped by its replica
+    of the coordinator's momentum; the landing swaps the estimate for the exact result."""
 
-    # --- pacing: whether a round is over, the lr's position, the clock every rank agrees on -------------
+    def __init__(self, alpha: float, feedback: ErrorFeedback | None, tau: int, eager: list[EagerState], down: Codec):
+        super().__init__(alpha, feedback, tau)
+        self.eager, self.down = eager, down
+
+    def prepare(self, ex: Exchange, shard: FragmentShard, last: bool) -> None:
+        super().prepare(ex, shard, last)
+        eager = self.eager[ex.fragment]
+        if not ex.background:
+            return
+        ex.mean = MeanBuffer({n: torch.zeros_like(t) for n, t in ex.pg.items()}, shard.manifest, self.down, shard.wire_ranges)
+        if eager.prev_mean is not None:
+            ex.estimate = eager.replica.step(shard.flat, eager_gradient(eager.prev_mean, eager.prev_own, ex.pg, eager.share))
+            mix_(shard.local, ex.estimate, self.alpha)
+
+    def adopt(self, ex: Exchange, shard: FragmentShard, final: bool) -> float:
+        header, eager = ex.outcome, self.eager[ex.fragment]
+        carried = 0.0
+        if ex.estimate is not None and not final:
+            swap_estimate_(shard.local, shard.flat, ex.estimate, self.alpha)
+        else:
+            carried = super().adopt(ex, shard, final)
+        if ex.mean is not None and ex.mean.complete and header.tokens > 0 and header.round == ex.round + 1:
+            eager.replica.advance(ex.mean.tensors)
+            eager.prev_mean, eager.prev_own, eager.share = ex.mean.tensors, ex.pg, min(1.0, ex.tokens / header.tokens)
+        else:
+            eager.forget()
+        return carried
+
+    def forget(self, f: int) -> None:
+        self.eager[f].forget()
+
+
+def exchange_mode(cfg: RunConfig, feedback: ErrorFeedback | None, eager: list[EagerState] | None, down: Codec | None) -> Blocking:
+    """The island's exchanges: blocking, overlapped or eager, for the whole run."""
+    s = cfg.streaming
+    if s.eager:
+        return Eager(s.alpha, feedback, s.overlap, eager, down)
+    return Overlapped(s.alpha, feedback, s.overlap) if s.overlap > 0 else Blocking(s.alpha, feedback)
+
+
+# --- pacing: whether a round is over, the lr's position, the clock every rank agrees on ---------------------
+
+
+class RoundSchedule:
+    """When each fragment's round ends at this island, read the same on every rank of every group: the run's fixed
+    schedule, the island's own H, or time boxes (RoundPace) on a clock the ranks and groups agree on."""
+
+    def __init__(self, ctx: IslandContext, inflight: dict[int, Exchange], clock: Callable[[], float] = time.monotonic):
+        self.ctx, self.state, self.inflight = ctx, ctx.state, inflight
+        self.p, self.h = len(ctx.fragments), ctx.cfg.inner.steps_per_round
+        # A time box does not count the time blocked on a result.
+        self.pace = RoundPace(ctx.cfg, ctx.spec.steps_per_round, blocked=lambda: ctx.timing["wait_s"], clock=clock)
+        self.fixed = not self.pace.custom  # rounds end on the run's fixed schedule
+        self.push_first = self.pace.time_boxed and self.p > 1  # a due push never waits behind a landing
+        self.shared_clock = ctx.spec.groups > 1 or ctx.world.world_size > 1  # the ranks agree on the clock
+        self.agreed_clock: tuple[int, list[float]] = (-1, [])  # (step, fragment clocks) every rank and group agreed on
+        # Fragments whose round starts later than where the island trains from (defer_starts): step -> its start.
+        self.deferred: dict[int, int] = {}
 
     def lr_step(self) -> int:
         """The inner lr schedule's position of this step: the run-wide step on the fixed schedule; with a pace of the
         island's own, its step within the round it trains for, placed on that round's positions (diloco/pace.py)."""
         s = self.state
-        if not self.pace.custom:
+        if self.fixed:
             return s.step
         round_ = s.rounds[0] + (0 in self.inflight)  # during an overlapped exchange it trains for the next round
-        return lr_position(round_ * self.cfg.inner.steps_per_round, s.step - s.last_sync[0], self.cfg)
+        return lr_position(round_ * self.h, s.step - s.last_sync[0], self.ctx.cfg)
 
     def round_over(self, f: int) -> bool:
-        """Whether fragment f's round ends at this step: the run's schedule, or this island's own pace (every rank agrees)."""
+        """Whether fragment f's round ends at this step (every rank agrees)."""
         s = self.state
-        if not self.pace.custom:
-            return s.step >= self.layout.round_end(f, s.rounds[f], self.total_rounds)
-        if self.pace.time_boxed and len(self.fragments) > 1 and f != self._turn():
+        if self.fixed:
+            return s.step >= self.ctx.layout.round_end(f, s.rounds[f], self.ctx.total_rounds)
+        if self.push_first and f != self._turn():
             return False
         elapsed = self._clock()[f] if self.pace.time_boxed and s.step > s.last_sync[f] else 0.0
         return self.pace.due(s.step - s.last_sync[f], elapsed, f)
+
+    def is_last(self, f: int) -> bool:
+        """Fragment f's round ending now is the run's last."""
+        s = self.state
+        return s.rounds[f] >= self.ctx.total_rounds - 1 if self.pace.custom else s.step >= self.ctx.total_rounds * self.h
 
     def _turn(self) -> int:
         """The fragment whose sync comes next. Time-boxed, islands of different speeds must still push fragments in one
         order, the fixed schedule's: by round, and within a round from fragment P - 1 (the largest offset) down to 0.
         Otherwise island A could wait on fragment 0's round while owing fragment 1's, which B waits on while owing
         fragment 0's: a deadlock until the deadline (torchft's streaming saw the same fragment-order deadlock)."""
-        s, p = self.state, len(self.fragments)
+        s, p = self.state, self.p
         pending = [f for f in range(p) if s.rounds[f] < s.stop_round]
         return min(pending, key=lambda f: (s.rounds[f] + (f in self.inflight), p - 1 - f), default=0)
 
@@ -540,87 +534,294 @@ class IslandRound:
         One rank: its own clock. One group of several ranks: the largest of their clocks, reduced once a step.
         Several groups: what the last committed step's gradient all-reduce carried (`clock_extra`), the same
         bits in every group, so all of them end a round at the same step."""
-        s = self.state
+        s, spec = self.state, self.ctx.spec
         step, agreed = self.agreed_clock
-        if step == s.step and (self.spec.groups > 1 or self.world.world_size > 1):
+        if step == s.step and self.shared_clock:
             return agreed
-        values = [self.pace.elapsed(f) for f in range(len(self.fragments))]
-        if self.spec.groups == 1 and self.world.world_size == 1:
+        values = [self.pace.elapsed(f) for f in range(self.p)]
+        if not self.shared_clock:
             return values
-        if self.spec.groups > 1:
-            log.warning("group %d: no agreed round clock at step %d; counting the round from now", self.spec.group, s.step)
+        if spec.groups > 1:
+            log.warning("group %d: no agreed round clock at step %d; counting the round from now", spec.group, s.step)
             values = [0.0] * len(values)
-        elif self.world.world_size > 1:
-            values = self.group_reduce(values, dist.ReduceOp.MAX)  # the ranks' clocks differ: stop together
+        else:
+            values = self.ctx.group_reduce(values, dist.ReduceOp.MAX)  # the ranks' clocks differ: stop together
         self.agreed_clock = (s.step, values)
         return values
 
     def clock_extra(self) -> list[float]:
         """This rank's fragment clocks, to ride along the replica groups' gradient all-reduce (time mode, several groups)."""
-        if not (self.pace.time_boxed and self.spec.groups > 1):
+        if not (self.pace.time_boxed and self.ctx.spec.groups > 1):
             return []
-        return [self.pace.elapsed(f) for f in range(len(self.fragments))]
+        return [self.pace.elapsed(f) for f in range(self.p)]
 
     def agree_clock(self, averaged: list[float]) -> None:
         """After a committed step: the groups' mean clocks (rank by rank), the largest over the group's ranks, is the
         clock of the next boundary everywhere."""
         if averaged:
-            if self.world.world_size > 1:
-                averaged = self.group_reduce(averaged, dist.ReduceOp.MAX)
+            if self.ctx.world.world_size > 1:
+                averaged = self.ctx.group_reduce(averaged, dist.ReduceOp.MAX)
             self.agreed_clock = (self.state.step + 1, averaged)  # the step about to complete
 
-    def _align_step(self, f: int) -> None:
+    def rounds_tag(self) -> float:
+        """The fragments' rounds as one small whole number (below 4093, so its square is exact in fp32): groups that
+        disagree on any of them are caught (up to a 1-in-4093 collision of the tags)."""
+        return float(zlib.crc32(repr(self.state.rounds).encode()) % 4093)
+
+    def round_begins(self, f: int) -> None:
+        """Fragment f's round takes its first inner step now: its time box starts, and a start put off by
+        defer_starts begins the round afresh from the global values, as a landing does."""
+        self.pace.begin_round(f)
+        if self.deferred.pop(f, None) is not None:
+            mix_(self.ctx.fragments[f].local, self.ctx.fragments[f].flat, 0.0)
+            self.state.restart_fragment(f)
+
+    def defer_starts(self) -> None:
+        """After the island moved to the earliest of its fragments' round starts (start_step): a fragment whose own
+        round starts a whole round or more later begins it there, as its landing would have begun it, not now. That
+        happens when a restarted coordinator's fragments are out of their schedule's order (one closed a round the
+        other lost): counted from now, that fragment's round would claim more inner steps than a round holds, and be
+        refused. The steps before its start train it for nothing; at its start its local values go back to the
+        global ones (round_begins)."""
+        s, layout, total = self.state, self.ctx.layout, self.ctx.total_rounds
+        self.deferred = {}
+        if self.pace.custom:
+            return
+        for f in range(self.p):
+            begin = layout.round_start(f, s.rounds[f], total)
+            if s.rounds[f] < total and begin - s.step >= self.h:
+                s.last_sync[f] = self.deferred[f] = begin
+
+    def align_step(self, f: int) -> None:
         """After adopting a round more than one ahead (a resync, a late fold), plain DiLoCo's fixed schedule would make
         the island train several rounds' steps in one: move the step counter (and the round's start with it) to the
         round's start, so the round holds H steps and trains at its own lr. After adopting a round whose end it has
         already passed (its push for that round was not taken: leases the restarted coordinator does not know, a
         checksum that diverged), it trains the round again instead of pushing an empty contribution to it."""
-        s = self.state
-        if self.pace.custom or len(self.fragments) > 1:
+        s, layout, total = self.state, self.ctx.layout, self.ctx.total_rounds
+        if self.pace.custom or self.p > 1:
             return
-        start = self.layout.round_start(f, s.rounds[f], self.total_rounds)
-        redo = s.rounds[f] < s.stop_round and s.step >= self.layout.round_end(f, s.rounds[f], self.total_rounds) > start
+        start = layout.round_start(f, s.rounds[f], total)
+        redo = s.rounds[f] < s.stop_round and s.step >= layout.round_end(f, s.rounds[f], total) > start
         shift = start - s.step if redo else max(0, start - s.step)
         s.step += shift
         s.last_sync[f] += shift
+
+    def state_dict(self) -> dict:
+        """The round's clock, for a healing group: the agreed one and the pace's."""
+        return {"agreed": list(self.agreed_clock), "pace": self.pace.state_dict()}
+
+    def load_state_dict(self, sd: dict) -> None:
+        step, agreed = sd["agreed"]
+        self.agreed_clock = (int(step), list(agreed))
+        self.pace.load_state_dict(sd["pace"])
+
+
+# --- the island's side of the round -----------------------------------------------------------------------
+
+
+class IslandRound:
+    """The island's side of every fragment's rounds: when one ends, its exchange, its landing, a resync, the finish.
+
+    Driven once a step, from the island's loop or any other (every call on every rank of every replica group at
+    the same step):
+
+        rounds.start()
+        while not rounds.done():
+            if rounds.boundary():                    # a landing, or a sync that blocks: this step is used
+                continue
+            lr_step = rounds.step_begins()           # before the forward pass
+            loss = ...                               # forward, backward, rounds.reduce_gradients, optimizer.step()
+            rounds.after_step(loss, tokens, samples)
+        rounds.finish()
+    """
+
+    def __init__(self, ctx: IslandContext, wire: Wire, clock: Callable[[], float] = time.monotonic):
+        self.ctx, self.wire = ctx, wire
+        # The context's parts the round uses throughout (objects it never replaces).
+        self.state, self.fragments, self.replicas = ctx.state, ctx.fragments, ctx.replicas
+        self.evidence, self.faults, self.timing = ctx.evidence, ctx.faults, ctx.timing
+        self.inflight: dict[int, Exchange] = {}
+        self.schedule = RoundSchedule(ctx, self.inflight, clock)
+        self.mode = exchange_mode(ctx.cfg, ctx.feedback, ctx.eager, wire.down)  # blocking, overlapped or eager
+        self.losses: list[float] = []  # the mean inner loss of each round's steps (of each H steps on the fixed schedule)
+        self._window: list[float] = []
+        self.memory: list[dict] = []  # with spec.measure_memory: each sync's peak RSS
+        self.late_folds = 0  # pushes the coordinator folded into a later round (rounds.late_rounds)
+        self.takeovers = 0
+        self.final_checksum = ""  # what the coordinator said of our parameters at leave
+
+    @property
+    def pace(self) -> RoundPace:
+        return self.schedule.pace
+
+    # --- start: fetch theta_global; a resumed island keeps the fragments it has right ----------------
+
+    @torch.no_grad()
+    def start(self, restored: bool | None = None) -> None:
+        """Fetches theta_global. A resumed island (restored: from a checkpoint; default the context's word) keeps the
+        fragments whose round and checksum are the coordinator's and resyncs the others."""
+        s, params = self.state, self.ctx.params
+        restored = self.ctx.restored if restored is None else restored
+        into = params.global_ if not restored else {n: torch.empty_like(t) for n, t in params.global_.items()}
+        header = self._fetch_all(into)
+        rounds = [f.round for f in header.fragments] or [header.round]
+        sums = [f.checksum for f in header.fragments] or [header.checksum]
+        adopt = [f for f, (r, c, mine, own) in enumerate(zip(rounds, sums, s.rounds, s.checksums))
+                 if not restored or (r, c) != (mine, own)]
+        s.finished = s.finished or header.run_finished
+        if not adopt:
+            return
+        if restored:
+            log.warning("%s: checkpoint is at fragment rounds %s, the coordinator at %s; resyncing %s",
+                        s.island_id, s.rounds, rounds, adopt)
+        for f in adopt:
+            for name, t in self.fragments[f].global_.items():
+                if restored:
+                    t.copy_(into[name])
+            s.rounds[f], s.checksums[f] = rounds[f], sums[f]
+        s.step = self.ctx.layout.start_step(s.rounds, self.ctx.total_rounds)
+        for f in range(len(self.fragments)):
+            s.restart_fragment(f)
+        for f in adopt:
+            mix_(self.fragments[f].local, self.fragments[f].flat, 0.0)  # theta_local <- theta_global
+        self.schedule.defer_starts()
+
+    def _fetch(self, into: dict[str, torch.Tensor], shard: FragmentShard, fragment: int | None = None) -> tuple[pb.ResultHeader, bool]:
+        """theta_global of the shard's ranges into `into`, fetched again (at most 5 times) until every rank of the group
+        has the same round; the header, and whether they do."""
+        for _ in range(5):
+            header = self.ctx.client.fetch(self.state.island_id, into, shard.manifest, shard.wire_ranges, fragment=fragment)
+            lo, hi = self.replicas.reduce([-header.round, header.round], dist.ReduceOp.MAX)
+            if -lo == hi:
+                return header, True
+            log.warning("ranks fetched different rounds (%d..%d); fetching again", -lo, hi)
+        return header, False
+
+    def _fetch_all(self, into: dict[str, torch.Tensor]) -> pb.ResultHeader:
+        """Every fragment's global parameters (this rank's ranges), the same round on every rank of the group."""
+        header, same = self._fetch(into, self.ctx.params)
+        if not same:
+            raise RuntimeError("the group's ranks could not fetch the same round of global parameters; is the coordinator restarting?")
+        return header
+
+    # --- the schedule: a boundary step, or an inner step between them ----------------------------------
+
+    def done(self) -> bool:
+        """The island has trained every round it will (or the run is over) and nothing is in flight: finish()."""
+        return self.state.done() and not self.inflight
+
+    def boundary(self) -> bool:
+        """Lands an exchange that is due, or begins the syncs that are due. True when this step's commit was used.
+        Time-boxed with fragments, a due push goes first: it never waits behind a landing."""
+        s, push_first = self.state, self.schedule.push_first
+        if not push_first and self.land_due():
+            return True
+        for f in range(len(self.fragments)):
+            if f in self.inflight or s.rounds[f] >= s.stop_round or s.finished:
+                continue
+            if self.round_over(f):
+                return self._sync(f)
+        return push_first and self.land_due()
+
+    def _sync(self, f: int) -> bool:
+        """Fragment f's round ends here: its exchange begins, and a blocking one lands at once (True: this step is used)."""
+        meter = PeakRss() if self.ctx.spec.measure_memory else nullcontext()
+        with meter:
+            round_ = self.state.rounds[f]
+            if not self.schedule.fixed:
+                self._close_window()
+            self.begin(f)
+            if self.inflight[f].due > self.state.step:
+                return False
+            self.land(f)
+        if isinstance(meter, PeakRss) and meter.peak_bytes is not None:
+            self.memory.append({"round": round_, "fragment": f, "peak_rss_bytes": meter.peak_bytes, "phases": meter.phases})
+        return True
+
+    def round_over(self, f: int) -> bool:
+        """Whether fragment f's round ends at this step: the run's schedule, or this island's own pace (every rank agrees)."""
+        return self.schedule.round_over(f)
+
+    def lr_step(self) -> int:
+        """The inner lr schedule's position of this step (RoundSchedule.lr_step)."""
+        return self.schedule.lr_step()
+
+    def step_begins(self) -> int:
+        """An inner step starts now (its batch in hand): a fragment whose round it begins starts its time box. Returns
+        the step's position on the inner lr schedule."""
+        s = self.state
+        for f in range(len(self.fragments)):
+            if s.step == s.last_sync[f]:
+                self.schedule.round_begins(f)  # the time box counts from the round's first inner step
+        return self.schedule.lr_step()
+
+    def reduce_gradients(self, model: torch.nn.Module, loss: float) -> float | None:
+        """train_step's hook, after the backward pass: the gradients averaged across the replica groups, the
+        fragments' rounds and the round clock riding along. None when the step did not commit (redo it); groups
+        that found themselves in different rounds resync."""
+        averaged = self.replicas.average_gradients(model, loss, self.schedule.rounds_tag(), self.schedule.clock_extra())
+        if not averaged.committed:
+            log.warning("group %d: inner step %d did not commit; redoing it", self.ctx.spec.group, self.state.step)
+            for f in range(len(self.fragments) if averaged.disagreed else 0):
+                self.resync(f, Next.RESYNC)
+            return None
+        self.schedule.agree_clock(averaged.clock)
+        return averaged.loss
+
+    def after_step(self, loss: float | None, tokens: int = 0, samples: int = 0) -> None:
+        """After the optimizer stepped: the step's loss and tokens count toward every fragment's push, the data
+        cursor moves on by the samples it read. Nothing when the step did not commit (loss None)."""
+        if loss is None:
+            return
+        s = self.state
+        for f in range(len(self.fragments)):
+            s.loss[f][0] += loss
+            s.loss[f][1] += 1
+            s.tokens[f] += tokens
+        s.step += 1
+        s.consume(samples)
+        self._window.append(loss)
+        if self.schedule.fixed and s.step % self.schedule.h == 0:
+            self._close_window()
+
+    def _close_window(self) -> None:
+        """The mean inner loss of the round's steps (every H steps; at each sync with a pace of the island's own)."""
+        if not self._window:
+            return
+        s = self.state
+        self.losses.append(sum(self._window) / len(self._window))
+        self._window = []
+        if self.ctx.cores is not None:  # islands that started or ended on this machine since move our share
+            self.ctx.cores.apply()
+        log.info("%s step %d: train loss %.4f, fragment rounds %s; %.1fs in inner steps, %.1fs waiting so far",
+                 s.island_id, s.step, self.losses[-1], s.rounds, self.timing["compute_s"], self.timing["wait_s"])
 
     # --- a fragment's sync: the push now, the landing tau inner steps later ---------------------
 
     @torch.no_grad()
     def begin(self, f: int) -> None:
         """Fragment f's round ended here: each rank takes its shard of theta_global - theta_local and starts the exchange."""
-        s, shard = self.state, self.fragments[f]
-        c, h = s.step, self.cfg.inner.steps_per_round
-        last = s.rounds[f] >= self.total_rounds - 1 if self.pace.custom else c >= self.total_rounds * h
-        background = self.tau > 0 and not last
+        s, shard, c = self.state, self.fragments[f], self.state.step
         steps = c - s.last_sync[f]
         if steps <= 0:
             log.warning("%s: fragment %d is due with no inner step trained for it; pushing it with no weight", s.island_id, f)
-        loss_sum, n = self.group_reduce([s.loss[f][0], s.loss[f][1]])
+        loss_sum, n = self.replicas.reduce([s.loss[f][0], s.loss[f][1]])
         ex = Exchange(
-            f, s.rounds[f], c, c + self.tau if background else c, tokens=s.tokens[f],
-            inner_steps=max(steps, 1), train_loss=loss_sum / n if n else 0.0, checksum=s.checksums[f],
-            pusher=self.replicas.participating_rank() == 0, samples=s.positions(s.data_marks[f], s.data_cursor),
-            first_step=s.rounds[f] * h if self.pace.custom else -1,  # where its lr positions start (diloco/pace.py)
+            f, s.rounds[f], c, c, tokens=s.tokens[f], inner_steps=max(steps, 1), train_loss=loss_sum / n if n else 0.0,
+            checksum=s.checksums[f], pusher=self.replicas.leads(), samples=s.positions(s.data_marks[f], s.data_cursor),
+            first_step=-1 if self.schedule.fixed else s.rounds[f] * self.schedule.h,  # its lr positions (diloco/pace.py)
             codec=s.codecs[f],  # compression per link: as last advised, fixed for this push
             leases=s.leases_forgotten,
         )
-        if background:
-            ex.pg = {r.name: shard.flat_global(r.name) - shard.local[r.name].to("cpu", torch.float32) for r in shard.ranges}
-            ex.staging = {n_: g.clone() for n_, g in shard.global_.items()}
-        eager = self.eager[f] if self.eager is not None else None
-        if eager is not None and background:
-            ex.mean = MeanBuffer({n_: torch.zeros_like(t) for n_, t in ex.pg.items()}, shard.manifest, self.down, shard.wire_ranges)
-            if eager.prev_mean is not None:
-                ex.estimate = eager.replica.step(shard.flat, eager_gradient(eager.prev_mean, eager.prev_own, ex.pg, eager.share))
-                mix_(shard.local, ex.estimate, self.alpha)
+        self.mode.prepare(ex, shard, last=self.schedule.is_last(f))  # overlapped: the snapshot, the landing tau steps on
         log.debug("%s: fragment %d round %d pushes %d tokens of %d inner steps", s.island_id, f, ex.round, ex.tokens, ex.inner_steps)
         s.restart_fragment(f)
         self.pace.synced(f)  # its next time box is a whole round_s
         self.inflight[f] = ex
         if ex.pusher:  # tests: a pusher dying mid-push, or pushing late
-            maybe_fault("die-before-push", self.spec.group, self.world.rank, ex.round)
-            maybe_fault("hold-before-push", self.spec.group, self.world.rank, ex.round)
+            self.faults.hit("die-before-push", ex.round)
+            self.faults.hit("hold-before-push", ex.round)
         start_exchange(shard, ex, self.wire)
 
     # --- landing: agree on the push, pull, mix the result in ------------------------------------------
@@ -634,118 +835,114 @@ class IslandRound:
 
     @torch.no_grad()
     def land(self, f: int) -> bool:
-        """Lands fragment f's exchange; False when this step did not settle it (redo at the next step)."""
-        ex, shard, s = self.inflight[f], self.fragments[f], self.state
-        waited = time.monotonic()
+        """Lands fragment f's exchange; False when this step did not settle it (redo at the next step).
+
+        The groups agree on the push's outcome (or one takes the push over); if it went through, every rank brings
+        its ranges of the result, else the exchange is dropped; the group agrees on what it got, and the fragment
+        mixes the result in (`_adopt`) or resyncs."""
+        ex, waited = self.inflight[f], time.monotonic()
+        outcome = self._agree_push(ex)
+        if outcome is None:
+            return False
+        trouble = self._collect(ex) if outcome is Next.DELIVERED else self._drop(ex, outcome)
+        got = ex.outcome.round if isinstance(ex.outcome, pb.ResultHeader) else -1
+        worst, lo, hi = self.replicas.reduce([trouble, -got, got], dist.ReduceOp.MAX)
+        del self.inflight[f]
+        carried = 0.0  # sum |residual| kept in the local shard (wire.feedback_in_model)
+        if worst > Next.DELIVERED or -lo != hi:  # trouble somewhere in the group, or its ranks got different rounds
+            self.resync(f, Next(int(worst)) if worst > Next.DELIVERED else Next.RESYNC, named_at=ex.leases)
+        else:
+            carried = self._adopt(f, ex)
+        self._landed(ex, outcome, waited, carried)
+        return True
+
+    def _agree_push(self, ex: Exchange) -> Next | None:
+        """The push's outcome every rank of every group lands on; None when this step did not settle it.
+
+        The pushing group's ranks report their push, every other rank NOBODY (0). Agreed on NOBODY, the pushing group
+        is gone: the quorum's rank-0 group pushes from its own copy, and the landing is agreed again at the next step."""
         if ex.pusher:  # tests: the pushing group dying with the exchange in flight
-            maybe_fault("die-before-land", self.spec.group, self.world.rank, ex.round, f)
+            self.faults.hit("die-before-land", ex.round, ex.fragment)
         ex.pushed.wait()
         if isinstance(ex.outcome, grpc.RpcError) and reason_of(ex.outcome) == Reason.REPLACED:
             raise ex.outcome  # another process joined as this island: this one stops (islands/cli.py)
-        # The pushing group's ranks report their push, every other rank NOBODY (0): the worst report within the
-        # group, summed across the groups (one group pushes), is the outcome every rank of every group lands on.
-        (status,) = self.group_reduce([ex.status if ex.pusher and ex.status is not None else Next.NOBODY], dist.ReduceOp.MAX)
-        flag = torch.tensor([status], dtype=torch.float32, device=self.world.device)
-        self.replicas.allreduce_(flag, dist.ReduceOp.SUM)
-        if not self.replicas.commit():
-            log.warning("%s group %d: landing of fragment %d round %d did not commit; redoing it", s.island_id, self.spec.group, f, ex.round)
-            return False
-        outcome = Next(int(flag.item()))
-        if outcome is Next.NOBODY:
-            # The pushing group is gone: the quorum's rank-0 group pushes from its own copy.
-            if self.replicas.participating_rank() == 0:
-                log.info("group %d rank %d: taking over the push of fragment %d round %d", self.spec.group, self.world.rank, f, ex.round)
-                ex.pusher, self.takeovers = True, self.takeovers + 1
-                self.evidence.event("takeover", round=ex.round, fragment=f)
-                ex.status = push(shard, ex, self.wire)
-            return False
-        trouble = outcome  # DELIVERED: none (yet)
-        if outcome is Next.DELIVERED:
-            if self.feedback is not None:
-                self.feedback.commit(list(shard.global_))
-            if fault_due("perturb-before-pull", self.spec.group, self.world.rank, ex.round):
-                next(t for t in (ex.staging or shard.global_).values() if t.numel()).view(-1)[0] += 0.5
-            if ex.thread is None and not isinstance(ex.outcome, (pb.ResultHeader, BaseException)):
-                self._pull_now(shard, ex)  # blocking exchanges, and a group that healed meanwhile
-            wait_exchange(ex)
-            if isinstance(ex.outcome, grpc.RpcError):
-                if reason_of(ex.outcome) != Reason.REPLACED:  # that one is the line the island stops with
-                    log.warning("%s rank %d: pull of fragment %d round %d failed: %s", s.island_id, self.world.rank, f, ex.round,
-                                ex.outcome)
-                trouble = next_step(ex.outcome)
-                if trouble in (Next.DELIVERED, Next.FAIL):  # nothing a resync mends
-                    raise ex.outcome
-            elif isinstance(ex.outcome, BaseException):
-                raise ex.outcome
-        else:
-            ex.cancel.set()
-            wait_exchange(ex)
-        got = ex.outcome.round if isinstance(ex.outcome, pb.ResultHeader) else -1
-        worst, lo, hi = self.group_reduce([trouble, -got, got], dist.ReduceOp.MAX)
-        trouble = Next(int(worst))
-        del self.inflight[f]
-        carried = 0.0  # sum |residual| kept in the local shard (wire.feedback_in_model)
-        if trouble > Next.DELIVERED or -lo != hi:
-            self.resync(f, trouble if trouble > Next.DELIVERED else Next.RESYNC, named_at=ex.leases)
-        else:
-            if ex.folded_into >= 0:  # the push was late: the coordinator folds it into a later round, discounted
-                self.late_folds += 1
-                log.info("%s: fragment %d round %d was folded late, into round %d; training for round %d", s.island_id, f,
-                         ex.round, ex.folded_into, got)
-            carried = self._adopt(f, ex)
+        agreed = self.replicas.agree_report(ex.status if ex.pusher and ex.status is not None else Next.NOBODY)
+        if agreed is None:
+            log.warning("%s group %d: landing of fragment %d round %d did not commit; redoing it", self.state.island_id,
+                        self.ctx.spec.group, ex.fragment, ex.round)
+            return None
+        if agreed != Next.NOBODY:
+            return Next(agreed)
+        if self.replicas.leads():
+            log.info("group %d rank %d: taking over the push of fragment %d round %d", self.ctx.spec.group,
+                     self.ctx.world.rank, ex.fragment, ex.round)
+            ex.pusher, self.takeovers = True, self.takeovers + 1
+            self.evidence.event("takeover", round=ex.round, fragment=ex.fragment)
+            ex.status = push(self.fragments[ex.fragment], ex, self.wire)
+        return None
+
+    def _collect(self, ex: Exchange) -> Next:
+        """The push went through: this rank's ranges of the result, pulled now (a blocking exchange, a group that healed
+        meanwhile) or by its thread. Returns what a failed pull calls for (DELIVERED: nothing failed)."""
+        shard = self.fragments[ex.fragment]
+        if self.ctx.feedback is not None:
+            self.ctx.feedback.commit(list(shard.global_))
+        if self.faults.due("perturb-before-pull", ex.round):
+            next(t for t in (ex.staging or shard.global_).values() if t.numel()).view(-1)[0] += 0.5
+        finish_pull(shard, ex, self.wire)
+        if not isinstance(ex.outcome, BaseException):
+            return Next.DELIVERED
+        if not isinstance(ex.outcome, grpc.RpcError):
+            raise ex.outcome
+        if reason_of(ex.outcome) != Reason.REPLACED:  # that one is the line the island stops with
+            log.warning("%s rank %d: pull of fragment %d round %d failed: %s", self.state.island_id, self.ctx.world.rank,
+                        ex.fragment, ex.round, ex.outcome)
+        trouble = next_step(ex.outcome)
+        if trouble in (Next.DELIVERED, Next.FAIL):  # nothing a resync mends
+            raise ex.outcome
+        return trouble
+
+    @staticmethod
+    def _drop(ex: Exchange, outcome: Next) -> Next:
+        """The push was refused: the exchange's pull is called off; the refusal is what the landing does."""
+        ex.cancel.set()
+        wait_exchange(ex)
+        return outcome
+
+    def _landed(self, ex: Exchange, outcome: Next, waited: float, carried: float) -> None:
+        """A landing's accounting: the time blocked on it, its record, the evidence."""
+        f = ex.fragment
         ex.landed_at = time.monotonic()
         blocked = ex.landed_at - (ex.started_at if not ex.background else waited)
         self.timing["wait_s"] += blocked
         self.timing["straggler_s"] += min(blocked, ex.held_s)
-        self.records.append(ex.record())
+        self.ctx.exchanges.append(ex.record())
         if f == 0:
-            s.rounds_done += 1
+            self.state.rounds_done += 1
         self.evidence.event("exchange", round=ex.round, fragment=f, pusher=ex.pusher, outcome=int(outcome), carried=carried,
                             due=ex.due, pushed_step=ex.pushed_step, globals=digest(self.fragments[f].flat.values()) if self.evidence.enabled else "")
-        return True
-
-    def _pull_now(self, shard: FragmentShard, ex: Exchange) -> None:
-        try:
-            ex.outcome = pull(shard, ex, self.wire)
-        except grpc.RpcError as e:
-            ex.outcome = e
-        ex.finished_at = time.monotonic()
 
     def _adopt(self, f: int, ex: Exchange) -> float:
         """The round's result landed: mix it into theta_local (pure adoption when the island stops here).
         Returns the residual kept in the local shard (sum of magnitudes; 0 unless wire.feedback_in_model)."""
         s, shard, header = self.state, self.fragments[f], ex.outcome
+        if ex.folded_into >= 0:  # the push was late: the coordinator folds it into a later round, discounted
+            self.late_folds += 1
+            log.info("%s: fragment %d round %d was folded late, into round %d; training for round %d", s.island_id, f,
+                     ex.round, ex.folded_into, header.round)
         if ex.staging is not None:
             for name, t in shard.global_.items():
                 t.copy_(ex.staging[name])
         s.rounds[f], s.checksums[f] = header.round, header.checksum
         s.finished = s.finished or header.run_finished
-        self._align_step(f)  # a late fold may land us more than one round on
+        self.schedule.align_step(f)  # a late fold may land us more than one round on
         if header.push_codec in self.wire.codecs and header.push_codec != (s.codecs[f] or self.wire.codec.name):
             # Compression per link: every rank and group hears the same advice; error feedback carries over as is.
             log.info("%s: fragment %d pushes with %s from round %d (was %s)", s.island_id, f, header.push_codec, header.round,
                      s.codecs[f] or self.wire.codec.name)
             s.codecs[f] = header.push_codec
         final = header.round >= s.stop_round or header.run_finished  # the island ends holding exactly theta_global
-        eager = self.eager[f] if self.eager is not None else None
-        carried = 0.0
-        if final:
-            mix_(shard.local, shard.flat, 0.0)
-        elif ex.estimate is not None:
-            swap_estimate_(shard.local, shard.flat, ex.estimate, self.alpha)
-        else:
-            mix_(shard.local, shard.flat, self.alpha)
-            if self.feedback is not None and self.feedback.in_model:
-                # What the codec did not send stays in this island's parameters.
-                self.feedback.keep_residual_(shard.local, 1.0 - self.alpha)
-                carried = sum(self.feedback.buffers[n].abs().sum().item() for n in shard.local)
-        if eager is not None:
-            if ex.mean is not None and ex.mean.complete and header.tokens > 0 and header.round == ex.round + 1:
-                eager.replica.advance(ex.mean.tensors)
-                eager.prev_mean, eager.prev_own, eager.share = ex.mean.tensors, ex.pg, min(1.0, ex.tokens / header.tokens)
-            else:
-                eager.forget()
-        return carried
+        return self.mode.adopt(ex, shard, final)
 
     # --- resync: the round went on without us, or our copy drifted ------------------------------------
 
@@ -754,23 +951,10 @@ class IslandRound:
         """Fragment f takes the coordinator's current round; REJOIN, RESET and RELEASE do their part first.
         named_at: for RELEASE, the island's leases_forgotten when the refused samples were named."""
         s, shard = self.state, self.fragments[f]
-        log.warning("%s group %d: fragment %d resyncs after round %d (%s)", s.island_id, self.spec.group, f, s.rounds[f], why.name)
-        if why is Next.REJOIN:
-            joined = (self.client.join(self.cfg.digest(), self.wire.codec.name, s.island_id, self.spec.key,
-                                       ranks=self.spec.groups * self.world.world_size) if self.world.is_leader else None)
-            s.island_id = self.world.broadcast_object(joined.island_id if joined else None)
-        if why is Next.RESET:  # our training diverged: a fresh inner optimizer and error feedback
-            self.reset_training()
-        if why is Next.RELEASE:
-            if s.forget_leases(s.leases_forgotten if named_at is None else named_at):
-                log.warning("%s: the coordinator does not take the samples we leased; dropping them, taking new ones",
-                            s.island_id)
+        log.warning("%s group %d: fragment %d resyncs after round %d (%s)", s.island_id, self.ctx.spec.group, f, s.rounds[f], why.name)
+        self._mend(why, named_at)
         one = None if len(self.fragments) == 1 else f
-        for _ in range(5):
-            header = self.client.fetch(s.island_id, shard.global_, shard.manifest, shard.wire_ranges, fragment=one)
-            lo, hi = self.group_reduce([-header.round, header.round], dist.ReduceOp.MAX)
-            if -lo == hi:
-                break
+        header, _ = self._fetch(shard.global_, shard, fragment=one)
         s.resyncs += 1
         if header.round < s.rounds[f] and s.leases_taken:
             # The coordinator restarted from an older checkpoint, which knows none of the leases we took since: the
@@ -782,10 +966,21 @@ class IslandRound:
         s.rounds[f], s.checksums[f] = header.round, header.checksum
         s.finished = s.finished or header.run_finished
         mix_(shard.local, shard.flat, 0.0)
-        self._align_step(f)  # the coordinator may be more than one round on
+        self.schedule.align_step(f)  # the coordinator may be more than one round on
         s.restart_fragment(f)
-        if self.eager is not None:
-            self.eager[f].forget()
+        self.mode.forget(f)
+
+    def _mend(self, why: Next, named_at: int | None) -> None:
+        """What a resync for REJOIN, RESET or RELEASE does first: join again, fresh training, new leases."""
+        s, world = self.state, self.ctx.world
+        if why is Next.REJOIN:
+            joined = (self.ctx.client.join(self.ctx.cfg.digest(), self.wire.codec.name, s.island_id, self.ctx.spec.key,
+                                           ranks=self.ctx.spec.groups * world.world_size) if world.is_leader else None)
+            s.island_id = world.broadcast_object(joined.island_id if joined else None)
+        if why is Next.RESET:  # our training diverged: a fresh inner optimizer and error feedback
+            self.ctx.reset_training()
+        if why is Next.RELEASE and s.forget_leases(s.leases_forgotten if named_at is None else named_at):
+            log.warning("%s: the coordinator does not take the samples we leased; dropping them, taking new ones", s.island_id)
 
     @torch.no_grad()
     def _rewind(self) -> None:
@@ -794,17 +989,16 @@ class IslandRound:
         (start()), so each round it replays holds all of its inner steps. Only the work since the coordinator's
         checkpoint is lost. With fragments, a per-fragment shift would not do: the fragments share one step counter."""
         s = self.state
-        header = self._fetch_all(self.params.global_)
+        header = self._fetch_all(self.ctx.params.global_)
         s.rounds = [f.round for f in header.fragments] or [header.round]
         s.checksums = [f.checksum for f in header.fragments] or [header.checksum]
         s.finished = s.finished or header.run_finished
-        s.step = self.layout.start_step(s.rounds, self.total_rounds)
+        s.step = self.ctx.layout.start_step(s.rounds, self.ctx.total_rounds)
         for f, shard in enumerate(self.fragments):
             s.restart_fragment(f)
             mix_(shard.local, shard.flat, 0.0)
-            if self.eager is not None:
-                self.eager[f].forget()
-        self._defer_starts()
+            self.mode.forget(f)
+        self.schedule.defer_starts()
         log.warning("%s: the coordinator went back to fragment rounds %s (it restarted): training again from inner step %d",
                     s.island_id, s.rounds, s.step)
 
@@ -816,41 +1010,34 @@ class IslandRound:
         Returns whether the coordinator confirmed our parameters (for the other
         groups: whether every shard matched), None if this step did not commit.
         """
-        s = self.state
+        s, params = self.state, self.ctx.params
         # Leaving early, or time-boxed fragments (each ends its last round at its own step; the steps after it moved the
         # model's copy of that fragment): end on the global parameters all the same.
-        if s.stop_round < self.total_rounds and not s.finished or self.pace.time_boxed and len(self.fragments) > 1:
+        if s.stop_round < self.ctx.total_rounds and not s.finished or self.schedule.push_first:
             for shard in self.fragments:
                 mix_(shard.local, shard.flat, 0.0)
-        mine = all(torch.equal(self.params.local[n].cpu(), t.view(-1)) for n, t in self.params.global_.items())
-        (bad,) = self.group_reduce([float(not mine)])
-        flag = torch.tensor([float(bad == 0), 1.0], dtype=torch.float32, device=self.world.device)
-        self.replicas.allreduce_(flag, dist.ReduceOp.SUM)
-        if not self.replicas.commit() and not last_try:
+        mine = all(torch.equal(params.local[n].cpu(), t.view(-1)) for n, t in params.global_.items())
+        verified = self.replicas.agree_all(mine, last_try)
+        if verified is None:
             return None
-        verified = flag[0].item() == flag[1].item()
         self.final_checksum = ""
-        if self.replicas.participating_rank() == 0 and self.world.is_leader:
-            stats = {k: v for k, v in self.timing.items() if k in pb.LeaveRequest.DESCRIPTOR.fields_by_name}
-            reply = self.client.leave(s.island_id, "", s.round, dict(stats, inner_steps=s.step),
+        if not (self.replicas.leads() and self.ctx.world.is_leader):
+            return verified
+        stats = {k: v for k, v in self.timing.items() if k in pb.LeaveRequest.DESCRIPTOR.fields_by_name}
+        reply = self.ctx.client.leave(s.island_id, "", s.round, dict(stats, inner_steps=s.step),
                                       fragment_checksums=list(s.checksums) if verified else ["shards-differ"],
-                                      untrained=s.untrained() if self.leased else [])
-            self.final_checksum = reply.checksum if reply.checksum_matches else "differs"
-            return reply.checksum_matches
-        return verified
+                                      untrained=s.untrained() if self.ctx.leased else [])
+        self.final_checksum = reply.checksum if reply.checksum_matches else "differs"
+        return reply.checksum_matches
 
     # --- healing: the exchanges in flight and the round's clock, for a restarted group ----------------
 
     def heal_state_dict(self) -> dict:
-        return {
-            "inflight": {f: ex.state_dict() for f, ex in self.inflight.items()},
-            "clock": {"agreed": list(self.agreed_clock), "pace": self.pace.state_dict()},  # time-boxed rounds
-        }
+        return {"inflight": {f: ex.state_dict() for f, ex in self.inflight.items()}, "clock": self.schedule.state_dict()}
 
     def load_heal_state_dict(self, sd: dict) -> None:
-        step, agreed = sd["clock"]["agreed"]
-        self.agreed_clock = (int(step), list(agreed))
-        self.pace.load_state_dict(sd["clock"]["pace"])
-        self.inflight = {int(f): Exchange(**saved, pusher=False, status=Next.NOBODY) for f, saved in sd["inflight"].items()}
+        self.schedule.load_state_dict(sd["clock"])
+        self.inflight.clear()  # the schedule reads the same dict
+        self.inflight.update({int(f): Exchange(**saved, pusher=False, status=Next.NOBODY) for f, saved in sd["inflight"].items()})
         for ex in self.inflight.values():
             ex.pushed.set()  # it pulls at the landing; the push is its peers' (or a takeover's)

@@ -1,8 +1,9 @@
 """An island's telemetry: Prometheus metrics, JSON lines, TensorBoard, and what its heartbeats report.
 
 Every rank of every island kind runs the same code (islands/island.py calls
-attach at the start of its run, inner_step after every committed inner step,
-landed after every boundary step, finish at the end). The accounting always
+attach with the island's parts, islands/context.py's IslandContext, at the
+start of its run, inner_step after every committed inner step, landed after
+every boundary step, finish at the end). The accounting always
 runs: it is a few additions per inner step, and the heartbeat reports it
 (utilization, tokens/s and train loss of the last window). What it writes
 (--metrics-port, --log-url, --tensorboard) comes from one rank per replica
@@ -179,7 +180,7 @@ class IslandTelemetry:
         self.server: MetricsServer | None = None
         self.lines: JsonLines | None = None
         self.board = None  # torch.utils.tensorboard.SummaryWriter
-        self.island = None
+        self.ctx = None  # the island's parts (islands/context.py IslandContext), bound at attach
         self.report = {"utilization": 0.0, "tokens_per_s": 0.0, "train_loss": 0.0}
         self._window: _Window | None = None
         self._calls: dict[tuple[int, int], _Calls] = {}
@@ -204,33 +205,34 @@ class IslandTelemetry:
 
     # --- the island's hooks --------------------------------------------------------------------
 
-    def attach(self, island) -> None:
-        """Binds to island at the start of its run: its config, model size, device, connection."""
-        if self.island is island:
+    def attach(self, ctx) -> None:
+        """Binds to the island's parts (its IslandContext) at the start of its run: its config, model size, device,
+        connection."""
+        if self.ctx is ctx:
             return
-        self.island, cfg = island, island.cfg
-        island.client.on_call = self._on_call
+        self.ctx, cfg = ctx, ctx.cfg
+        ctx.client.on_call = self._on_call
         self.window_steps = self.options.window_steps or cfg.inner.steps_per_round
         self.step_tokens = cfg.inner.batch_size * cfg.data.seq_len  # per rank and inner step
-        n_params = island.manifest.total_numel()
+        n_params = ctx.manifest.total_numel()
         active = n_params - inactive_parameters(cfg.model)  # a mixture of experts computes with the routed experts only
         self.flops_per_token = flops_per_token(active, cfg.model.n_layers, cfg.model.d_model, cfg.data.seq_len)
-        self.peak = self.options.peak_flops or gpu_peak_flops(island.world.device)
-        self._window = _Window(time.monotonic(), island.timing["wait_s"])
+        self.peak = self.options.peak_flops or gpu_peak_flops(ctx.world.device)
+        self._window = _Window(time.monotonic(), ctx.timing["wait_s"])
         if not self.exporting:
             return
-        name = (f"island-{self.options.label}" if self.options.label else island.island_id) + (
+        name = (f"island-{self.options.label}" if self.options.label else ctx.island_id) + (
             f"-g{self.group}" if self.groups > 1 else "")
         if self.metrics is not None:
             if self.peak:
                 self.metrics.add_mfu()
-            self.metrics.info.labels(island.island_id, str(self.group), str(island.world.rank)).set(1)
+            self.metrics.info.labels(ctx.island_id, str(self.group), str(ctx.world.rank)).set(1)
         if self.options.tensorboard_dir:
             self.board = tensorboard_writer(f"{self.options.tensorboard_dir.rstrip('/')}/{name}", cfg.to_toml(),
                                             flush_s=self.options.flush_s)
         if self.lines is not None:
             self.lines.prefix = name
-            self._write({"event": "start", "group": self.group, "rank": island.world.rank, "parameters": n_params,
+            self._write({"event": "start", "group": self.group, "rank": ctx.world.rank, "parameters": n_params,
                          "flops_per_token": self.flops_per_token, "peak_flops": self.peak,
                          "metrics": self.server.url if self.server else None, "config": cfg.to_dict()})
 
@@ -250,12 +252,12 @@ class IslandTelemetry:
         if w.steps >= self.window_steps:
             self._close_window()
 
-    def landed(self, island) -> None:
+    def landed(self, ctx) -> None:
         """After each boundary step (every rank of the group): records the exchanges landed since the last call."""
-        new = island.exchanges[self._landed:]
-        self._landed = len(island.exchanges)
+        new = ctx.exchanges[self._landed:]
+        self._landed = len(ctx.exchanges)
         for record in new:
-            self._record_round(island, record)
+            self._record_round(ctx, record)
 
     def finish(self) -> None:
         """At the end of the run: the last, partial window; everything written so far."""
@@ -298,16 +300,16 @@ class IslandTelemetry:
                 calls.pull_s, calls.pulls, calls.down = calls.pull_s + seconds, calls.pulls + 1, calls.down + nbytes
 
     def _close_window(self) -> None:
-        w, island, now = self._window, self.island, time.monotonic()
+        w, ctx, now = self._window, self.ctx, time.monotonic()
         wall = max(now - w.started, 1e-9)
-        wait = island.timing["wait_s"] - w.wait0
+        wait = ctx.timing["wait_s"] - w.wait0
         tokens_per_s = w.tokens / wall
         loss = w.loss_sum / w.steps
         utilization = min(1.0, w.inner_s / wall)
         gpus = w.tokens / (w.steps * self.step_tokens)
         mfu = tokens_per_s * self.flops_per_token / (self.peak * gpus) if self.peak else math.nan
         self.report = {"utilization": utilization, "tokens_per_s": tokens_per_s, "train_loss": loss}
-        self._window = _Window(now, island.timing["wait_s"])
+        self._window = _Window(now, ctx.timing["wait_s"])
         if self.metrics is not None:
             m = self.metrics
             m.tokens_per_s.set(tokens_per_s)
@@ -316,7 +318,7 @@ class IslandTelemetry:
             m.wait_s.inc(max(0.0, wait))
             if m.mfu is not None:
                 m.mfu.set(mfu)
-        step = island.state.step
+        step = ctx.state.step
         if self.lines is not None:
             self._write({"event": "window", "first_step": step - w.steps, "last_step": step, "steps": w.steps,
                          "tokens": w.tokens, "tokens_per_s": tokens_per_s, "train_loss": loss, "inner_s": w.inner_s,
@@ -327,7 +329,7 @@ class IslandTelemetry:
                 if math.isfinite(value):
                     self.board.add_scalar(f"inner/{tag}", value, step)
 
-    def _record_round(self, island, record: dict) -> None:
+    def _record_round(self, ctx, record: dict) -> None:
         key = (record["fragment"], record["round"])
         with self._lock:
             calls = self._calls.pop(key, _Calls())
@@ -335,9 +337,9 @@ class IslandTelemetry:
                 del self._calls[old]  # exchanges that never landed here (resynced past)
         if not self.options.writes:  # the same on every rank of the group
             return
-        client = island.client
+        client = ctx.client
         # Every rank of the group, at the same landing: the group's bytes of this exchange and in all.
-        up, down, sent_up, sent_down = island.group_reduce([calls.up, calls.down, client.bytes_sent, client.bytes_received])
+        up, down, sent_up, sent_down = ctx.group_reduce([calls.up, calls.down, client.bytes_sent, client.bytes_received])
         grown = (max(0.0, sent_up - self._sent[0]), max(0.0, sent_down - self._sent[1]))
         self._sent = [max(sent_up, self._sent[0]), max(sent_down, self._sent[1])]
         if not self.exporting:
@@ -356,14 +358,14 @@ class IslandTelemetry:
             self._write({"event": "round", "round": key[1], "fragment": key[0], "pushed_step": record["pushed_step"],
                          "due": record["due"], "push_s": calls.push_s, "pull_s": calls.pull_s, "pushes": calls.pushes,
                          "pulls": calls.pulls, "exchange_s": exchange_s, "bytes_up": int(up), "bytes_down": int(down),
-                         "wait_s_total": island.timing["wait_s"]})
+                         "wait_s_total": ctx.timing["wait_s"]})
         if self.board is not None:
-            prefix = f"exchange/fragment{key[0]}" if len(island.fragments) > 1 else "exchange"
+            prefix = f"exchange/fragment{key[0]}" if len(ctx.fragments) > 1 else "exchange"
             for tag, value in (("push_s", calls.push_s), ("pull_s", calls.pull_s), ("seconds", exchange_s),
                                ("bytes_up", up), ("bytes_down", down)):
                 if math.isfinite(value):
                     self.board.add_scalar(f"{prefix}/{tag}", value, key[1])
 
     def _write(self, record: dict) -> None:
-        island = self.island
-        self.lines.write({"time": round(time.time(), 3), "island": island.island_id if island is not None else "", **record})
+        ctx = self.ctx
+        self.lines.write({"time": round(time.time(), 3), "island": ctx.island_id if ctx is not None else "", **record})

@@ -98,6 +98,13 @@ class IslandWorld:
                 dist.broadcast(moved, src=0)
                 t.copy_(moved)
 
+    def reduce(self, values: list[float], op=dist.ReduceOp.SUM) -> list[float]:
+        """A few numbers reduced over the group's ranks (in float64 on the group's device); as they are with one rank."""
+        t = torch.tensor(values, dtype=torch.float64, device=self.device)
+        if self.world_size > 1:
+            dist.all_reduce(t, op=op)
+        return t.tolist()
+
     def broadcast_object(self, obj):
         if self.world_size == 1:
             return obj

@@ -182,11 +182,11 @@ def test_checksum_mismatch_resyncs_the_island_with_a_warning(make_coordinator, c
     finally:
         client.close()
         world.shutdown()
-    assert island.state.resyncs == 1
+    assert island.ctx.state.resyncs == 1
     assert any("differ from the coordinator's" in r.message for r in caplog.records)
     assert result.rounds == 4 and result.checksum_matches
     assert checksum(island.global_params) == coordinator.state.checksum
-    assert checksum(dict(island.model.named_parameters())) == coordinator.state.checksum
+    assert checksum(dict(island.ctx.model.named_parameters())) == coordinator.state.checksum
 
 
 @pytest.mark.integration
@@ -242,9 +242,9 @@ def test_islands_keep_error_feedback_for_topk_however_it_is_spelled(make_coordin
     client = CoordinatorClient(f"127.0.0.1:{coordinator.port}", connect_timeout_s=10)
     try:
         island = Island(cfg, world, client, client.join(cfg.digest(), uplink_codec(cfg.wire).name))
-        assert (island.feedback is not None) == expected
+        assert (island.ctx.feedback is not None) == expected
         if expected:  # feedback_decay's auto default
-            assert island.feedback.decay == (0.25 if "topk" in overrides[0] else 1.0)
+            assert island.ctx.feedback.decay == (0.25 if "topk" in overrides[0] else 1.0)
     finally:
         client.close()
         world.shutdown()
@@ -274,16 +274,16 @@ def test_island_keeps_the_topk_residual_in_its_parameters_and_ends_on_the_global
     coordinator = make_coordinator(cfg)
     seen: list[float] = []
     with island_on(coordinator, cfg) as island:
-        assert island.feedback is not None and island.feedback.in_model
+        assert island.ctx.feedback is not None and island.ctx.feedback.in_model
         land = island.sync.land
 
         def check_after_landing(f):
             land(f)
-            local = dict(island.model.named_parameters())
-            gap = max((island.global_params[n] - local[n].detach() - island.feedback.buffers[n].view(local[n].shape)).abs().max().item()
+            local = dict(island.ctx.model.named_parameters())
+            gap = max((island.global_params[n] - local[n].detach() - island.ctx.feedback.buffers[n].view(local[n].shape)).abs().max().item()
                       for n in local)
-            carried = sum(island.feedback.buffers[n].abs().sum().item() for n in local)
-            if island.state.rounds_done < 3:
+            carried = sum(island.ctx.feedback.buffers[n].abs().sum().item() for n in local)
+            if island.ctx.state.rounds_done < 3:
                 assert gap < 1e-6 and carried > 0, (island.rounds_done, gap, carried)
             seen.append(carried)
 
@@ -291,7 +291,7 @@ def test_island_keeps_the_topk_residual_in_its_parameters_and_ends_on_the_global
         result = island.run()
     assert len(seen) == 3 and result.rounds == 3 and result.checksum_matches
     assert checksum(island.global_params) == coordinator.state.checksum
-    assert checksum(dict(island.model.named_parameters())) == coordinator.state.checksum
+    assert checksum(dict(island.ctx.model.named_parameters())) == coordinator.state.checksum
 
 
 @pytest.mark.integration

@@ -134,13 +134,13 @@ def held_run(coordinator, cfg, islands: int, hold_at: int) -> Iterator[tuple[thr
             def report() -> dict[str, float]:
                 """What a real island reports in its heartbeats: its share of time in inner steps, throughput, loss."""
                 elapsed = max(time.monotonic() - started, 1e-6)
-                tokens = island.state.step * cfg.inner.batch_size * cfg.data.seq_len
-                return {"utilization": min(1.0, island.timing["compute_s"] / elapsed), "tokens_per_s": tokens / elapsed,
+                tokens = island.ctx.state.step * cfg.inner.batch_size * cfg.data.seq_len
+                return {"utilization": min(1.0, island.ctx.timing["compute_s"] / elapsed), "tokens_per_s": tokens / elapsed,
                         "train_loss": island.losses[-1] if island.losses else 0.0}
 
             # Heartbeats carry a report where the client sends one (islands/client.py's report=).
             extra = {"report": report} if "report" in inspect.signature(client.start_heartbeat).parameters else {}
-            client.start_heartbeat(lambda: island.state.island_id, 0.5, lambda: island.state.round, **extra)
+            client.start_heartbeat(lambda: island.ctx.state.island_id, 0.5, lambda: island.ctx.state.round, **extra)
             push = client.push
 
             def held(header, chunks):

@@ -50,9 +50,9 @@ def test_inner_optimizer_state_survives_rounds_and_island_adopts_global(make_coo
         client.close()
         world.shutdown()
     assert result.rounds == 3 and result.checksum_matches
-    steps = {int(s["step"]) for s in island.optimizer.state.values()}
+    steps = {int(s["step"]) for s in island.ctx.optimizer.state.values()}
     assert steps == {3 * 4}, "AdamW state was reset between rounds"
-    assert checksum(dict(island.model.named_parameters())) == coordinator.state.checksum
+    assert checksum(dict(island.ctx.model.named_parameters())) == coordinator.state.checksum
     assert checksum(island.global_params) == coordinator.state.checksum
     assert all(torch.isfinite(t).all() for t in island.global_params.values())
 
@@ -80,7 +80,7 @@ def test_compiled_island_trains_like_the_eager_one_and_keeps_the_exact_global_pa
             client.close()
             world.shutdown()
         assert result.rounds == 2 and result.checksum_matches
-        assert (island.model._compiled_call_impl is not None) == compiled
+        assert (island.ctx.model._compiled_call_impl is not None) == compiled
         assert checksum(island.global_params) == coordinator.state.checksum
         results[compiled] = {n: t.clone() for n, t in coordinator.state.params.items()}
     # Same data, same start: compiled kernels may round differently, so close rather than equal.

@@ -323,7 +323,7 @@ def test_an_moe_island_ends_on_the_coordinators_parameters_through_every_codec(m
         result = island.run()
     assert result.rounds == 3 and result.checksum_matches
     assert checksum(island.global_params) == coordinator.state.checksum
-    assert checksum(dict(island.model.named_parameters())) == coordinator.state.checksum
+    assert checksum(dict(island.ctx.model.named_parameters())) == coordinator.state.checksum
     assert all(torch.isfinite(torch.tensor(result.losses)))
     initial = initial_parameters(cfg)
     for name in ("blocks.0.mlp.router.weight", "blocks.0.mlp.experts.3.up_proj.weight"):

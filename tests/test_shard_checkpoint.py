@@ -21,6 +21,7 @@ from diloco.wire.feedback import ErrorFeedback
 from diloco.data.sources import StepIndexedStream
 from diloco.inner import build_inner_optimizer
 from islands.checkpoint import IslandCheckpoint
+from islands.evidence import NO_FAULTS
 from islands.fsdp import ShardLayout, build_island_model, local_views
 from islands.replicas import Solo
 from islands.state import IslandState, ReplicaSpec
@@ -45,8 +46,9 @@ def base_url(request, tmp_path):
 
 
 def _island(cfg, world, round_: int = 0, seed: int = 0):
-    """What IslandCheckpoint reads and writes of an Island, without a coordinator."""
-    isl = types.SimpleNamespace(cfg=cfg, spec=ReplicaSpec(key="test-key"), replicas=Solo(), eager=None, island_id="island-3")
+    """What IslandCheckpoint reads and writes of an island's parts (islands/context.py), without a coordinator."""
+    isl = types.SimpleNamespace(cfg=cfg, spec=ReplicaSpec(key="test-key"), replicas=Solo(), eager=None, island_id="island-3",
+                                faults=NO_FAULTS)
     isl.model = build_island_model(cfg.model, world.device, world.world_size)
     layout = ShardLayout.of(isl.model)
     isl.local = local_views(isl.model)

@@ -207,14 +207,14 @@ def test_overlap_keeps_training_while_a_slowed_exchange_is_in_flight(make_coordi
         world.shutdown()
         link.stop()
     assert result.checksum_matches and result.inner_steps == 12
-    overlapped = [e for e in island.exchanges if e["due"] > e["pushed_step"]]
+    overlapped = [e for e in island.ctx.exchanges if e["due"] > e["pushed_step"]]
     assert len(overlapped) == 4  # all but the last wave, which ends the run
     for e in overlapped:
         t0, _ = island.step_spans[e["pushed_step"]]  # the inner step right after the push
         assert e["started_at"] <= t0 < e["finished_at"], f"step {e['pushed_step']} did not start during the exchange"
         assert e["finished_at"] - e["started_at"] >= 0.24
     # Waiting is what the exchanges did not hide; it is not counted as compute.
-    spent = sum(e["finished_at"] - e["started_at"] for e in island.exchanges)
+    spent = sum(e["finished_at"] - e["started_at"] for e in island.ctx.exchanges)
     assert result.wait_s < spent and result.compute_s + result.wait_s <= result.wall_s
 
 
@@ -268,7 +268,7 @@ def test_eager_estimate_with_one_island_is_the_exact_result(make_coordinator):
             estimate = island.sync.inflight[f].estimate
             landed = land(f)
             if estimate is not None:
-                seen.append((estimate, {n: t.clone() for n, t in island.fragments[f].flat.items()}))
+                seen.append((estimate, {n: t.clone() for n, t in island.ctx.fragments[f].flat.items()}))
             return landed
 
         island.sync.land = spy
@@ -342,13 +342,13 @@ def test_streaming_fragments_keep_their_topk_residual_in_the_model(make_coordina
         land = island.sync.land
 
         def check(f):
-            shard = island.fragments[f]
+            shard = island.ctx.fragments[f]
             before = {n: t.detach().clone() for n, t in shard.local.items()}
             landed = land(f)
-            if island.state.rounds[f] >= island.total_rounds:
+            if island.ctx.state.rounds[f] >= island.ctx.total_rounds:
                 return landed
             for n, t in shard.local.items():
-                r = island.feedback.buffers[n].view(t.shape)
+                r = island.ctx.feedback.buffers[n].view(t.shape)
                 expected = 0.5 * before[n] + 0.5 * (shard.flat[n] - r)
                 torch.testing.assert_close(t.detach(), expected, rtol=0, atol=1e-6)
             checked.append(f)
@@ -357,4 +357,4 @@ def test_streaming_fragments_keep_their_topk_residual_in_the_model(make_coordina
         island.sync.land = check
         result = island.run()
     assert sorted(set(checked)) == [0, 1] and result.checksum_matches
-    assert checksum(dict(island.model.named_parameters())) == coordinator.state.checksum
+    assert checksum(dict(island.ctx.model.named_parameters())) == coordinator.state.checksum

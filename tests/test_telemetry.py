@@ -293,7 +293,7 @@ def test_island_exports_metrics_logs_tensorboard_and_heartbeat_report(make_coord
     try:
         with island_on(coordinator, cfg) as island:
             island.telemetry = telemetry
-            client = island.client
+            client = island.ctx.client
             client.start_heartbeat(lambda: island.island_id, cfg.rounds.heartbeat_s, lambda: island.round,
                                    telemetry.heartbeat_report)
             result = island.run()

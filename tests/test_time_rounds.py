@@ -103,4 +103,4 @@ def test_time_boxed_streaming_with_overlap_keeps_every_fragment_equal(make_coord
     assert results[0].inner_steps > results[1].inner_steps
     assert all(r.checksum_matches for r in results.values()), [(r.checksum, r.inner_steps) for r in results.values()]
     for island in (fast, slow):
-        assert island.state.checksums == [f.checksum for f in state.fragments]
+        assert island.ctx.state.checksums == [f.checksum for f in state.fragments]
