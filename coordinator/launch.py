@@ -11,7 +11,8 @@ With --checkpoint, a shard killed by a signal (the OOM killer, a crash, an
 operator's SIGKILL) is started again with --resume, at most MAX_RESTARTS times
 per shard in a run, as torchrun restarts a rank: the others keep serving and it resumes at
 the round they are in. So is a shard that stopped with ROLL_BACK_EXIT to resume
-with the others from their common checkpoint (coordinator/rollback.py). A shard
+with the others from their common checkpoint (coordinator/rollback.py), at most
+MAX_ROLL_BACKS times per shard. A shard
 that exits with an error of its own stops the rest (a restart would meet the
 same error), and so does the launcher's own stop.
 """
@@ -39,7 +40,8 @@ from diloco.cli.lifetime import child_dies_with
 log = logging.getLogger(__name__)
 
 SECRET_ENV = "DILOCO_SHARD_SECRET"  # hex; made by `serve --shards K`, handed to remote shards by their launcher
-MAX_RESTARTS = 3  # restarts of each shard in one run, killed or rolled back (a roll-back restarts every shard)
+MAX_RESTARTS = 3  # restarts of each shard killed by a signal in one run
+MAX_ROLL_BACKS = 3  # restarts of each shard stopped to resume with the others (a roll-back restarts every shard)
 
 _WILDCARD = ("", "0.0.0.0", "::")
 
@@ -155,16 +157,17 @@ def write_run_report(path: str, count: int) -> None:
 def _wait(children: list[subprocess.Popen], scratch: Path, port_file: str | None, count: int, addresses: str,
           restart=None, stopping: list[int] = ()) -> int:
     """Waits for every shard; restart(i): shard i started again with --resume (None: a killed shard stops the rest)."""
-    told, restarts = False, [MAX_RESTARTS] * len(children)
+    told = False
+    left = {"killed": [MAX_RESTARTS] * len(children), "rolled back": [MAX_ROLL_BACKS] * len(children)}
     while True:
         codes = [c.poll() for c in children]
         for i, c in enumerate(codes):
-            if (c is not None and (c < 0 or c == ROLL_BACK_EXIT) and restart is not None and restarts[i]
-                    and not stopping):
-                restarts[i] -= 1
+            kind = "killed" if c is not None and c < 0 else "rolled back" if c == ROLL_BACK_EXIT else None
+            if kind is not None and restart is not None and left[kind][i] and not stopping:
+                left[kind][i] -= 1
                 why = f"was killed (signal {-c})" if c < 0 else "stopped to resume with the others"
-                log.warning("coordinator shard %d %s; starting it again with --resume (%d restart(s) left)", i, why,
-                            restarts[i])
+                log.warning("coordinator shard %d %s; starting it again with --resume (%d such restart(s) left)", i, why,
+                            left[kind][i])
                 children[i] = restart(i)
                 codes[i] = None
         failed = [c for c in codes if c not in (None, 0)]

@@ -159,16 +159,30 @@ def shards_under(base: str, storage_options: dict | None = None) -> int | None:
 
 
 def common_step(base: str, count: int, keep_last: int = 3, storage_options: dict | None = None) -> int | None:
-    """The newest step every shard committed; None when no shard has one yet. Raises ValueError when the shards have
-    checkpoints but none in common (one fell more than keep_last checkpoints behind, or lost its folder)."""
-    steps = [set(CheckpointStore(shard_url(base, i, count), keep_last, storage_options).steps()) for i in range(count)]
+    """The newest step every shard committed at the same fragment rounds; None when no shard has one yet. Raises
+    ValueError when the shards have checkpoints but none in common (one fell more than keep_last checkpoints behind,
+    or lost its folder).
+
+    A step number is a count of closes, not a point of the run: a shard that came back behind the others and closed a
+    round before it was rolled back wrote a step numbered like the others' at other rounds (the issue-42 team run:
+    step 11 at fragment rounds [6, 5] on one shard, [5, 6] on the other); resuming both there mixed two states."""
+    stores = [CheckpointStore(shard_url(base, i, count), keep_last, storage_options) for i in range(count)]
+    steps = [set(store.steps()) for store in stores]
     if not any(steps):
         return None
-    common = set.intersection(*steps)
-    if not common:
-        raise ValueError(f"the coordinator's shards under {base} share no committed checkpoint "
-                         f"(their newest: {[max(s, default=None) for s in steps]}); a shard's checkpoints are missing")
-    return max(common)
+    for step in sorted(set.intersection(*steps), reverse=True):
+        if _same_rounds(stores, step):
+            return step
+    raise ValueError(f"the coordinator's shards under {base} share no committed checkpoint at the same rounds "
+                     f"(their newest: {[max(s, default=None) for s in steps]}); a shard's checkpoints are missing")
+
+
+def _same_rounds(stores: list[CheckpointStore], step: int) -> bool:
+    rounds = []
+    for store in stores:
+        meta = store.load_meta(step) or {}
+        rounds.append(meta.get("fragment_rounds") or [meta.get("round")])
+    return all(r == rounds[0] for r in rounds)
 
 
 def load_sharded(base: str, count: int, step: int | None = None,
@@ -178,6 +192,10 @@ def load_sharded(base: str, count: int, step: int | None = None,
     step = common_step(base, count, storage_options=storage_options) if step is None else step
     if step is None:
         raise ValueError(f"no committed checkpoint under {base}'s {count} shards")
+    if not _same_rounds([CheckpointStore(shard_url(base, i, count), storage_options=storage_options) for i in range(count)],
+                        step):
+        raise ValueError(f"the shards' checkpoints {step} under {base} are at different rounds (one shard came back "
+                         "behind the others); give a step they share, or none for the newest")
     tensors: dict[str, Any] = {"outer_params": {}, "published": {}}
     meta: dict[str, Any] = {}
     for i in range(count):

@@ -19,7 +19,7 @@ import torch
 from conftest import tiny_config
 from kit import islands_on_threads
 
-from coordinator.launch import shard_ports
+from coordinator.launch import MAX_RESTARTS, MAX_ROLL_BACKS, _wait, shard_ports
 from coordinator.metrics import coordinator_metrics
 from coordinator.server import start_coordinator
 from coordinator.snapshot import run_snapshot
@@ -394,6 +394,35 @@ def test_a_shard_killed_under_serve_shards_k_with_checkpoints_is_started_again_w
         os.kill({shard_index(p): p for p in children_of(launcher.pid)}[1], signal.SIGKILL)
         assert launcher.wait(120) != 0, log_path.read_text()
         assert "starting it again" not in log_path.read_text()
+
+
+def test_the_launcher_restarts_a_rolled_back_shard_on_a_budget_of_its_own(tmp_path):
+    """A shard that stops with 75 (to resume with the others) is started again with --resume, and these restarts do
+    not use up the budget for shards killed by a signal (the issue-42 team run: two kills and a roll-back left none,
+    and the launcher gave up on a run that could go on); each budget still bounds its kind."""
+    def child(code: int) -> subprocess.Popen:
+        if code < 0:
+            p = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+            p.send_signal(-code)
+            return p
+        return subprocess.Popen([sys.executable, "-c", f"raise SystemExit({code})"])
+
+    def scripted(plan: list[int]):
+        started = []
+
+        def restart(i: int) -> subprocess.Popen:
+            started.append(i)
+            return child(plan.pop(0) if plan else 0)
+        return restart, started
+
+    # Shard 0: killed MAX_RESTARTS - 1 times, then rolled back MAX_ROLL_BACKS times, then ends well.
+    restart, started = scripted([-9] * (MAX_RESTARTS - 2) + [75] * MAX_ROLL_BACKS)
+    assert _wait([child(-9), child(0)], tmp_path, None, 2, "a:1,b:2", restart) == 0
+    assert started == [0] * (MAX_RESTARTS - 1 + MAX_ROLL_BACKS)
+    # A shard that keeps rolling back is stopped once its budget is spent: the run ends with 75, not a loop.
+    restart, started = scripted([75] * MAX_ROLL_BACKS)
+    assert _wait([child(75), child(0)], tmp_path, None, 2, "a:1,b:2", restart) == 75
+    assert started == [0] * MAX_ROLL_BACKS
 
 
 def test_each_shard_of_serve_shards_k_names_itself_in_its_log_lines(tmp_path):

@@ -62,6 +62,26 @@ def test_shards_resume_from_the_newest_step_every_one_of_them_committed(tmp_path
         role.common_step(str(tmp_path), keep_last=3)
 
 
+def test_shards_resume_only_from_a_step_they_committed_at_the_same_fragment_rounds(tmp_path):
+    """A step number counts closes: a shard that came back behind and closed a round before it was rolled back wrote a
+    step numbered like the other's at other rounds (the issue-42 team run). Resuming or exporting there would mix two
+    states; the newest step at the same rounds is taken, and load_sharded refuses the mixed one."""
+    from diloco.checkpoint import CheckpointStore
+    from diloco.shardmap import load_sharded
+
+    role = ShardRole(0, ("a:1", "b:2"), b"s" * 32)
+    rounds = [{10: [5, 5], 11: [5, 6]}, {10: [5, 5], 11: [6, 5]}]
+    for shard, steps in enumerate(rounds):
+        store = CheckpointStore(ShardRole(shard, role.addresses, b"").checkpoint_url(str(tmp_path)), keep_last=3)
+        for step, at in steps.items():
+            store.save(step, {"outer_params": {f"p{shard}": torch.full((1,), float(step))}}, {"step": step, "fragment_rounds": at})
+    assert role.common_step(str(tmp_path), keep_last=3) == 10
+    step, tensors, _ = load_sharded(str(tmp_path), 2)
+    assert step == 10 and {n: t.item() for n, t in tensors["outer_params"].items()} == {"p0": 10.0, "p1": 10.0}
+    with pytest.raises(ValueError, match="at different rounds"):
+        load_sharded(str(tmp_path), 2, step=11)
+
+
 def _contribution_stats():
     """Six islands' pushes over six tensors (one 1,000x the rest: clipped; one pointing against them: dropped), and
     stats(keep): each contribution's statistics over the tensors keep(name) holds, as a shard sends its leader; with
