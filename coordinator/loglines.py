@@ -28,7 +28,12 @@ def run_summary_line(summaries: Sequence[pb.RoundSummary], checksum: str) -> str
     """The run's end: its rounds, eval loss from the initial to the last evaluated one, tokens, traffic against what
     DDP would have sent over the same islands (where known: two islands or more), and the parameters' checksum."""
     rounds = sum(1 for s in summaries if s.fragment == 0)
-    tokens = sum(s.tokens for s in summaries)
+    # Each fragment's rounds cover every inner step (Streaming DiLoCo syncs all of them, staggered): the tokens trained
+    # are one fragment's sum, not all of theirs (two fragments read twice the tokens trained).
+    per_fragment: dict[int, int] = {}
+    for s in summaries:
+        per_fragment[s.fragment] = per_fragment.get(s.fragment, 0) + s.tokens
+    tokens = max(per_fragment.values(), default=0)
     evaluated = [s.eval_loss for s in summaries if math.isfinite(s.eval_loss)]
     initial = summaries[-1].initial_eval_loss if summaries else math.nan
     sent = sum(s.bytes_up + s.bytes_down for s in summaries)
