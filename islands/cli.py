@@ -200,9 +200,8 @@ def _join(parser: ArgumentParser, args, argv: list[str] | None, cfg, tls: TlsFil
     except LocalRefusal as e:  # found on our side (the shards disagreeing), not the coordinator's refusal
         _final(parser.prog, e.details(), launched)
     except grpc.RpcError as e:
-        if reason_of(e) == Reason.REPLACED:  # another process joined as this island: the coordinator's words say so
-            _final(parser.prog, e.details(), launched, REPLACED_EXIT)
-        _final(parser.prog, f"coordinator refused: {e.code().name}: {e.details()}", launched)
+        message, status = ending(e)
+        _final(parser.prog, message, launched, status)
     except (ConfigError, ValueError, CheckpointError, LaunchError) as e:
         _final(parser.prog, str(e), launched)
     except KeyboardInterrupt:
@@ -217,6 +216,21 @@ def _join(parser: ArgumentParser, args, argv: list[str] | None, cfg, tls: TlsFil
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(0)
+
+
+def ending(e: grpc.RpcError) -> tuple[str, int]:
+    """The one line and exit status of a run ended by a call that failed: the coordinator's refusal by its reason, or,
+    where there is none, a transport that failed past the client's retries (not a refusal: it is worth retrying)."""
+    from diloco.wire.refusal import Reason, reason_of  # here: grpc and protobuf load after argument checks
+    from islands.outcome import REPLACED_EXIT
+
+    reason = reason_of(e)
+    if reason == Reason.REPLACED:  # another process joined as this island: the coordinator's words say so
+        return e.details(), REPLACED_EXIT
+    if reason == Reason.REASON_UNSPECIFIED:
+        return (f"lost the coordinator ({e.code().name}: {e.details()}); once it is back, run the same command (with "
+                "--resume where it has --checkpoint)", 1)
+    return f"coordinator refused: {e.code().name}: {e.details()}", 2
 
 
 def _final(prog: str, message: str, launched: bool, status: int = 2) -> NoReturn:

@@ -7,8 +7,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import grpc
 import pytest
 from kit import StderrLines
+
+from diloco.v1 import diloco_pb2 as pb
+from diloco.wire.refusal import Reason
 
 SCRIPTS = {
     "diloco-coordinator": [sys.executable, "-m", "coordinator"],
@@ -382,3 +386,30 @@ def test_serve_logs_each_rounds_losses_and_a_summary_at_the_end(tmp_path):
     assert summary, log[-3000:]
     assert int(summary[3].replace(",", "")) == 3 * 2 * 4 * 32  # rounds x H x batch x seq_len
     assert summary[4] in island.stderr  # the island's final checksum, the same parameters
+
+
+class _Failed(grpc.RpcError):
+    def __init__(self, code: grpc.StatusCode, details: str, reason: int = 0):
+        self._code, self._details, self.refusal = code, details, pb.Refusal(reason=reason)
+
+    def code(self) -> grpc.StatusCode:
+        return self._code
+
+    def details(self) -> str:
+        return self._details
+
+
+@pytest.mark.unit
+def test_an_island_ended_by_a_lost_coordinator_says_so_rather_than_that_it_was_refused():
+    """A transport failure past the client's retries carries no refusal (the issue-42 team run's island said
+    'coordinator refused: UNAVAILABLE: failed to connect'): it ends with a line saying the coordinator was lost and
+    what to do, exit 1; a refusal keeps its words and exit 2; REPLACED its own status."""
+    from islands.cli import ending
+    from islands.outcome import REPLACED_EXIT
+
+    message, status = ending(_Failed(grpc.StatusCode.UNAVAILABLE, "failed to connect to all addresses"))
+    assert message.startswith("lost the coordinator (UNAVAILABLE: failed to connect") and "--resume" in message
+    assert status == 1
+    refused = _Failed(grpc.StatusCode.NOT_FOUND, "unknown island 'east'", Reason.NOT_A_MEMBER)
+    assert ending(refused) == ("coordinator refused: NOT_FOUND: unknown island 'east'", 2)
+    assert ending(_Failed(grpc.StatusCode.ALREADY_EXISTS, "another process", Reason.REPLACED))[1] == REPLACED_EXIT
