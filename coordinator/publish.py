@@ -246,7 +246,7 @@ class PublishedValues:
 
 def range_messages(messages: Iterable[ValueMessage], ranges: list[FlatRange]) -> Iterator[bytes]:
     """The elements of the ranges in value messages: a message inside a range as it is, else its overlap with each
-    range framed anew (fp32, addressed into the whole parameter, as range_values_chunks frames it). The ranges of a
+    range framed anew (fp32, addressed into the whole parameter). The ranges of a
     parameter must not overlap (the service refuses requests whose ranges do)."""
     by_name: dict[str, list[FlatRange]] = {}
     for r in ranges:

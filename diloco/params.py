@@ -60,10 +60,6 @@ def checksum(tensors: Mapping[str, torch.Tensor], after: Callable[[str, int, int
     return h.hexdigest()
 
 
-def module_checksum(model: nn.Module) -> str:
-    return checksum(dict(model.named_parameters()))
-
-
 def ranges_checksum(pieces: Iterable[tuple[str, int, torch.Tensor]]) -> str:
     """Content hash of flat ranges (name, offset, values) of a parameter set; order-independent.
 

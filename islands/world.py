@@ -86,18 +86,6 @@ class IslandWorld:
             if p.grad is not None:
                 dist.all_reduce(p.grad, op=dist.ReduceOp.AVG)
 
-    def broadcast_tensors(self, tensors: Mapping[str, torch.Tensor]) -> None:
-        """Leader's values to every rank (CPU tensors go through the group's device)."""
-        if self.world_size == 1:
-            return
-        for t in tensors.values():
-            if t.device == self.device:
-                dist.broadcast(t, src=0)
-            else:
-                moved = t.to(self.device)
-                dist.broadcast(moved, src=0)
-                t.copy_(moved)
-
     def reduce(self, values: list[float], op=dist.ReduceOp.SUM) -> list[float]:
         """A few numbers reduced over the group's ranks (in float64 on the group's device); as they are with one rank."""
         t = torch.tensor(values, dtype=torch.float64, device=self.device)

@@ -43,22 +43,6 @@ class TokenStore(Protocol):
     def close(self) -> None: ...
 
 
-class ArrayStore:
-    """A split held in memory (byte-level text, tests)."""
-
-    def __init__(self, tokens: np.ndarray, vocab_size: int, eos_id: int = -1):
-        self.tokens, self.total, self.vocab_size, self.eos_id = tokens, len(tokens), vocab_size, eos_id
-
-    def read(self, start: int, stop: int) -> np.ndarray:
-        return self.tokens[start:stop]
-
-    def prefetch(self, start: int, stop: int) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-
 class SampleOrder:
     """Position -> sample index, a seeded block shuffle per epoch (see the module docstring)."""
 

@@ -328,16 +328,6 @@ def ranges_from_proto(ranges: Iterable[pb.TensorRange], manifest: Manifest) -> l
     return out
 
 
-def range_values_chunks(
-    params: Mapping[str, torch.Tensor], ranges: Iterable[FlatRange], codec: Codec, chunk_bytes: int
-) -> Iterator[pb.TensorChunk]:
-    """The values of just these ranges, as chunks addressed into the full parameters."""
-    for r in ranges:
-        if r.numel:
-            flat = params[r.name].detach().reshape(-1)[r.offset : r.end]
-            yield from encode_chunks(r.name, flat, codec, chunk_bytes, base_offset=r.offset)
-
-
 def overlapping_chunks(chunks: Iterable[pb.TensorChunk], ranges: Iterable[FlatRange]) -> Iterator[pb.TensorChunk]:
     """The chunks that touch any of the ranges (a lossy chunk cannot be cut, so whole chunks go)."""
     by_name: dict[str, list[FlatRange]] = {}
