@@ -84,21 +84,16 @@ def test_resumed_islands_and_coordinator_lose_no_fold(tmp_path):
     _assert_honest(report, 2, 5)
 
 
-def test_coordinator_restarted_behind_its_islands_replays_rounds_with_their_weight(tmp_path):
-    """The coordinator alone SIGKILLed rounds after its last checkpoint: its islands are ahead of it when it is back.
-    They go back to its rounds and train them again, so every replayed round folds both islands' full rounds: each
-    fragment's tokens add up to the undisturbed run's, and only the islands' work since the checkpoint is lost."""
-    rounds = 8
-    cfg = _config(2, 1, f"rounds.rounds={rounds}", "checkpoint.every_rounds=4", "rounds.heartbeat_s=0.5",
-                  "rounds.lease_s=30")
+def _coordinator_killed_two_rounds_past_its_checkpoint(cfg, tmp_path) -> dict:
+    """Two islands' run whose coordinator (checkpoint.every_rounds = 4) is SIGKILLed once fragment 0's round 5 closed
+    and resumed: every_rounds counts each fragment's rounds, a checkpoint's step both fragments', so step 8 holds
+    rounds 0-3 of each; the coordinator comes back at round 4, its islands at 6. Returns the run's report."""
     sim = Simulation(cfg, 2, tmp_path, checkpoints=True)
     committed = tmp_path / "ckpt" / "coordinator" / "step-0000000008" / "COMMITTED"
     try:
         sim.start()
         killed = False
         for summary in sim.watch(300):
-            # every_rounds counts each fragment's rounds, a checkpoint's step both fragments': step 8 holds rounds
-            # 0-3 of each. Killed once round 5 closed, the coordinator comes back at round 4, its islands at 6.
             if not killed and summary.fragment == 0 and summary.round == 5:
                 assert committed.exists(), "no coordinator checkpoint of rounds 0-3 before the kill"
                 sim.kill_coordinator()
@@ -108,6 +103,17 @@ def test_coordinator_restarted_behind_its_islands_replays_rounds_with_their_weig
     finally:
         sim.close()
     assert killed and report["events"]["restarts"] == 1
+    return report
+
+
+def test_coordinator_restarted_behind_its_islands_replays_rounds_with_their_weight(tmp_path):
+    """The coordinator alone SIGKILLed rounds after its last checkpoint: its islands are ahead of it when it is back.
+    They go back to its rounds and train them again, so every replayed round folds both islands' full rounds: each
+    fragment's tokens add up to the undisturbed run's, and only the islands' work since the checkpoint is lost."""
+    rounds = 8
+    cfg = _config(2, 1, f"rounds.rounds={rounds}", "checkpoint.every_rounds=4", "rounds.heartbeat_s=0.5",
+                  "rounds.lease_s=30")
+    report = _coordinator_killed_two_rounds_past_its_checkpoint(cfg, tmp_path)
     refused = report["events"]["refusals"]
     assert set(refused) <= {"ROUND_AHEAD", "PUSH_AGAIN"}, refused  # islands ahead are told so, then go back
     tokens = _fragment_tokens(report)
@@ -196,21 +202,7 @@ def test_coordinator_restarted_behind_its_islands_on_tokens_claims_what_it_names
     rounds = 8
     cfg = _token_config(corpus, tmp_path, f"rounds.rounds={rounds}", "checkpoint.every_rounds=4",
                         "rounds.heartbeat_s=0.5", "rounds.lease_s=30")
-    sim = Simulation(cfg, 2, tmp_path, checkpoints=True)
-    committed = tmp_path / "ckpt" / "coordinator" / "step-0000000008" / "COMMITTED"
-    try:
-        sim.start()
-        killed = False
-        for summary in sim.watch(300):
-            if not killed and summary.fragment == 0 and summary.round == 5:
-                assert committed.exists(), "no coordinator checkpoint of rounds 0-3 before the kill"
-                sim.kill_coordinator()
-                sim.start_coordinator(resume=True)
-                killed = True
-        report = sim.finish(300).report
-    finally:
-        sim.close()
-    assert killed and report["events"]["restarts"] == 1
+    report = _coordinator_killed_two_rounds_past_its_checkpoint(cfg, tmp_path)
     refused = report["events"]["refusals"]
     # Before: NOT_LEASED for one fragment of each island, then BAD_REQUEST for the other (a claim of its whole round
     # naming only the samples after the leases were dropped), 25% of the leased tokens lost.
