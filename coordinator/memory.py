@@ -16,7 +16,7 @@ reports it as the process's peak (VmHWM) less the sum of the components
 (benchmarks/exchange.py).
 
 MemoryPeaks keeps the most each component held over the run, sampled by the
-round driver around each close (CoordinatorState.step_round): before the fold,
+round driver around each close (coordinator/hooks.py MemorySampling): before the fold,
 when the round's pushes sit in the pool and the last round's values may still
 be held, and after the outer step and the publication.
 """
@@ -111,7 +111,7 @@ def fragment_memory(fragment, counter: StorageCounter, closing=None) -> dict[str
     momentum = [state["momentum_buffer"] for state in list(outer.optimizer.state.values())
                 if state.get("momentum_buffer") is not None]
     late = accumulator.late_sums
-    held = [*list(fragment.contributions.values()), *list(fragment.late.values()),
+    held = [*list(fragment.contributions.values()), *(list(fragment.late.held.values()) if fragment.late else []),
             *(c for _, c in (closing.contributions if closing is not None else []))]
     sketches = {id(c.sketch): c.sketch for c in held if isinstance(c.sketch, np.ndarray)}.values()
     stream = fragment.streaming  # a lossy update being made: its chunks are delta_chunks once published

@@ -11,18 +11,23 @@ In this file, in the order a round goes:
    the pure rules: what a push may claim (check_claim), the inner learning
    rates it was trained with (lr_sum: the coordinator's own schedule), when a
    round may close (close_reason), what its summary says (round_summary);
-   and the parameters' readers-writer lock (many pulls at once, or one outer step).
-2. FragmentRounds, one fragment's round sequence: intake (begin_push, receive:
+   what the process around the fragments hooks into each close (Hooks: evaluation,
+   summaries, memory, eager mean, ledger, membership, run log, checkpoint; registered
+   at start, coordinator/hooks.py and server.py); and the parameters' readers-writer
+   lock (many pulls at once, or one outer step).
+2. The outer step, one object a fragment chooses at construction (WholeStep,
+   DelayedStep, StreamedStep; no_step for a round that folds no weight), and late
+   rounds, one object (LateRounds; None when rounds.late_rounds = 0). Then
+   FragmentRounds, one fragment's round sequence: intake (begin_push, receive:
    the header's checks, chunks verified and spooled as they arrive, sketched
    for the norm guard, contributions made whole), reading (wait_for_result,
    reading: taken under the parameters' read lock, sent without it), closing
-   (close_reason, close, fold_ahead, apply: judge, fold, outer step, publish,
-   next round), and its checkpoint (state_dict). The judge, the fold and the
-   outer step are diloco/aggregate.py's, which the convergence benchmark calls too.
+   (close_reason, close, fold_ahead, step, apply: judge, fold, outer step,
+   open the next round, the after-close hooks), and its checkpoint (state_dict).
+   The judge, the fold and the outer step are diloco/aggregate.py's, which the
+   convergence benchmark calls too.
 3. Folding ahead: FoldAhead.
-4. RoundDriver: one thread per fragment that closes and applies its rounds and
-   hands each closed round to the process around it (run log, checkpoint,
-   health).
+4. RoundDriver: one thread per fragment that steps its rounds (FragmentRounds.step).
 
 Without streaming the whole model is one fragment: plain DiLoCo's round state
 machine. With Streaming DiLoCo each fragment has its own accumulator, outer
@@ -41,9 +46,9 @@ the outer step, publishes, opens the next round; FINISHED after the last.
 The close keeps what was folded ahead only when its contributions start with
 exactly those, so the result is the same whenever folding happened.
 
-Late contributions (rounds.late_rounds = k > 0): a push up to k rounds after its
+Late contributions (rounds.late_rounds = k > 0, LateRounds): a push up to k rounds after its
 round closed (or a contribution still incomplete at the close) is kept in
-`late` and folded at the next close after the on-time ones, in canonical
+`late.held` and folded at the next close after the on-time ones, in canonical
 island order, with its weight discounted by rounds.late_discount per round of
 staleness (Contribution.weight); later than k it is refused (ROUND_CLOSED). One coordinator folds them all, so copies stay identical.
 A round does not wait for an island whose last contribution came late (`behind`)
@@ -101,7 +106,7 @@ from diloco.params import ranges_checksum
 from diloco.wire.refusal import Reason, Refused
 from diloco.robust import NormGuard, Sketcher, Verdict, add_exact
 from diloco.v1 import diloco_pb2 as pb
-from diloco.wire.messages import (ChunkCorrupt, ChunkError, Coverage, FlatRange, Manifest, downlink_codec, framed_size, tensor_chunks,
+from diloco.wire.messages import (ChunkCorrupt, ChunkError, Coverage, FlatRange, Manifest, downlink_codec, framed_size,
                          verify_and_decode, verify_chunk)
 
 log = logging.getLogger(__name__)
@@ -182,11 +187,36 @@ class LeaderClose:
 
 @dataclass
 class Closed:
-    """What the driver learns when a round closed."""
+    """A closed round, as the after-close hooks and the driver see it."""
 
     summary: pb.RoundSummary
-    total_rounds: int  # rounds closed so far over every fragment (the checkpoint step)
-    run_finished: bool
+    total_rounds: int = 0  # rounds closed so far over every fragment (the checkpoint step), counted at the round change
+    run_finished: bool = False
+    closing: Closing | None = None  # what the round closed with
+    kept: list[tuple[str, Contribution]] = field(default_factory=list)  # the contributions the guard did not drop
+    skipped: bool = False  # no weight folded: no outer step
+
+
+@dataclass
+class Hooks:
+    """What the process around the fragments does at each point of a round, registered at start, each list called in
+    order with the fragment: coordinator/state.py registers evaluation, summaries, memory sampling, the eager mean, ledger
+    settlement and membership (coordinator/hooks.py), coordinator/server.py the run log, checkpoint and health."""
+
+    idle: list[Callable[..., None]] = field(default_factory=list)  # (fragment): between close checks of an open round
+    closing: list[Callable[..., None]] = field(default_factory=list)  # (fragment, Closing): before the fold
+    stepping: list[Callable[..., None]] = field(default_factory=list)  # (fragment, Closed): before the outer step, under
+    # the write lock (their time is counted with the publication, as what they make is sent with it)
+    settling: list[Callable[..., None]] = field(default_factory=list)  # (fragment, Closed): the round change, holding cond
+    closed: list[Callable[..., None]] = field(default_factory=list)  # (fragment, Closed): after the round change
+
+    @staticmethod
+    def run(hooks: list[Callable[..., None]], *args) -> float:
+        """Calls each hook with args; returns the seconds they took."""
+        started = time.perf_counter()
+        for hook in hooks:
+            hook(*args)
+        return time.perf_counter() - started
 
 
 def lr_sum(header: pb.PushHeader, cfg: RunConfig) -> float:
@@ -306,6 +336,8 @@ class FragmentContext:
     spools: Spools
     members: Membership
     run_finished: Callable[[], bool] = lambda: False  # every fragment finished (read holding cond)
+    rounds_closed: Callable[[], int] = lambda: 0  # rounds closed over every fragment (read holding cond)
+    hooks: Hooks = field(default_factory=Hooks)  # what the process does around each close (Hooks)
     fragment_of: Callable[[str], int | None] = lambda name: None  # for messages about another fragment's parameter
     ledger: DataLedger | None = None  # token corpus: who trains on which samples
     codecs: dict[str, Codec] | None = None  # what islands may push with, by name (wire.link_codecs; None: the run's codec)
@@ -334,7 +366,132 @@ class Scratch:
         return self._buffer[:numel]
 
 
+class WholeStep:
+    """Plain DiLoCo's outer step: the Nesterov step on the whole mean, then the publication."""
+
+    split_late = False  # the late contributions folded into the mean with the others
+
+    def __call__(self, f: FragmentRounds, closed: Closed, before_s: float) -> DeltaStream | None:
+        started = time.perf_counter()
+        aggregate.outer_step(f.outer, f.accumulator, self.split_late)
+        closed.summary.step_s, started = time.perf_counter() - started, time.perf_counter()
+        f.publication.publish()
+        closed.summary.publish_s = time.perf_counter() - started + before_s
+        return None
+
+
+class DelayedStep(WholeStep):
+    """rounds.late_mode = "delayed_nesterov": the late contributions in the accumulator's late part, stepped apart
+    (diloco/outer.py: delayed Nesterov)."""
+
+    split_late = True
+
+
+class StreamedStep:
+    """A lossy downlink with Nesterov: each chunk's span divided into the mean, stepped and published in one go, on
+    every core, while pulls send the chunks made so far (coordinator/publish.py step_and_publish)."""
+
+    split_late = False
+
+    def __call__(self, f: FragmentRounds, closed: Closed, before_s: float) -> DeltaStream | None:
+        summary = closed.summary
+        stream = DeltaStream(f.round + 1, f.checksum, len({i for i, _ in closed.closing.contributions}), summary.tokens)
+        with f.cond:
+            f.streaming = stream
+            f.cond.notify_all()
+        try:
+            summary.step_s, summary.publish_s = step_and_publish(f.publication, f.accumulator, f.outer, stream)
+        except BaseException:
+            stream.fail()
+            with f.cond:
+                f.streaming = None
+            raise
+        summary.publish_s += before_s
+        return stream
+
+
+def no_step(f: FragmentRounds, closed: Closed, before_s: float) -> None:
+    """A round that folds no weight (every contribution trained on 0 tokens, or dropped) takes no outer step: a step
+    on momentum alone would move the parameters with no data behind it. The parameters, momentum and checksum stay;
+    the round moves on."""
+    log.warning("%sround %d folds no tokens (%d contribution(s), none with weight): no outer step", f.label, f.round,
+                len(closed.closing.contributions))
+    f.publication.unchanged()
+
+
+def outer_step_for(cfg: RunConfig, outer: OuterOptimizer, publication: Publication) -> WholeStep | StreamedStep:
+    """The fragment's outer step, chosen once (at construction and at a restore, which may bring delayed Nesterov's
+    carried momentum)."""
+    if cfg.rounds.late_mode == "delayed_nesterov":
+        return DelayedStep()
+    if not publication.lossless and outer.steps_by_parameter:
+        return StreamedStep()
+    return WholeStep()
+
+
+class LateRounds:
+    """Late contributions (rounds.late_rounds = k > 0, the module docstring): those held for a later close, the
+    islands a round does not wait for, and the checksum each recent round started from."""
+
+    def __init__(self, cfg: RunConfig, round_: int, checksum: str, label: str) -> None:
+        self.k, self.discount, self.label = cfg.rounds.late_rounds, cfg.rounds.late_discount, label
+        self.held: dict[tuple[str, int], Contribution] = {}  # by (island, round trained for)
+        # Islands whose last contribution came late: a round does not wait for them (they are folded late again if
+        # they miss it), so the islands that keep pace never idle for one that does not.
+        self.behind: set[str] = set()
+        self.published: dict[int, str] = {round_: checksum}  # what a late push must have trained from
+
+    def takes(self, round_: int, late: int) -> bool:
+        """Whether a push for round_, late rounds late, is folded late (else refused)."""
+        return 0 < late <= self.k and round_ in self.published
+
+    def waived(self, on_time: Iterable[str]) -> set[str]:
+        """The islands a round does not wait for: behind, or with a late contribution held, and not pushing on time now."""
+        return (self.behind | {i for i, _ in self.held}) - set(on_time)
+
+    def hold(self, round_: int, incomplete: dict[str, Contribution]) -> None:
+        """At round_'s close: its incomplete contributions (their other streams may still come) fold into a later round."""
+        for island_id, contribution in incomplete.items():
+            self.held[(island_id, round_)] = contribution
+
+    def due(self, round_: int, on_time: Iterable[str],
+            order: Callable[[Iterable[str]], list[str]]) -> list[tuple[str, Contribution]]:
+        """At round_'s close: drops the incomplete ones past k rounds; returns the complete ones, in canonical island
+        order then by the round they trained for, each with its staleness and discount. Caller holds cond."""
+        for key in [key for key, c in self.held.items() if c.state == "pending" and round_ + 1 - c.origin > self.k]:
+            log.warning("%sround %d: %s's late contribution to round %d was incomplete; dropped", self.label, round_, *key)
+            for spool in self.held.pop(key).spools:
+                spool.discard()
+        rank = {i: n for n, i in enumerate(order({i for i, _ in self.held}))}
+        due = []
+        for key in sorted((key for key, c in self.held.items() if c.state == "complete"), key=lambda key: (rank[key[0]], key[1])):
+            late = self.held.pop(key)
+            late.staleness = round_ - late.origin
+            late.discount = self.discount ** late.staleness
+            due.append((key[0], late))
+        self.behind = (self.behind | {i for i, _ in due} | {i for i, _ in self.held}) - set(on_time)
+        return due
+
+    def drop_pending(self, island_id: str) -> None:
+        """An island left: its half-pushed late contributions go. Caller holds cond."""
+        for key in [k for k, c in self.held.items() if k[0] == island_id and c.state == "pending"]:
+            for spool in self.held.pop(key).spools:
+                spool.discard()
+
+    def opened(self, round_: int, checksum: str) -> None:
+        """round_ opened from checksum: the rounds a late push may still be for are those k back."""
+        self.published = {r: c for r, c in self.published.items() if r >= round_ - self.k}
+        self.published[round_] = checksum
+
+    def restore(self, round_: int, checksum: str) -> None:
+        """What earlier rounds started from is not in a checkpoint: a push for them is refused (ROUND_CLOSED)."""
+        self.published = {round_: checksum}
+
+
 class FragmentRounds:
+    """One fragment's round sequence (the module docstring): intake, reading, and each round's close: judge, fold,
+    outer step (one object chosen at construction), open the next round, the after-close hooks."""
+
     def __init__(self, ctx: FragmentContext, index: int, params: dict[str, torch.Tensor]):
         cfg = ctx.cfg
         self.ctx, self.cfg, self.index = ctx, cfg, index
@@ -351,13 +508,11 @@ class FragmentRounds:
         self.param_lock = ReadWriteLock()
         self.phase, self.round, self.round_opened_at = Phase.OPEN, 0, self.clock()
         self.contributions: dict[str, Contribution] = {}
-        # Late contributions (rounds.late_rounds) to fold at this round's close, by (island, round trained for), and
-        # the checksum each recent round started from (what a late push must have trained from).
-        self.late: dict[tuple[str, int], Contribution] = {}
-        # Islands whose last contribution came late: a round does not wait for them (they are folded late again if
-        # they miss it), so the islands that keep pace never idle for one that does not.
-        self.behind: set[str] = set()
-        self.published: dict[int, str] = {self.round: self.checksum}
+        self.hooks = ctx.hooks
+        self.outer_step = outer_step_for(cfg, self.outer, self.publication)
+        self.judge = ctx.judge or (lambda f, closing: aggregate.judge(f.guard, closing.contributions, f.label))
+        # Late contributions (rounds.late_rounds); None without them.
+        self.late = LateRounds(cfg, self.round, self.checksum, self.label) if cfg.rounds.late_rounds else None
         self.dropped: set[str] = set()
         self.traffic: dict[tuple[int, str], list[int]] = {}  # (round, island) -> [up, down]
         # The last closed round: islands and tokens in it, and (eager updates) its mean pseudo-gradient.
@@ -403,7 +558,7 @@ class FragmentRounds:
             if not math.isfinite(header.train_loss):  # it would make the round's reported loss NaN
                 raise Refused(Reason.NOT_FINITE, f"train_loss {header.train_loss} is not finite: resync and go on")
             # A late push was trained from the parameters its own round started from.
-            trained_from = self.published.get(header.round, "") if late else self.checksum
+            trained_from = self.late.published.get(header.round, "") if late else self.checksum
             if not header.global_checksum:  # it would skip the check below: trained from parameters nobody can name
                 raise Refused(Reason.BAD_REQUEST, "the push names no global_checksum (of the global parameters it was trained "
                               "from): fetch the global parameters and push with their checksum")
@@ -417,7 +572,7 @@ class FragmentRounds:
                     Reason.CHECKSUM_MISMATCH,
                     "your global parameters differ from the coordinator's (checksum mismatch); fetch them again",
                 )
-            existing = self.late.get((header.island_id, header.round)) if late else self.contributions.get(header.island_id)
+            existing = self.late.held.get((header.island_id, header.round)) if late else self.contributions.get(header.island_id)
             if existing is not None and existing.state != "pending":
                 raise Refused(Reason.DUPLICATE, f"{header.island_id} already contributed to {self.label}round {header.round}")
             if existing is not None and existing.tokens != header.tokens:
@@ -502,13 +657,13 @@ class FragmentRounds:
                 sketch: np.ndarray | None) -> pb.PushResponse:
         spool.close()
         with self.cond:
-            if self.phase is Phase.CLOSING and self.cfg.rounds.late_rounds:
+            if self.phase is Phase.CLOSING and self.late is not None:
                 # The round is being folded (a short while): this push joins the next round, late.
                 self.cond.wait_for(lambda: self.phase is not Phase.CLOSING, 600)
             late = self.lateness(header.round, "closed while the push was in flight")
             if not self.members.is_member(header.island_id) or header.island_id in self.dropped:
                 raise Refused(Reason.DROPPED, f"{header.island_id} left {self.label}round {header.round} while pushing")
-            bucket, key = (self.late, (header.island_id, header.round)) if late else (self.contributions, header.island_id)
+            bucket, key = (self.late.held, (header.island_id, header.round)) if late else (self.contributions, header.island_id)
             contribution = bucket.get(key)
             if contribution is None:
                 contribution = Contribution(header.tokens, header.train_loss, Coverage(self.manifest), samples=ranges_of(header.samples),
@@ -549,7 +704,7 @@ class FragmentRounds:
             raise Refused(Reason.ROUND_AHEAD, f"{self.label}round {round_} is ahead of the coordinator's round {self.round} "
                           "(it restarted from a checkpoint); resync", current_round=self.round)
         late = self.round - round_ + (self.phase is Phase.CLOSING)  # while a round is folded, pushes join the next one
-        if self.phase is not Phase.FINISHED and 0 < late <= self.cfg.rounds.late_rounds and round_ in self.published:
+        if self.late is not None and self.phase is not Phase.FINISHED and self.late.takes(round_, late):
             return late
         self.members.events.late_pushes += 1
         beyond = f" and more than rounds.late_rounds={self.cfg.rounds.late_rounds} rounds ago" if self.cfg.rounds.late_rounds else ""
@@ -567,9 +722,8 @@ class FragmentRounds:
         contribution = self.contributions.get(island_id)
         if contribution is not None and contribution.state == "pending" and self.phase is Phase.OPEN:
             self.drop(island_id)
-        for key in [k for k, c in self.late.items() if k[0] == island_id and c.state == "pending"]:
-            for spool in self.late.pop(key).spools:
-                spool.discard()
+        if self.late is not None:
+            self.late.drop_pending(island_id)
 
     def _count(self, round_: int, island_id: str, up: int = 0, down: int = 0, elements: int = 0) -> None:
         with self.cond:
@@ -676,7 +830,7 @@ class FragmentRounds:
         """Why the current round may close now, or None. Caller holds cond."""
         if self.ctx.follows_leader:
             return self._following_close_reason()
-        behind = (self.behind | {i for i, _ in self.late}) - set(self.contributions)  # pushing on time now: waited for
+        behind = self.late.waived(self.contributions) if self.late is not None else set()  # on time now: waited for
         live = [i for i in self.members.waited_for() if i not in behind]
         overdue = self.clock() - self.round_opened_at > self.cfg.rounds.deadline_s
         done = [i for i, c in self.contributions.items() if c.state == "complete"]
@@ -754,27 +908,15 @@ class FragmentRounds:
                 if reason is None:
                     return None
             self.phase = Phase.CLOSING
-            k = self.cfg.rounds.late_rounds
-            for island_id in [i for i, c in self.contributions.items() if c.state == "pending"]:
-                if k:  # its other streams may still come: it is folded late, into a later round
-                    self.late[(island_id, self.round)] = self.contributions.pop(island_id)
-                    continue
-                log.warning("%sround %d: %s's contribution was incomplete; dropped", self.label, self.round, island_id)
-                self.drop(island_id)
-            for key in [key for key, c in self.late.items() if c.state == "pending" and self.round + 1 - c.origin > k]:
-                log.warning("%sround %d: %s's late contribution to round %d was incomplete; dropped", self.label, self.round, *key)
-                for spool in self.late.pop(key).spools:
-                    spool.discard()
+            incomplete = {i: self.contributions.pop(i) for i, c in list(self.contributions.items()) if c.state == "pending"}
             complete = [(i, self.contributions[i]) for i in self.members.order(self.contributions)]
-            # Late ones after the on-time ones, in canonical island order, then by the round they trained for.
-            rank = {i: n for n, i in enumerate(self.members.order({i for i, _ in self.late}))}
-            for key in sorted((key for key, c in self.late.items() if c.state == "complete"), key=lambda key: (rank[key[0]], key[1])):
-                late = self.late.pop(key)
-                late.staleness = self.round - late.origin
-                late.discount = self.cfg.rounds.late_discount ** late.staleness
-                complete.append((key[0], late))
-            late_now = {i for i, c in complete if c.staleness} | {i for i, _ in self.late}
-            self.behind = (self.behind | late_now) - set(self.contributions)
+            if self.late is not None:  # the incomplete ones' other streams may still come: folded late, into a later round
+                self.late.hold(self.round, incomplete)
+                complete += self.late.due(self.round, self.contributions, self.members.order)  # after the on-time ones
+            else:
+                for island_id, contribution in incomplete.items():
+                    log.warning("%sround %d: %s's contribution was incomplete; dropped", self.label, self.round, island_id)
+                    contribution.release()
             self.contributions.clear()
             return Closing(reason, complete, self.clock() - self.round_opened_at)
 
@@ -791,102 +933,85 @@ class FragmentRounds:
         self.ahead.fold(self.accumulator, self.codec, *nxt, self.manifest.total_numel(), self.ctx.pool)
         return True
 
-    def apply(self, closing: Closing) -> pb.RoundSummary:
-        """Folds, takes the outer step, publishes the result and opens the next round; returns the round's summary."""
-        verdict = (self.ctx.judge(self, closing) if self.ctx.judge is not None
-                   else aggregate.judge(self.guard, closing.contributions, self.label))
+    def step(self, poll_s: float = 0.2) -> Closed | None:
+        """One driver step: if the round closes within poll_s, applies it; else folds ahead and runs the idle hooks."""
+        closing = self.close(poll_s)
+        if closing is None:
+            self.fold_ahead()  # the contributions in so far, while the others are still pushing
+            Hooks.run(self.hooks.idle, self)
+            return None
+        return self.apply(closing)
+
+    def apply(self, closing: Closing) -> Closed:
+        """Judge, fold, outer step, open the next round, after-close hooks; returns what closed."""
+        Hooks.run(self.hooks.closing, self, closing)
+        verdict = self.judge(self, closing)
         kept = aggregate.kept(closing.contributions, verdict)
-        summary = round_summary(self.round, self.index, kept, self.manifest.total_numel(), self.cfg)
-        summary.clipped.extend(verdict.clipped)
+        closed = Closed(round_summary(self.round, self.index, kept, self.manifest.total_numel(), self.cfg), closing=closing,
+                        kept=kept, skipped=not aggregate.takes_step(kept))
+        closed.summary.clipped.extend(verdict.clipped)
         self.dropped.update(verdict.dropped)
         self.publication.release_values()
-        summary.wait_s, started = closing.waited_s, time.perf_counter()
-        delayed = self.cfg.rounds.late_mode == "delayed_nesterov"  # late ones apart (diloco/outer.py)
-        ahead = self.ahead.take(self.accumulator, closing.contributions, verdict)  # folded while the round was open
-        for _, contribution in closing.contributions[:ahead]:
-            contribution.release()
-        folded = aggregate.fold(self.accumulator, self.codec, closing.contributions[ahead:], verdict, self.manifest.total_numel(),
-                                delayed, self.ctx.pool)
-        folded += ahead * self.manifest.total_numel()
-        summary.fold_s, summary.folded_ahead = time.perf_counter() - started, ahead
-        # A round that folds no weight (every contribution trained on 0 tokens, or dropped) takes no outer step: a step
-        # on momentum alone would move the parameters with no data behind it. The parameters, momentum and checksum
-        # stay; the round moves on.
-        skipped = not aggregate.takes_step(kept)
-        if skipped:
-            log.warning("%sround %d folds no tokens (%d contribution(s), none with weight): no outer step", self.label,
-                        self.round, len(closing.contributions))
+        folded = self._fold(closed, verdict)
+        step = no_step if closed.skipped else self.outer_step
         # Step, publication and round change happen under the write lock, so no
         # reader ever sees new parameters under an old round number or the reverse.
         self.param_lock.acquire_write()
         try:
-            started = time.perf_counter()
-            # Streamed (a lossy downlink, Nesterov): each chunk's span is divided into the mean, stepped and published
-            # in one go, on every core, while pulls send the chunks made so far. Else the whole step, then publication.
-            streamed = not skipped and not delayed and not self.publication.lossless and self.outer.steps_by_parameter
-            eager_s = 0.0  # counted with the publication, as it is sent with it
-            if self.cfg.streaming.eager and not skipped:
-                # Eager updates: islands build their provisional update from this (downlink codec, no feedback).
-                # Encoded before the step, which may overwrite the mean (the accumulator is reset after it).
-                eager_s = time.perf_counter()
-                self.mean_chunks = list(tensor_chunks(self.accumulator.mean(), self.publication.codec, self.cfg.wire.chunk_bytes))
-                eager_s = time.perf_counter() - eager_s
-            stream = None
-            if skipped:
-                self.mean_chunks = []
-                self.publication.unchanged()
-            elif streamed:
-                stream = DeltaStream(self.round + 1, self.checksum, len({i for i, _ in closing.contributions}), summary.tokens)
-                with self.cond:
-                    self.streaming = stream
-                    self.cond.notify_all()
-                try:
-                    summary.step_s, summary.publish_s = step_and_publish(self.publication, self.accumulator, self.outer, stream)
-                except BaseException:
-                    stream.fail()
-                    with self.cond:
-                        self.streaming = None
-                    raise
-                summary.publish_s += eager_s
-            else:
-                aggregate.outer_step(self.outer, self.accumulator, delayed)
-                summary.step_s, started = time.perf_counter() - started - eager_s, time.perf_counter() - eager_s
-                self.publication.publish()
-                summary.publish_s = time.perf_counter() - started
-            summary.closed_at = time.time()
-            with self.cond:
-                self.traffic = traffic_into(summary, self.traffic, self.round)
-                summary.checksum = self.checksum
-                summary.seconds = self.clock() - self.round_opened_at
-                summary.dropped.extend(sorted(self.dropped))
-                summary.elements_folded = folded
-                summary.elements_expected = self.manifest.total_numel() * len(kept)
-                if self.ctx.ledger is not None:
-                    summary.data.CopyFrom(self.ctx.ledger.settle(self.index, [c.samples for _, c in kept], self.members.live()))
-                self._count_restart_cost()
-                self.members.after_round(self.round_opened_at, [i for i, _ in closing.contributions])
-                self.members.events.late_folded += sum(1 for i, c in kept if c.staleness)
-                self.last_islands = len({i for i, _ in closing.contributions})  # an island may be in it on time and late
-                self.last_tokens, self.last_round_s = summary.tokens, summary.seconds
-                self.accumulator.reset()
-                self.dropped.clear()
-                self.round += 1
-                self.pace.forget_before(self.round)
-                self._slow_logged = {k for k in self._slow_logged if k[1] >= self.round}
-                self.round_opened_at = self.clock()
-                self.published = {r: c for r, c in self.published.items() if r >= self.round - self.cfg.rounds.late_rounds}
-                self.published[self.round] = self.checksum
-                self.phase = Phase.FINISHED if self.round >= self.cfg.rounds.rounds else Phase.OPEN
-                # Decided with the phase change, so exactly one fragment's summary finishes the run.
-                summary.run_finished = self.ctx.run_finished()
-                if stream is not None:
-                    self.streaming = None
-                    stream.finish(self.checksum, summary.run_finished)
-                self.cond.notify_all()
+            before_s = Hooks.run(self.hooks.stepping, self, closed)  # the eager mean, before the step overwrites it
+            stream = step(self, closed, before_s)
+            closed.summary.closed_at = time.time()
+            self._open_next(closed, folded, stream)
         finally:
             self.param_lock.release_write()
-        self.last_close_reason = closing.reason  # logged once the round is evaluated (CoordinatorState._record)
-        return summary
+        self.last_close_reason = closing.reason  # logged once the round is evaluated (coordinator/hooks.py Summaries)
+        Hooks.run(self.hooks.closed, self, closed)
+        return closed
+
+    def _fold(self, closed: Closed, verdict: Verdict) -> int:
+        """The round's contributions into the accumulator: those folded while it was open kept when they are what
+        aggregate.fold would fold first (FoldAhead.take), the rest from the spools; returns the elements folded."""
+        summary, contributions, numel = closed.summary, closed.closing.contributions, self.manifest.total_numel()
+        summary.wait_s, started = closed.closing.waited_s, time.perf_counter()
+        ahead = self.ahead.take(self.accumulator, contributions, verdict)
+        for _, contribution in contributions[:ahead]:
+            contribution.release()
+        folded = aggregate.fold(self.accumulator, self.codec, contributions[ahead:], verdict, numel,
+                                self.outer_step.split_late, self.ctx.pool)
+        summary.fold_s, summary.folded_ahead = time.perf_counter() - started, ahead
+        return folded + ahead * numel
+
+    def _open_next(self, closed: Closed, folded: int, stream: DeltaStream | None) -> None:
+        """The round change: the summary completed, the settling hooks (ledger, membership), the next round opened
+        (FINISHED after the last). Caller holds the write lock."""
+        summary, contributors = closed.summary, {i for i, _ in closed.closing.contributions}
+        with self.cond:
+            self.traffic = traffic_into(summary, self.traffic, self.round)
+            summary.checksum = self.checksum
+            summary.seconds = self.clock() - self.round_opened_at
+            summary.dropped.extend(sorted(self.dropped))
+            summary.elements_folded = folded
+            summary.elements_expected = self.manifest.total_numel() * len(closed.kept)
+            self._count_restart_cost()
+            Hooks.run(self.hooks.settling, self, closed)
+            self.last_islands = len(contributors)  # an island may be in it on time and late
+            self.last_tokens, self.last_round_s = summary.tokens, summary.seconds
+            self.accumulator.reset()
+            self.dropped.clear()
+            self.round += 1
+            self.pace.forget_before(self.round)
+            self._slow_logged = {k for k in self._slow_logged if k[1] >= self.round}
+            self.round_opened_at = self.clock()
+            if self.late is not None:
+                self.late.opened(self.round, self.checksum)
+            self.phase = Phase.FINISHED if self.round >= self.cfg.rounds.rounds else Phase.OPEN
+            # Decided with the phase change, so exactly one fragment's summary finishes the run.
+            summary.run_finished = closed.run_finished = self.ctx.run_finished()
+            closed.total_rounds = self.ctx.rounds_closed()
+            if stream is not None:
+                self.streaming = None
+                stream.finish(self.checksum, summary.run_finished)
+            self.cond.notify_all()
 
     def _count_restart_cost(self) -> None:
         """The first round closed since a restart: count what the restart cost. Caller holds cond."""
@@ -909,6 +1034,7 @@ class FragmentRounds:
     def load_state_dict(self, state: dict, finished: bool) -> None:
         """Restores a checkpoint's round (its outer parameters already copied in); the round reopens now."""
         self.outer.load_state_dict(state["outer"], delayed=self.cfg.rounds.late_mode == "delayed_nesterov")
+        self.outer_step = outer_step_for(self.cfg, self.outer, self.publication)
         self.accumulator.reset()
         self.ahead.reset()
         self.publication.load_state_dict(state["published"])
@@ -918,8 +1044,8 @@ class FragmentRounds:
             self.round = state["round"]
             self.phase = Phase.FINISHED if finished or self.round >= self.cfg.rounds.rounds else Phase.OPEN
             self.round_opened_at = self.restored_at = now
-            # What earlier rounds started from is not in the checkpoint: a push for them is refused (ROUND_CLOSED).
-            self.published = {self.round: self.checksum}
+            if self.late is not None:
+                self.late.restore(self.round, self.checksum)
             self.restored_round = self.round
             self.last_islands, self.last_tokens = state["last"]
 
@@ -986,13 +1112,11 @@ class FoldAhead:
 
 
 class RoundDriver:
-    """One thread per fragment: closes and applies its rounds (close_round: CoordinatorState.step_round, which adds
-    the eval and the run's summary list), and hands each closed round to after_close (the process's run log,
-    checkpoint and health). A fragment's driver ends when its rounds are done or stop is set."""
+    """One thread per fragment: steps its rounds (FragmentRounds.step: the close, apply and the hooks around it). A
+    fragment's driver ends when its rounds are done, the run finished, or stop is set."""
 
-    def __init__(self, fragments: list[FragmentRounds], close_round: Callable[[int], Closed | None],
-                 after_close: Callable[[Closed], None], stop: threading.Event):
-        self.fragments, self.close_round, self.after_close, self.stop = fragments, close_round, after_close, stop
+    def __init__(self, fragments: list[FragmentRounds], stop: threading.Event, poll_s: float = 0.2):
+        self.fragments, self.stop, self.poll_s = fragments, stop, poll_s
         self.threads = [threading.Thread(target=self._drive, args=(f,), name=f"round-driver-{f}", daemon=True)
                         for f in range(len(fragments))]
 
@@ -1009,12 +1133,12 @@ class RoundDriver:
         return not any(thread.is_alive() for thread in self.threads)
 
     def _drive(self, fragment: int) -> None:
+        f = self.fragments[fragment]
         while not self.stop.is_set():
-            closed = self.close_round(fragment)
+            closed = f.step(self.poll_s)
             if closed is None:
-                if self.fragments[fragment].phase is Phase.FINISHED:
+                if f.phase is Phase.FINISHED:
                     return  # this fragment is done; the others' drivers go on
                 continue
-            self.after_close(closed)
             if closed.run_finished:
                 return

@@ -21,7 +21,7 @@ from coordinator.audit import AuditLog, NoAudit
 from coordinator.ledger import DataLedger, account_dict
 from coordinator.limits import max_message_bytes
 from coordinator.metrics import CheckpointStats, coordinator_metrics
-from coordinator.rounds import Closed, RoundDriver
+from coordinator.rounds import Closed, FragmentRounds, RoundDriver
 from coordinator.runlog import RunLog
 from coordinator.service import CoordinatorService, add_to_server
 from coordinator.sharding import ShardRole, ShardServices
@@ -342,17 +342,20 @@ def start_coordinator(
     # fragment closed last (docs/sharding.md).
     save_every = cfg.checkpoint.every_rounds * (len(state.fragments) if whole else 1)
 
-    def after_close(closed: Closed) -> None:
-        if runlog is not None:
-            runlog.record(closed.summary)
+    def checkpoint(f: FragmentRounds, closed: Closed) -> None:
         rolling_back = services is not None and services.rollback.requested.is_set()
-        if store is not None and not rolling_back and (closed.run_finished or closed.total_rounds % save_every == 0):
+        if not rolling_back and (closed.run_finished or closed.total_rounds % save_every == 0):
             with saving:
                 save(state, store, checkpoints)
+
+    def finished(f: FragmentRounds, closed: Closed) -> None:
         if closed.run_finished:
             health_servicer.set(SERVICE_NAME, health_pb2.HealthCheckResponse.NOT_SERVING)
 
-    driver = RoundDriver(state.fragments, lambda f: state.step_round(fragment=f), after_close, stop).start()
+    # After the state's own (evaluation, summaries, memory): the run log, the checkpoint, health.
+    state.hooks.closed += [*([lambda f, closed: runlog.record(closed.summary)] if runlog is not None else []),
+                           *([checkpoint] if store is not None else []), finished]
+    driver = RoundDriver(state.fragments, stop).start()
     log.info("coordinator %sserving on %s:%d (%s)", f"shard {shard.index} of {shard.count} " if shard else "", host, bound,
              "mutual TLS" if tls is not None else "plaintext")
     return Coordinator(state, server, bound, stop, driver, health_servicer, audit, checkpoints, web, runlog, services,

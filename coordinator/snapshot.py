@@ -5,23 +5,23 @@ run_snapshot() holds the state's condition only long enough to copy what may cha
 happens outside it, since a summary is never changed once appended. Per-island
 totals (bytes, tokens) are kept in a per-state cache that folds in only the
 summaries appended since the last call, so a poll costs O(new rounds + islands)
-however long the run: the dashboard polls every ~2 s for the whole run.
+however long the run: the dashboard polls every ~2 s for the whole run. The
+cache is its poller's (RunTotals: the dashboard server keeps one); without one
+the totals are summed afresh.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-import threading
 import time
-import weakref
 from dataclasses import dataclass, field
 
 from coordinator.membership import Island, canonical_order
 from coordinator.state import CoordinatorState
 from diloco.v1 import diloco_pb2 as pb
 
-__all__ = ["run_snapshot", "round_dict"]
+__all__ = ["RunTotals", "run_snapshot", "round_dict"]
 
 
 def _num(x: float) -> float | None:
@@ -61,10 +61,18 @@ class _Totals:
         self.seen = len(summaries)
 
 
-# One cache per coordinator state; weak, so a finished test's state is not kept alive by it. Each entry is
-# used under its state's cond; the lock guards the mapping itself (two coordinators in one process).
-_totals: weakref.WeakKeyDictionary[CoordinatorState, _Totals] = weakref.WeakKeyDictionary()
-_totals_lock = threading.Lock()
+class RunTotals:
+    """One poller's running per-island totals (_Totals), started again when the state's summaries list is replaced
+    (a restore). Used under the state's cond."""
+
+    def __init__(self) -> None:
+        self.totals = _Totals()
+
+    def fold(self, summaries: list[pb.RoundSummary]) -> _Totals:
+        if self.totals.stale(summaries):
+            self.totals = _Totals(summaries_id=id(summaries))
+        self.totals.fold(summaries)
+        return self.totals
 
 
 def round_dict(index: int, s: pb.RoundSummary) -> dict:
@@ -120,8 +128,9 @@ def _report_value(report: dict, key: str) -> float | None:
     return _num(float(value)) if isinstance(value, (int, float)) else None
 
 
-def run_snapshot(state: CoordinatorState, since_round_index: int = 0) -> dict:
-    """The run now, with the round summaries from position since_round_index on (see the module doc)."""
+def run_snapshot(state: CoordinatorState, since_round_index: int = 0, totals: RunTotals | None = None) -> dict:
+    """The run now, with the round summaries from position since_round_index on (see the module doc); totals: the
+    poller's running totals (None: summed afresh)."""
     since = max(0, since_round_index)
     cfg = state.cfg
     # The whole-model checksum may take the fragments' read locks: never under cond (state.checksum's rule).
@@ -137,11 +146,7 @@ def run_snapshot(state: CoordinatorState, since_round_index: int = 0) -> dict:
             copies[island.island_id] = _IslandCopy.of(island, "expired")
         for island in members.islands.values():
             copies[island.island_id] = _IslandCopy.of(island, "probation" if island.probation else "live")
-        with _totals_lock:
-            totals = _totals.get(state)
-            if totals is None or totals.stale(state.summaries):
-                totals = _totals[state] = _Totals(summaries_id=id(state.summaries))
-        totals.fold(state.summaries)
+        totals = (totals or RunTotals()).fold(state.summaries)
         up, down, tokens, loss = dict(totals.up), dict(totals.down), dict(totals.tokens), dict(totals.loss)
         ddp_bytes, bytes_total = totals.ddp_bytes, totals.bytes_total
         new = state.summaries[since:]  # a copy of the list's tail; the summaries in it do not change

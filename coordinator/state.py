@@ -20,19 +20,18 @@ import time
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from coordinator import hooks
 from coordinator.filebacked import HandingBack
 from coordinator.ledger import DataLedger, account_dict
 from coordinator.limits import PushSlots
-from coordinator.loglines import round_closed_line, run_summary_line
 from coordinator.links import LinkAdvisor
 from coordinator.membership import Events, Island, Membership
-from coordinator.memory import FreedMemory, MemoryPeaks, state_memory
+from coordinator.memory import state_memory
 from coordinator.publish import Reading
 from coordinator.rounds import Closed, Closing, FragmentContext, FragmentRounds, Phase
 from coordinator.spool import Spools
@@ -46,13 +45,6 @@ from diloco.wire.refusal import Reason, Refused
 log = logging.getLogger(__name__)
 
 __all__ = ["Closed", "CoordinatorState", "Events", "Island", "Phase", "Refused"]
-
-
-@dataclass
-class _Wave:
-    """Orders the round summaries: the run's last one is appended after every other fragment's."""
-
-    pending: int = 0  # rounds closed whose summary is not in summaries yet
 
 
 class CoordinatorState:
@@ -98,7 +90,6 @@ class CoordinatorState:
                                   departed_kept=cfg.limits.departed_kept, on_replace=self._drop_replaced)
         self.summaries: list[pb.RoundSummary] = []
         self.followers = followers
-        self._wave = _Wave()
         # Compression per link (coordinator/links.py): the codecs islands may push with, and who advises which.
         codecs = link_codecs(cfg.wire)
         advised = list(codecs.values())[:len(cfg.wire.link_codecs)]
@@ -110,21 +101,23 @@ class CoordinatorState:
         self.push_slots = PushSlots(cfg.limits.push_slots, lambda: len(self.members.islands))
         ctx = FragmentContext(
             cfg, self.codec, self.cond, clock, spools, self.members,
-            run_finished=lambda: self.finished, fragment_of=self._fragment_of, ledger=ledger, codecs=codecs, links=self.links,
+            run_finished=lambda: self.finished, rounds_closed=self.total_rounds_closed, fragment_of=self._fragment_of,
+            ledger=ledger, codecs=codecs, links=self.links,
             # Every fragment's folds and publications share the cores (threads start on first use, idle between rounds).
             pool=ThreadPoolExecutor(max(1, torch.get_num_threads()), thread_name_prefix="close"),
             judge=judge, sketch_secret=sketch_secret, follows_leader=follows_leader,
         )
         self.fragments = [FragmentRounds(ctx, f.index, self.layout.subset(f.index, params)) for f in self.layout]
+        self.hooks = ctx.hooks  # what each close does besides the round itself (coordinator/hooks.py; server.py adds)
         # The published parameters of every fragment, in manifest order (the same tensors).
         self._params = {n: self.fragments[self.layout.fragment_of(n)].publication.params[n] for n in self.manifest.shapes}
         self._whole: tuple[tuple[str, ...], str] | None = None
         if len(self.fragments) > 1:
             log.info("streaming: %s", self.layout.describe())
-        self.initial_eval_loss = self._read_whole(evaluate) if evaluate else math.nan
-        # The most each part of memory held, sampled by the round drivers around each close (coordinator/memory.py).
-        self.memory_peaks = MemoryPeaks(self.memory)
-        self.freed_memory = FreedMemory()  # the allocator's slack handed back after each close
+        self.initial_eval_loss = self.read_whole(evaluate) if evaluate else math.nan
+        # Evaluation, summaries, memory sampling, the eager mean, ledger settlement and membership, around each close;
+        # the most each part of memory held, sampled by them (coordinator/memory.py).
+        self.memory_peaks = hooks.register(self.hooks, self).peaks
 
     def _fragment_of(self, name: str) -> int | None:
         return self.layout.fragment_of(name) if name in self.manifest.shapes else None
@@ -224,7 +217,7 @@ class CoordinatorState:
     def _release(self, name: str, lo: int = 0, hi: int | None = None) -> None:
         self.fragments[self.layout.fragment_of(name)].publication.release(name, lo, hi)
 
-    def _read_whole(self, read: Callable[[Mapping[str, torch.Tensor]], Any]) -> Any:
+    def read_whole(self, read: Callable[[Mapping[str, torch.Tensor]], Any]) -> Any:
         """read(the published parameters); file-backed ones (a lossy downlink's, coordinator/filebacked.py) are handed
         back a tensor at a time as read reads on (diloco/params.py load_parameters)."""
         if self._in_memory():
@@ -341,59 +334,7 @@ class CoordinatorState:
         round_s = self.cfg.rounds.round_s if self.cfg.rounds.mode == "time" else f.last_round_s
         return self.links.advise(island_id, fragment, round_, f.manifest.total_numel(), round_s)
 
-    # --- the round driver: close, outer step and publication, summary --------------------
-
-    def step_round(self, poll_s: float = 0.2, fragment: int = 0) -> Closed | None:
-        """One driver step of a fragment: if its round closes within poll_s, applies it and records its summary."""
-        f = self.fragments[fragment]
-        closing = f.close(poll_s)
-        if closing is None:
-            f.fold_ahead()  # the contributions in so far, while the others are still pushing
-            if self.spools.used:  # pushes arrived: the slack their buffers leave mid-round
-                self.freed_memory.trim(at_most_every_s=1.0)
-            return None
-        with self.cond:
-            self._wave.pending += 1
-        self.memory_peaks.sample((fragment, closing))  # the round's pushes in the pool, the last round's values maybe held
-        summary = f.apply(closing)
-        closed = self._record(f, summary)
-        self.memory_peaks.sample()  # after the outer step and the publication (and the summary, which watchers wait for)
-        self.freed_memory.trim()
-        return closed
-
-    def _record(self, f: FragmentRounds, summary: pb.RoundSummary) -> Closed:
-        """Evaluates where due and appends the summary (the run's last one after every other)."""
-        finisher = summary.run_finished
-        with self.cond:
-            total = self.total_rounds_closed()
-        summary.initial_eval_loss = self.initial_eval_loss
-        # Evaluated once per wave, after fragment 0 (the last of a wave to sync), and at the end.
-        if self.evaluate and (finisher or (f.index == 0 and summary.round % self.cfg.eval.every_rounds == 0)):
-            started = time.perf_counter()
-            with self.reading_all():
-                summary.eval_loss = self._read_whole(self.evaluate)
-            summary.eval_s = time.perf_counter() - started
-        every = self.cfg.eval.tasks_every_rounds
-        if self.tasks and (finisher or (f.index == 0 and (summary.round + 1) % every == 0)):
-            started = time.perf_counter()
-            with self.reading_all():
-                summary.task_scores.update(self._read_whole(self.tasks))
-            summary.eval_s += time.perf_counter() - started
-        if self.followers is not None:  # a leading shard: the round's summary is the run's, every shard's part in it
-            self.followers.merge(summary)
-        # Before anyone waiting for the round learns of it: they may read the log next.
-        log.info("%s", round_closed_line(f.label, summary, f.last_close_reason))
-        with self.cond:
-            if finisher:
-                self.cond.wait_for(lambda: self._wave.pending == 1)
-            self.summaries.append(summary)
-            self._wave.pending -= 1
-            self.cond.notify_all()
-        if finisher:
-            with self.cond:
-                summaries = list(self.summaries)
-            log.info("%s", run_summary_line(summaries, self.checksum))
-        return Closed(summary, total, finisher)
+    # --- the run as a whole, at its end -------------------------------------------------
 
     def data_report(self) -> dict | None:
         """The token corpus's account at the end (per fragment, in tokens); None without a corpus."""

@@ -27,7 +27,7 @@ from http import HTTPStatus
 from importlib import resources
 from urllib.parse import parse_qs
 
-from coordinator.snapshot import run_snapshot
+from coordinator.snapshot import RunTotals, run_snapshot
 from coordinator.state import CoordinatorState
 from diloco.security.httpserve import HttpServer
 from diloco.security.httpserve import text as _text
@@ -74,6 +74,7 @@ class RunWebServer:
     def __init__(self, state: CoordinatorState, metrics: Callable[[], tuple[bytes, str]] | None = None,
                  host: str = "127.0.0.1", port: int = 0):
         self.state, self.metrics = state, metrics
+        self.totals = RunTotals()  # the dashboard's running per-island totals (coordinator/snapshot.py)
         self.assets = dashboard_assets()
         if not is_loopback(host):
             log.warning("the dashboard on %s:%d has no authentication: anyone who reaches it sees the run and its "
@@ -134,7 +135,7 @@ class RunWebServer:
                 since = int(parse_qs(query).get("since", ["0"])[0])
             except ValueError:
                 return _text(HTTPStatus.BAD_REQUEST, "since must be an integer\n")
-            body = json.dumps(run_snapshot(self.state, since), allow_nan=False, separators=(",", ":")).encode()
+            body = json.dumps(run_snapshot(self.state, since, self.totals), allow_nan=False, separators=(",", ":")).encode()
             return HTTPStatus.OK, body, "application/json", {"Cache-Control": "no-store"}
         if path == "/metrics":
             if self.metrics is None:

@@ -96,7 +96,7 @@ def trained_from(coordinator, round_: int | None = None, fragment: int = 0) -> s
     """The global_checksum of an honest push for round_ (None: the fragment's current round) to a Coordinator or a
     CoordinatorState: the checksum of the parameters that round started from. A push naming none is refused."""
     f = getattr(coordinator, "state", coordinator).fragments[fragment]
-    return f.checksum if round_ is None else f.published.get(round_, f.checksum)
+    return f.checksum if round_ is None or f.late is None else f.late.published.get(round_, f.checksum)
 
 
 PER_STEP = per_step(tiny_config())  # 4 x 32 = 128 tokens a rank trains per inner step in tiny_config

@@ -1,6 +1,6 @@
 """What several test modules share beyond conftest.py's fixtures: no tests here, and no test module imports another.
 
-- The fake clock and the coordinator's round state machine driven by hand (CoordinatorState.receive and step_round,
+- The fake clock and the coordinator's round state machine driven by hand (CoordinatorState.receive and FragmentRounds.step,
   no gRPC): tests/test_rounds.py, test_fold_ahead.py, test_spool.py, test_heterogeneous.py, test_late_modes.py,
   test_time_rounds.py.
 - Real islands on threads of this process against an in-process coordinator: test_heterogeneous.py,
@@ -328,7 +328,7 @@ def _drive_late_island(state, puppet: Puppet, island: Island, gates: dict[int, t
     close_without_the_island(0)
     gates[0].set()
     wait_for(state, "the island's round-1 contribution", lambda: contributed(1))
-    assert (island.island_id, 0) in state.fragments[0].late, "the late push was not kept for round 1"
+    assert (island.island_id, 0) in state.fragments[0].late.held, "the late push was not kept for round 1"
     puppet.push(1)
     wait_for(state, "round 1 to close", lambda: state.round > 1)
     close_without_the_island(2)

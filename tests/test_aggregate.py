@@ -1,7 +1,7 @@
 """One algorithm, called by everyone: the convergence benchmark's round is the coordinator's, bit for bit.
 
 The same pushes (the same encoded chunks) go to a coordinator's round machine (CoordinatorState.receive and
-step_round, no gRPC) and through the benchmark's Wire (benchmarks/convergence_wire.py); both judge, fold and step
+FragmentRounds.step, no gRPC) and through the benchmark's Wire (benchmarks/convergence_wire.py); both judge, fold and step
 with diloco/aggregate.py, so after every round the global parameters, the outer momentum and what islands hold
 must be equal to the bit. The rounds go through what the guard does: an honest round, one contribution clipped
 (or dropped by its norm), one dropped for its direction, and every contribution far off at once (all clipped, or
@@ -58,7 +58,7 @@ def run_both(tmp_path, overrides: tuple[str, ...], tokens_off: dict[int, int] | 
             pushes.append(wire.push(i, pg, header.tokens + (tokens_off or {}).get(i, 0), lr_sum(header, state.cfg)))
             assert state.receive(header, iter(pushes[-1].chunks_sent)).contribution_complete
         judged = wire.round(pushes, len(RANKS))
-        closed = state.step_round(poll_s=0)
+        closed = state.fragments[0].step(poll_s=0)
         assert closed is not None and state.round == round_ + 1
         summary = closed.summary
         assert judged == len(summary.clipped) + len(summary.dropped)

@@ -420,7 +420,7 @@ def test_the_page_of_a_one_process_run_has_no_shards_card_both_bandwidth_curves_
         # is there, a row each.
         rows = [{"shard": i, "address": f"127.0.0.1:{9000 + i}", "round": rounds, "bytes_up": 10 * (i + 1), "bytes_down": 20}
                 for i in range(2)]
-        monkeypatch.setattr("coordinator.web.run_snapshot", lambda state, since=0: run_snapshot(state, since) | {"shards": rows})
+        monkeypatch.setattr("coordinator.web.run_snapshot", lambda state, since=0, totals=None: run_snapshot(state, since, totals) | {"shards": rows})
         seen = browser.evaluate(browser.open(server.url, finished), SEEN)
         assert seen["shards_shown"] and seen["shard_rows"] == ["0", "1"]
 

@@ -33,8 +33,8 @@ def _run(tmp_path, order, step_between: bool, codec: str = "fp32", scale: dict[s
                 pg = {n: t * scale.get(island_id, 1.0) for n, t in pg.items()}
             assert push_share(state, island_id, pg, round_).contribution_complete
             if step_between and k < len(order) - 1:
-                assert state.step_round(poll_s=0) is None, "the round closed before every island pushed"
-        closed = state.step_round(poll_s=0)
+                assert state.fragments[0].step(poll_s=0) is None, "the round closed before every island pushed"
+        closed = state.fragments[0].step(poll_s=0)
         assert closed is not None and closed.summary.tokens == share_tokens(state)
         assert closed.summary.elements_folded == closed.summary.elements_expected
         ahead.append(closed.summary.folded_ahead)
@@ -96,16 +96,16 @@ def test_an_earlier_island_contributing_after_a_later_one_was_folded_ahead_makes
             for w in workers:
                 push_share(state, w, random_like(state.manifest.shapes, 10 * round_ + int(w[-1])), round_)
             clock.now += 2  # past the deadline: the round stops waiting for the idler
-            assert state.step_round(poll_s=0) is not None
+            assert state.fragments[0].step(poll_s=0) is not None
         assert idler not in state.islands
         state.join("test", island_id=idler, ranks=SHARES[idler][1])
         assert state.islands[idler].probation
         push_share(state, workers[0], random_like(state.manifest.shapes, 21), 2)
         if step_between:
-            assert state.step_round(poll_s=0) is None and len(state.fragments[0].ahead.done) == 1
+            assert state.fragments[0].step(poll_s=0) is None and len(state.fragments[0].ahead.done) == 1
         push_share(state, idler, random_like(state.manifest.shapes, 20), 2)
         push_share(state, workers[1], random_like(state.manifest.shapes, 22), 2)
-        closed = state.step_round(poll_s=0)
+        closed = state.fragments[0].step(poll_s=0)
         assert closed is not None and list(closed.summary.islands) == ["island-0", "island-1", "island-2"]
         return {n: t.clone() for n, t in state.params.items()}, state.checksum, [closed.summary.folded_ahead]
 

@@ -39,7 +39,7 @@ def test_unequal_contributions_are_weighted_by_tokens_exactly(tmp_path):
         pa, pb_ = random_like(state.manifest.shapes, 10 * round_), random_like(state.manifest.shapes, 10 * round_ + 1)
         push_tokens(state, a, pa, 2 * per_step, round_, steps=2)
         push_tokens(state, b, pb_, 4 * per_step, round_, steps=4)  # its own H = 4 > the run's 2: within inner.max_steps
-        closed = state.step_round(poll_s=0)
+        closed = state.fragments[0].step(poll_s=0)
         assert closed is not None
         assert [(c.island_id, c.tokens, c.weight) for c in closed.summary.contributions] == [
             (a, 2 * per_step, 2 * per_step), (b, 4 * per_step, 4 * per_step)]
@@ -62,9 +62,9 @@ def test_a_late_push_is_folded_with_its_discount_and_one_later_than_k_is_refused
     start = [state.checksum]
 
     def close_at_deadline() -> pb.RoundSummary:
-        assert state.step_round(poll_s=0) is None, "closed before its deadline"
+        assert state.fragments[0].step(poll_s=0) is None, "closed before its deadline"
         clock.now += 31
-        closed = state.step_round(poll_s=0)
+        closed = state.fragments[0].step(poll_s=0)
         assert closed is not None
         start.append(state.checksum)
         return closed.summary
@@ -211,8 +211,8 @@ def test_a_codec_switch_mid_run_keeps_every_copy_equal(make_coordinator):
         pass
     codecs = {s.round: {c.codec for c in s.contributions} for s in state.summaries}
     assert codecs == {0: {"fp32"}, 1: {"int8"}, 2: {"int8"}}
-    assert all(i.state.codecs == ["int8"] for i in islands)
-    assert all(any(t.abs().sum() > 0 for t in i.feedback.buffers.values()) for i in islands), "int8 left no residual owed"
+    assert all(i.ctx.state.codecs == ["int8"] for i in islands)
+    assert all(any(t.abs().sum() > 0 for t in i.ctx.feedback.buffers.values()) for i in islands), "int8 left no residual owed"
     assert all(r.checksum_matches and r.checksum == state.checksum for r in results.values())
 
 
@@ -227,7 +227,7 @@ def test_pushes_in_different_codecs_fold_each_in_its_own(tmp_path):
     push_tokens(state, b, pb_, 3 * T, 0, codec=int8)
     bf16 = link_codecs(tiny_config("wire.codec='bf16'").wire)["bf16"]  # a codec outside the list is still refused
     assert refusal(lambda: push_tokens(state, a, pa, T, 0, codec=bf16)).reason == Reason.CODEC_MISMATCH
-    closed = state.step_round(poll_s=0)
+    closed = state.fragments[0].step(poll_s=0)
     assert [c.codec for c in closed.summary.contributions] == ["fp32", "int8"]
     carried = {}
     for name, t in pb_.items():  # what int8 delivers, chunk by chunk as the push cut it

@@ -75,7 +75,7 @@ class DelayedReference:
 def _close(state, clock: Clock):
     """Closes the open round at its deadline (late pushes may still come for it); returns the summary."""
     clock.now += 31
-    closed = state.step_round(poll_s=0)
+    closed = state.fragments[0].step(poll_s=0)
     assert closed is not None
     return closed.summary
 
@@ -168,7 +168,7 @@ def test_without_late_contributions_both_modes_are_torch_sgd_bit_for_bit(tmp_pat
         for state, (a, b) in zip(states, ids):
             push_tokens(state, a, pgs[0], tokens[0], round_)
             push_tokens(state, b, pgs[1], tokens[1], round_)
-            assert state.step_round(poll_s=0) is not None
+            assert state.fragments[0].step(poll_s=0) is not None
         reference.round(list(zip(tokens, pgs)))
         assert all(torch.equal(states[0].params[n], t) for n, t in states[1].params.items()), f"round {round_}"
         assert states[0].checksum == states[1].checksum and reference.matches(states[1])

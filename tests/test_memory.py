@@ -1,7 +1,7 @@
 """The coordinator's memory by component (coordinator/memory.py), counted from the live objects of a tiny run.
 
 The state machine is driven by hand (tests/kit.py): pushes go straight into CoordinatorState.receive and the round
-is closed with step_round, so every figure is known exactly: a tensor's bytes are 4 x its elements.
+is closed with FragmentRounds.step, so every figure is known exactly: a tensor's bytes are 4 x its elements.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ def one_round(state: CoordinatorState) -> None:
     islands = [state.join(h).island_id for h in "ab"]
     for k, island in enumerate(islands):
         assert push(state, island, random_like(state.manifest.shapes, k)).contribution_complete
-    assert state.step_round(poll_s=0) is not None and state.round == 1
+    assert state.fragments[0].step(poll_s=0) is not None and state.round == 1
 
 
 def test_a_closed_round_is_accounted_by_component_exactly(tmp_path):
@@ -73,7 +73,7 @@ def test_a_pull_holds_no_copy_of_the_values(tmp_path):
     islands = list(state.islands)
     for k, island in enumerate(islands):
         push(state, island, random_like(state.manifest.shapes, 10 + k), round_=1)
-    assert state.step_round(poll_s=0) is not None
+    assert state.fragments[0].step(poll_s=0) is not None
     assert state.memory()["published_values"] == 0
     assert state.memory_report()["values_on_disk"] == 0, "nobody was reading across the step"
 
@@ -125,7 +125,7 @@ def test_the_closing_rounds_sketches_are_counted(tmp_path):
     for k, island in enumerate(islands):
         push(state, island, random_like(state.manifest.shapes, k))
     assert state.memory()["sketches"] == 3 * SKETCH_DIM * 8
-    assert state.step_round(poll_s=0) is not None
+    assert state.fragments[0].step(poll_s=0) is not None
     assert state.memory()["sketches"] == 0
     assert state.memory_report()["peak"]["sketches"] == 3 * SKETCH_DIM * 8
 

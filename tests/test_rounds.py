@@ -36,7 +36,7 @@ def test_aggregate_is_bit_identical_for_every_arrival_order(tmp_path, codec):
             for island_id in order:
                 seed = 10 * round_ + int(island_id[-1])
                 assert push_share(state, island_id, random_like(state.manifest.shapes, seed), round_).contribution_complete
-            closed = state.step_round(poll_s=0)
+            closed = state.fragments[0].step(poll_s=0)
             assert closed is not None and closed.summary.tokens == share_tokens(state)
         results.append((order, {n: t.clone() for n, t in state.params.items()}, state.checksum))
     first_order, first, first_sum = results[0]
@@ -51,9 +51,9 @@ def test_round_waits_for_every_live_island_then_closes(tmp_path):
     state = make_state(tmp_path, "rounds.min_islands=1", "rounds.deadline_s=30", clock=clock)
     a, b = state.join("a").island_id, state.join("b").island_id
     push(state, a, random_like(state.manifest.shapes, 1))
-    assert state.step_round(poll_s=0) is None, "closed while a live island had not pushed"
+    assert state.fragments[0].step(poll_s=0) is None, "closed while a live island had not pushed"
     push(state, b, random_like(state.manifest.shapes, 2))
-    closed = state.step_round(poll_s=0)
+    closed = state.fragments[0].step(poll_s=0)
     assert closed is not None and list(closed.summary.islands) == [a, b] and state.round == 1
 
 
@@ -63,9 +63,9 @@ def test_deadline_closes_with_min_islands_and_not_below(tmp_path):
     a, b, c = (state.join(h).island_id for h in "abc")
     push(state, a, random_like(state.manifest.shapes, 1))
     clock.now += 31
-    assert state.step_round(poll_s=0) is None, "closed past the deadline below min_islands"
+    assert state.fragments[0].step(poll_s=0) is None, "closed past the deadline below min_islands"
     push(state, b, random_like(state.manifest.shapes, 2))
-    closed = state.step_round(poll_s=0)
+    closed = state.fragments[0].step(poll_s=0)
     assert closed is not None and list(closed.summary.islands) == [a, b], "the deadline did not close the round"
     # The late island's push for the closed round is refused, naming the current round.
     r = refusal(lambda: push(state, c, random_like(state.manifest.shapes, 3)))
@@ -85,10 +85,10 @@ def test_expired_lease_stops_holding_the_round_and_drops_a_half_push(tmp_path):
     header = pb.PushHeader(island_id=b, round=0, train_loss=2.0, codec=codec.name, **claim(state.cfg), global_checksum=trained_from(state))
     assert not state.receive(header, iter(chunks[:2])).contribution_complete  # b's push breaks off half-way
     push(state, a, random_like(state.manifest.shapes, 1))
-    assert state.step_round(poll_s=0) is None, "closed while b's lease held"
+    assert state.fragments[0].step(poll_s=0) is None, "closed while b's lease held"
     clock.now += 11
     state.touch(a)
-    closed = state.step_round(poll_s=0)
+    closed = state.fragments[0].step(poll_s=0)
     assert closed is not None and list(closed.summary.islands) == [a]
     assert closed.summary.elements_folded == closed.summary.elements_expected == state.manifest.total_numel()
     assert state.events.leases_expired == 1 and b not in state.islands
@@ -106,7 +106,7 @@ def test_max_islands_closes_at_once(tmp_path):
     push(state, a, random_like(state.manifest.shapes, 1))
     push(state, b, random_like(state.manifest.shapes, 2))
     assert r_reason(lambda: state.join("c")) == Reason.RUN_FULL
-    assert state.step_round(poll_s=0) is not None
+    assert state.fragments[0].step(poll_s=0) is not None
 
 
 def test_pull_refusals_say_what_to_do(tmp_path):
@@ -119,7 +119,7 @@ def test_pull_refusals_say_what_to_do(tmp_path):
     push(state, a, random_like(state.manifest.shapes, 1))
     assert r_reason(lambda: push(state, a, random_like(state.manifest.shapes, 1))) == Reason.DUPLICATE
     assert r_reason(lambda: state.wait_for_result(a, 0, timeout_s=0)) == Reason.STILL_OPEN
-    assert state.step_round(poll_s=0) is not None
+    assert state.fragments[0].step(poll_s=0) is not None
     assert state.wait_for_result(a, 0, timeout_s=0) >= 0.0
 
 
@@ -131,7 +131,7 @@ def test_nonfinite_push_drops_the_island_from_the_round(tmp_path):
     assert r_reason(lambda: push(state, a, bad)) == Reason.NOT_FINITE
     assert r_reason(lambda: push(state, a, random_like(state.manifest.shapes, 1))) == Reason.DROPPED
     push(state, b, random_like(state.manifest.shapes, 2))
-    closed = state.step_round(poll_s=0)
+    closed = state.fragments[0].step(poll_s=0)
     assert closed is not None and list(closed.summary.islands) == [b] and list(closed.summary.dropped) == [a]
     assert all(torch.isfinite(t).all() for t in state.params.values())
 

@@ -139,9 +139,9 @@ def test_a_push_cut_off_mid_stream_gives_its_memory_back_and_the_island_pushes_w
         state.receive(header, cut_off())
     assert spools.used == 0 and spools.pool.allocated >= 1 and spools.pool.free_blocks == spools.pool.allocated
     push(state, a, random_like(state.manifest.shapes, 1))
-    assert state.step_round(poll_s=0) is None, "the round closed on a push that broke off"
+    assert state.fragments[0].step(poll_s=0) is None, "the round closed on a push that broke off"
     assert push(state, b, pg).contribution_complete
-    closed = state.step_round(poll_s=0)
+    closed = state.fragments[0].step(poll_s=0)
     assert closed is not None and list(closed.summary.islands) == [a, b]
     assert closed.summary.elements_folded == closed.summary.elements_expected
     assert spools.used == 0

@@ -35,27 +35,27 @@ def test_a_round_does_not_wait_for_an_island_whose_last_contribution_came_late(t
 
     # Round 0 closes at its deadline with a alone; b's push for it arrives after it closed.
     push_tokens(state, a, pg[0], HONEST, 0, checksum=state.checksum)
-    assert state.step_round(poll_s=0) is None, "round 0 did not wait for b"
+    assert state.fragments[0].step(poll_s=0) is None, "round 0 did not wait for b"
     clock.now += 31
-    assert state.step_round(poll_s=0).summary.round == 0
+    assert state.fragments[0].step(poll_s=0).summary.round == 0
     start.append(state.checksum)
     assert push_tokens(state, b, pg[1], HONEST, 0, checksum=start[0]).late
     # b is behind: rounds 1 and 2 close on a's push, no deadline passing (the clock stands still).
     for round_ in (1, 2):
         push_tokens(state, a, pg[2 + round_], HONEST, round_, checksum=state.checksum)
-        closed = state.step_round(poll_s=0)
+        closed = state.fragments[0].step(poll_s=0)
         assert closed is not None, f"round {round_} waited for b"
         assert [(c.island_id, c.staleness) for c in closed.summary.contributions] == ([(a, 0), (b, 1)] if round_ == 1 else [(a, 0)])
     # b pushes round 3 on time, before a: the round waits for a, and closes with both.
     push_tokens(state, b, pg[5], HONEST, 3, checksum=state.checksum)
-    assert state.step_round(poll_s=0) is None, "round 3 closed without a"
+    assert state.fragments[0].step(poll_s=0) is None, "round 3 closed without a"
     push_tokens(state, a, pg[6], HONEST, 3, checksum=state.checksum)
-    assert [c.island_id for c in state.step_round(poll_s=0).summary.contributions] == [a, b]
+    assert [c.island_id for c in state.fragments[0].step(poll_s=0).summary.contributions] == [a, b]
     # On time again, b is waited for: round 4 does not close on a's push alone until its deadline.
     push_tokens(state, a, pg[7], HONEST, 4, checksum=state.checksum)
-    assert state.step_round(poll_s=0) is None, "round 4 did not wait for b, on time in round 3"
+    assert state.fragments[0].step(poll_s=0) is None, "round 4 did not wait for b, on time in round 3"
     clock.now += 31
-    assert [c.island_id for c in state.step_round(poll_s=0).summary.contributions] == [a]
+    assert [c.island_id for c in state.fragments[0].step(poll_s=0).summary.contributions] == [a]
 
 
 @pytest.mark.unit
