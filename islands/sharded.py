@@ -47,6 +47,10 @@ class ShardedClient:
         # A pull cut short by one shard's wait (STILL_OPEN) keeps what the others delivered: asked again, a shard that
         # sent a delta would add it twice. (fragment, round) -> shard -> header.
         self._pulled: dict[tuple[int, int], dict[int, pb.ResultHeader]] = {}
+        # The shards a pull found without our contribution (PUSH_AGAIN: one restarted): the push that follows goes to
+        # them alone. Sent to every shard, the others refused it (ROUND_CLOSED: closing with it already) and the island
+        # resynced a round it was in, pushing empty contributions in a loop (the issue-42 team run). (fragment, round).
+        self._push_again: dict[tuple[int, int], set[int]] = {}
 
     @property
     def leader(self) -> CoordinatorClient:
@@ -182,7 +186,10 @@ class ShardedClient:
             for shard, m, t, r in self._parts(manifest, targets, ranges) if shard not in done])
         done.update(results)
         if errors:
-            worst = _worst(errors)
+            worst = _worst(list(errors.values()))
+            again = {shard for shard, e in errors.items() if isinstance(e, grpc.RpcError) and next_step(e) is Next.PUSH_AGAIN}
+            if again:
+                self._push_again[(fragment, round_)] = again
             if not isinstance(worst, grpc.RpcError) or next_step(worst) is not Next.WAIT:
                 del self._pulled[(fragment, round_)]  # the island starts the round over: nothing of it counts
             raise worst
@@ -197,10 +204,13 @@ class ShardedClient:
         if self.map is None:
             return self.leader.push(header, chunks)
         sums = split_checksum(header.global_checksum, self.map.shards)
+        only = self._push_again.pop((header.fragment, header.round), None)  # a push again: to those that lost it
         calls = []
         for shard, names in enumerate(self.map.split(list(self.map.owner))):
             if chunks.names is not None and not set(names) & set(chunks.names):
                 continue  # this rank holds nothing of that shard's parameters
+            if only is not None and shard not in only:
+                continue
             own = pb.PushHeader()
             own.CopyFrom(header)
             own.global_checksum = sums[shard]
@@ -244,16 +254,16 @@ def _parts_of(checksum: str, shards: int) -> list[str]:
 
 
 def _gather(clients: Sequence[CoordinatorClient], calls: list[tuple[int, Callable[[CoordinatorClient], Any]]]
-            ) -> tuple[dict[int, Any], list[BaseException]]:
-    """Runs each call on its shard's client at once; returns what each shard answered and what was raised."""
+            ) -> tuple[dict[int, Any], dict[int, BaseException]]:
+    """Runs each call on its shard's client at once; returns what each shard answered and what each raised."""
     results: dict[int, Any] = {}
-    errors: list[BaseException] = []
+    errors: dict[int, BaseException] = {}
 
     def run(shard: int, call) -> None:
         try:
             results[shard] = call(clients[shard])
         except BaseException as e:  # noqa: BLE001 - handed to the caller, after every shard answered
-            errors.append(e)
+            errors[shard] = e
 
     threads = [threading.Thread(target=run, args=(s, call), name=f"shard-{s}", daemon=True) for s, call in calls[1:]]
     for t in threads:
@@ -276,7 +286,7 @@ def _all(clients: Sequence[CoordinatorClient], calls: list[tuple[int, Callable[[
     """Runs each call on its shard's client at once; after all of them ended, raises the most severe refusal."""
     results, errors = _gather(clients, calls)
     if errors and raise_first:
-        raise _worst(errors)
+        raise _worst(list(errors.values()))
     return sorted(results.items(), key=lambda p: p[0])
 
 
