@@ -460,8 +460,7 @@ class LateRounds:
         order then by the round they trained for, each with its staleness and discount. Caller holds cond."""
         for key in [key for key, c in self.held.items() if c.state == "pending" and round_ + 1 - c.origin > self.k]:
             log.warning("%sround %d: %s's late contribution to round %d was incomplete; dropped", self.label, round_, *key)
-            for spool in self.held.pop(key).spools:
-                spool.discard()
+            self.held.pop(key).release()
         rank = {i: n for n, i in enumerate(order({i for i, _ in self.held}))}
         due = []
         for key in sorted((key for key, c in self.held.items() if c.state == "complete"), key=lambda key: (rank[key[0]], key[1])):
@@ -475,8 +474,7 @@ class LateRounds:
     def drop_pending(self, island_id: str) -> None:
         """An island left: its half-pushed late contributions go. Caller holds cond."""
         for key in [k for k, c in self.held.items() if k[0] == island_id and c.state == "pending"]:
-            for spool in self.held.pop(key).spools:
-                spool.discard()
+            self.held.pop(key).release()
 
     def opened(self, round_: int, checksum: str) -> None:
         """round_ opened from checksum: the rounds a late push may still be for are those k back."""
@@ -713,9 +711,7 @@ class FragmentRounds:
 
     def drop(self, island_id: str) -> None:
         """Forgets an island's contribution to this round. Caller holds cond."""
-        contribution = self.contributions.pop(island_id)
-        for spool in contribution.spools:
-            spool.discard()
+        self.contributions.pop(island_id).release()
 
     def drop_pending(self, island_id: str) -> None:
         """An island left: its half-pushed contributions go (late ones too). Caller holds cond."""
