@@ -97,13 +97,17 @@ def test_only_the_leaders_signed_close_reaches_a_follower(tmp_path):
         widened = pb.CloseRoundRequest(fragment=0, round=0, islands=[], proof=good.proof)  # the captured proof, another body
         to_shard_2 = pb.CloseRoundRequest(fragment=0, round=0, islands=["island-0"])
         to_shard_2.proof = close_proof(secret, 2, to_shard_2)
+        # A roll-back (every shard stops to resume together) under a captured close's proof, or none.
+        roll_back = pb.CloseRoundRequest(fragment=0, round=0, islands=["island-0"], roll_back=True, proof=good.proof)
         for target, request in ((follower, widened), (follower, to_shard_2), (follower, pb.CloseRoundRequest()),
+                                (follower, roll_back), (follower, pb.CloseRoundRequest(roll_back=True)),
                                 (leader, good), (alone, good)):
             with grpc.insecure_channel(f"127.0.0.1:{target.port}") as channel, pytest.raises(grpc.RpcError) as refused:
                 # wait_for_ready: the leader's own channel to the follower, opened before it listened, may be in backoff
                 pb_grpc.CoordinatorStub(channel).CloseRound(request, timeout=30, wait_for_ready=True)
             assert refusal_of(refused.value).reason == Reason.NOT_YOURS
         assert follower.state.fragments[0].leader_close is None
+        assert not follower.shard_services.rollback.requested.is_set()
         with grpc.insecure_channel(f"127.0.0.1:{follower.port}") as channel:
             pb_grpc.CoordinatorStub(channel).CloseRound(good, timeout=30, wait_for_ready=True)
         assert follower.state.fragments[0].leader_close.islands == {"island-0"}
